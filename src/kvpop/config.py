@@ -1,0 +1,121 @@
+"""KVpopConfig: every knob of the method in one validated dataclass (`KVPOP.md`, Sec. 1-5).
+
+A bad value raises `ValueError` naming the field, the value and what is allowed, so a typo on the
+command line never turns into a silently different experiment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+POLICIES = ("kvpop",)
+SCORERS = ("mlp",)
+AGGREGATIONS = ("max", "mean")
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"KVpopConfig.{name}={value!r} is invalid: {allowed}")
+
+
+@dataclass
+class KVpopConfig:
+    """The bounded cache, the scorer and the loss of KVpop.
+
+    The cache keeps per (layer, KV head) `budget = sink + window + topk` entries.
+    """
+
+    sink: int = 4
+    """Number of sink tokens (positions `t < sink`), always retained. >= 0."""
+    window: int = 256
+    """Protected window of the most recent tokens, the current one included. >= 1."""
+    topk: int = 1788
+    """Long-range slots filled by the learned ranking of older tokens. >= 0 (0 = StreamingLLM pattern)."""
+    policy: Literal["kvpop"] = "kvpop"
+    """Eviction policy. Baselines arrive with their own issue."""
+    scorer: Literal["mlp"] = "mlp"
+    """Scorer architecture: `mlp` is the stateless KVpop-mlp of Sec. 3."""
+    scorer_hidden: int = 256
+    """Hidden size of the MLP scorer. >= 1."""
+    decay_step: int = 128
+    """Decay step `n` of the static priority `pi[t] = r[t] - floor(t / n) * log(gamma)`. >= 1."""
+    gamma_init: float = 0.9
+    """Initial per-head decay `gamma_h = sigmoid(theta_h)`, strictly between 0 and 1."""
+
+    # --- loss knobs (Sec. 4-5); the training issue consumes them ---
+    target_eps: float = 1e-6
+    """`eps` of the future-attention target `log(eps + m)`. > 0."""
+    target_agg: Literal["max", "mean"] = "max"
+    """How the target aggregates the G query heads of a KV head."""
+    target_count_norm: bool = True
+    """Divide the future mass by `N_t` (Sec. 4); False gives the paper's B.1 variant."""
+    loss_tau: float = 1.0
+    """Temperature of the boundary loss. > 0."""
+    loss_margin_delta: float = 1.0
+    """Margin weight `tanh(Delta / delta)`; 0 disables margin weighting. >= 0."""
+    loss_balance: bool = True
+    """Keep/drop balancing of Sec. 5 (paper B.5)."""
+    loss_balance_clip: tuple[float, float] = (0.2, 5.0)
+    """Clip range `[c_min, c_max]` of the balancing weights, 0 < c_min <= c_max."""
+    loss_query_fraction: float = 1.0
+    """Share of eligible queries `q >= sink + window + topk` sampled per sequence, in (0, 1]."""
+
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form metadata saved with the model (e.g. the command that trained it)."""
+
+    def __post_init__(self) -> None:
+        for name, lo in (("sink", 0), ("window", 1), ("topk", 0), ("scorer_hidden", 1), ("decay_step", 1)):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= lo, name, value, f"must be an integer >= {lo}")
+        _check(self.policy in POLICIES, "policy", self.policy, f"must be one of {POLICIES}")
+        _check(self.scorer in SCORERS, "scorer", self.scorer, f"must be one of {SCORERS}")
+        _check(isinstance(self.gamma_init, (int, float)) and 0.0 < self.gamma_init < 1.0, "gamma_init", self.gamma_init,
+               "must lie strictly between 0 and 1")
+        _check(self.target_eps > 0 and math.isfinite(self.target_eps), "target_eps", self.target_eps, "must be a finite number > 0")
+        _check(self.target_agg in AGGREGATIONS, "target_agg", self.target_agg, f"must be one of {AGGREGATIONS}")
+        _check(self.loss_tau > 0 and math.isfinite(self.loss_tau), "loss_tau", self.loss_tau, "must be a finite number > 0")
+        _check(self.loss_margin_delta >= 0 and math.isfinite(self.loss_margin_delta), "loss_margin_delta",
+               self.loss_margin_delta, "must be a finite number >= 0")
+        clip = tuple(float(c) for c in self.loss_balance_clip)
+        _check(len(clip) == 2 and 0 < clip[0] <= clip[-1] < math.inf, "loss_balance_clip", self.loss_balance_clip,
+               "must be a pair (c_min, c_max) with 0 < c_min <= c_max < inf")
+        self.loss_balance_clip = clip
+        _check(0.0 < self.loss_query_fraction <= 1.0, "loss_query_fraction", self.loss_query_fraction, "must lie in (0, 1]")
+
+    @property
+    def budget(self) -> int:
+        """Entries kept per (layer, KV head): `sink + window + topk`."""
+        return self.sink + self.window + self.topk
+
+    def compression_ratio(self, seq_len: int) -> float:
+        """`CR = 1 - budget / seq_len` (0 when the sequence fits the budget)."""
+        return max(0.0, 1.0 - self.budget / seq_len)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["loss_balance_clip"] = list(self.loss_balance_clip)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVpopConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown KVpopConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def for_budget(cls, budget: int, sink: int = 4, window: int | None = None, **kw: Any) -> KVpopConfig:
+        """A config with `sink + window + topk == budget`; the window defaults to a quarter of the budget."""
+        window = max(1, budget // 4) if window is None else window
+        topk = budget - sink - window
+        if topk < 0:
+            raise ValueError(f"budget={budget} is smaller than sink + window = {sink} + {window}")
+        return cls(sink=sink, window=window, topk=topk, **kw)

@@ -1,0 +1,1 @@
+"""Kernels, each beside a pure-PyTorch reference with the same signature."""

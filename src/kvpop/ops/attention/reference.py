@@ -1,0 +1,43 @@
+"""Attention under an explicit boolean mask, with its log-sum-exp: the reference (and CPU) backend.
+
+GQA is handled by viewing the `Hq` query heads as `[Hkv, G]`, so keys, values and the per-KV-head
+mask are never repeated. Logits and the softmax are computed in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def masked_attention(
+    query: Tensor,  # [B, Hq, Q, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    mask: Tensor,  # [B, Hkv, Q, N] bool
+    scale: float,
+    return_lse: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Softmax attention of each query over the keys its mask row allows.
+
+    Args:
+        query: [B, Hq, Q, D]; query head `hq` reads KV head `hq // G`.
+        key, value: [B, Hkv, N, D].
+        mask: bool [B, Hkv, Q, N]; every row a real query uses must allow at least one key.
+        scale: logit scale (usually `D ** -0.5`).
+    Returns:
+        out [B, Hq, Q, D] in the query's dtype, and lse float32 [B, Hq, Q] (natural log) or None.
+        Rows with no allowed key give zeros and `lse = -inf`.
+    """
+    B, Hq, Q, D = query.shape
+    Hkv, N = key.shape[1], key.shape[2]
+    G = Hq // Hkv
+    q = query.reshape(B, Hkv, G, Q, D).float()
+    logits = torch.einsum("bhgqd,bhnd->bhgqn", q, key.float()) * scale
+    logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)  # [B, Hkv, G, Q]
+    # a row with no key (padding) would give NaN; it is zeroed instead
+    probs = torch.exp(logits - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    out = torch.einsum("bhgqn,bhnd->bhgqd", probs, value.float()).to(query.dtype)
+    out = out.reshape(B, Hq, Q, D)
+    return out, (lse.reshape(B, Hq, Q) if return_lse else None)

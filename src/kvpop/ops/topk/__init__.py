@@ -1,0 +1,17 @@
+"""Running top-k of the retention rule: eviction positions and boundary tokens.
+
+`reference.py` is the dense definition; `wavelet.py` the O(S log S) form used everywhere else.
+A Triton kernel for the GPU arrives with the GPU-speed issue and will be selected here.
+"""
+
+from kvpop.ops.topk.reference import eviction_times_from_mask, retention_mask_reference
+from kvpop.ops.topk.wavelet import NEVER, boundary_tokens, eviction_positions, prefix_kth_smallest
+
+__all__ = [
+    "NEVER",
+    "boundary_tokens",
+    "eviction_positions",
+    "eviction_times_from_mask",
+    "prefix_kth_smallest",
+    "retention_mask_reference",
+]

@@ -1,0 +1,146 @@
+"""Running top-k in O(S log S), vectorised over batch, heads *and* the sequence.
+
+The paper walks the queries one by one with a Fenwick tree; on a CPU that is a Python loop of `S`
+steps. Here the same answers come from "k-th smallest value in a prefix" queries on a wavelet
+matrix, answered for every prefix at once with `log S` gathers (derivation: `README.md` beside
+this file). Everything stays on the device, with static shapes and no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+NEVER = torch.iinfo(torch.int64).max
+"""Eviction position of a token that is never evicted."""
+
+
+def prefix_kth_smallest(values: Tensor, ends: Tensor, k: int, bits: int) -> Tensor:
+    """The `k`-th smallest of `values[n, :ends[n, j]]` for every row `n` and query `j`.
+
+    Args:
+        values: int64 [N, L], each in `[0, 2**bits)`.
+        ends: int64 [N, Q], each in `[0, L]`: the prefix length of each query.
+        k: >= 1, the order statistic (1 = smallest).
+        bits: number of bits of the largest value.
+    Returns:
+        int64 [N, Q]; -1 where the prefix holds fewer than `k` values.
+    """
+    if k < 1:
+        raise ValueError(f"k={k} must be >= 1")
+    N, L = values.shape
+    arange = torch.arange(L, device=values.device)
+    levels = []
+    cur = values
+    # build: per bit (most significant first) a prefix count of zeros, then a stable partition
+    for b in reversed(range(bits)):
+        bit = (cur >> b) & 1
+        zeros_before = F.pad(torch.cumsum(1 - bit, dim=-1), (1, 0))  # [N, L + 1]
+        n_zero = zeros_before[:, -1:]
+        dest = torch.where(bit == 0, zeros_before[:, :-1], n_zero + arange - zeros_before[:, :-1])
+        cur = torch.empty_like(cur).scatter_(1, dest, cur)
+        levels.append(zeros_before)
+
+    # query: descend one level per bit, narrowing [lo, hi) to the side that holds the k-th value
+    lo = torch.zeros_like(ends)
+    hi = ends.clone()
+    kk = torch.full_like(ends, k - 1)
+    result = torch.zeros_like(ends)
+    for zeros_before, b in zip(levels, reversed(range(bits))):
+        n_zero = zeros_before[:, -1:]
+        z_lo = zeros_before.gather(1, lo)
+        z_hi = zeros_before.gather(1, hi)
+        nz = z_hi - z_lo
+        go_zero = kk < nz
+        result = result | ((~go_zero).long() << b)
+        lo = torch.where(go_zero, z_lo, n_zero + lo - z_lo)
+        hi = torch.where(go_zero, z_hi, n_zero + hi - z_hi)
+        kk = torch.where(go_zero, kk, kk - nz)
+    return torch.where(ends >= k, result, -1)
+
+
+def _rank_order(priority: Tensor, position: Tensor, eligible: Tensor) -> Tensor:
+    """Token indices sorted best first: higher priority, ties to the newer (larger) position.
+
+    Non-eligible tokens are given `-inf`; where they interleave with eligible `-inf` tokens does not
+    matter to the callers, which never count them.
+    """
+    by_pos = torch.argsort(position, dim=-1, descending=True, stable=True)
+    pri = torch.where(eligible, priority, float("-inf")).gather(-1, by_pos)
+    by_pri = torch.argsort(pri, dim=-1, descending=True, stable=True)
+    return by_pos.gather(-1, by_pri)
+
+
+def eviction_positions(
+    priority: Tensor,  # [B, H, N]
+    position: Tensor,  # [B, H, N] or broadcastable
+    valid: Tensor,  # [B, H, N] or broadcastable
+    sink: int,
+    window: int,
+    topk: int,
+) -> Tensor:
+    """Position of the first query at which each token is out of the cache (`NEVER` if it never is).
+
+    Works on any set of tokens with distinct positions per (b, h) row - a whole sequence, or the
+    cache's slots plus a new chunk - so that training, prefill and decoding share one rule. A token
+    `t` with `position >= sink` leaves the protected window at query `pos_t + window`; it is then
+    evicted once `topk` eligible tokens outrank it, i.e. at `pos_u + window` where `u` is the
+    `topk`-th oldest token that beats it.
+
+    Args:
+        priority: float32 [B, H, N], static priorities.
+        position: int64 [B, H, N], positions within the sequence (distinct among valid tokens).
+        valid: bool [B, H, N], False for padding and empty slots (their result is meaningless).
+        sink, window, topk: the budget split of `KVPOP.md` Sec. 1.
+    Returns:
+        int64 [B, H, N]; sinks and invalid tokens get `NEVER`.
+    """
+    B, H, N = priority.shape
+    position = position.expand(B, H, N)
+    valid = valid.expand(B, H, N)
+    eligible = valid & (position >= sink)
+    if topk == 0:
+        return torch.where(eligible, position + window, NEVER)
+
+    pri = priority.reshape(B * H, N)
+    pos = position.reshape(B * H, N)
+    elig = eligible.reshape(B * H, N)
+    # index of each token in position order, so that wavelet values stay below N whatever the positions
+    by_pos = torch.argsort(torch.where(elig, pos, NEVER), dim=-1, stable=True)
+    pos_sorted = pos.gather(-1, by_pos)
+    pos_index = torch.empty_like(by_pos).scatter_(-1, by_pos, torch.arange(N, device=pri.device).expand(B * H, N))
+
+    order = _rank_order(pri, pos, elig)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=pri.device).expand(B * H, N))
+    # walking the tokens best first, value = position index of each (N for tokens that never count)
+    values = torch.where(elig, pos_index, N).gather(-1, order)
+    kth = prefix_kth_smallest(values, rank, topk, bits=N.bit_length())
+    found = (kth >= 0) & (kth < N)
+    kth_pos = pos_sorted.gather(-1, kth.clamp(0, N - 1))
+    evict = torch.where(found, torch.maximum(pos, kth_pos) + window, NEVER)
+    return torch.where(elig, evict, NEVER).reshape(B, H, N)
+
+
+def boundary_tokens(priority: Tensor, sink: int, window: int, topk: int) -> Tensor:
+    """For each query `q`, the weakest token of the top-k of `E(q - 1)` (`KVPOP.md` Sec. 5's `t_bnd`).
+
+    Args:
+        priority: float32 [B, H, S] over a whole sequence (positions `0 .. S-1`).
+    Returns:
+        int64 [B, H, S]; -1 where `q < sink + window + topk` (no boundary yet) or `topk == 0`.
+    """
+    B, H, S = priority.shape
+    if topk == 0 or S <= sink:
+        return torch.full((B, H, S), -1, dtype=torch.long, device=priority.device)
+    pos = torch.arange(S, device=priority.device).expand(B * H, S)
+    elig = pos >= sink
+    order = _rank_order(priority.reshape(B * H, S), pos, elig)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(S, device=priority.device).expand(B * H, S))
+    # E(q - 1) = positions [sink, q - 1 - window]: a prefix of length q - window - sink of rank[:, sink:]
+    q = torch.arange(S, device=priority.device)
+    ends = (q - window - sink).clamp(0, S - sink).expand(B * H, S).contiguous()
+    kth = prefix_kth_smallest(rank[:, sink:], ends, topk, bits=S.bit_length())
+    tokens = order.gather(-1, kth.clamp(min=0))
+    live = (kth >= 0) & (q >= sink + window + topk)
+    return torch.where(live, tokens, -1).reshape(B, H, S)
