@@ -8,10 +8,13 @@ tensors; `ops/topk` computes it fast.
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+import math
 
-from kvpop.ops.topk import NEVER, eviction_positions, retention_mask_reference
+import torch
+from torch import Tensor, nn
+
+from kvpop.config import KVpopConfig
+from kvpop.ops.topk import NEVER, eviction_positions, mask_from_eviction, retention_mask_reference
 
 
 def static_priority(score: Tensor, position: Tensor, log_gamma: Tensor, decay_step: int) -> Tensor:
@@ -72,27 +75,38 @@ def eviction_times(priority: Tensor, sink: int, window: int, topk: int) -> Tenso
     return eviction_positions(priority.float(), pos, valid, sink, window, topk).clamp(max=S)
 
 
-def mask_from_eviction(
-    q_pos: Tensor,  # [B, Q]
-    q_valid: Tensor,  # [B, Q]
-    k_pos: Tensor,  # [B, Hk, N] (Hk = 1 or H)
-    k_valid: Tensor,  # [B, Hk, N]
-    evict: Tensor,  # [B, H, N]
-    sink: int,
-    window: int,
-) -> Tensor:
-    """The rule as a predicate over (query, key) pairs, given each key's eviction position.
+class LayerPolicy(nn.Module):
+    """What one attention layer needs to rank its tokens: a scorer and the per-head decay `gamma_h`.
 
-    Key `t` is visible to query `q` iff both are real tokens, `pos_t <= pos_q`, and `t` is a sink,
-    in the window (`pos_t > pos_q - window`) or not yet evicted (`pos_q < evict_t`).
-
-    Returns:
-        bool [B, H, Q, N].
+    This is the policy interface the sparse attention and the cache call; a baseline supplies its
+    own `priority` (and nothing else) to reuse the whole eviction machinery.
     """
-    qp = q_pos[:, None, :, None]
-    kp = k_pos[:, :, None, :]
-    keep = (kp < sink) | (kp > qp - window) | (qp < evict[:, :, None, :])
-    return keep & (kp <= qp) & q_valid[:, None, :, None] & k_valid[:, :, None, :]
+
+    def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        from kvpop.scorers import MLPScorer
+
+        self.decay_step = cfg.decay_step
+        self.scorer = MLPScorer(num_kv_heads, head_dim, cfg.scorer_hidden)
+        # gamma_h = sigmoid(theta_h): always in (0, 1)
+        self.theta = nn.Parameter(torch.full((num_kv_heads,), math.log(cfg.gamma_init / (1 - cfg.gamma_init))))
+
+    @property
+    def log_gamma(self) -> Tensor:
+        """float32 [H], `log(gamma_h) < 0`."""
+        return nn.functional.logsigmoid(self.theta.float())
+
+    def priority(self, key: Tensor, value: Tensor, position: Tensor) -> Tensor:
+        """Static priorities of new tokens (differentiable in the scorer and gamma only).
+
+        Args:
+            key, value: [B, H, N, D] as cached.
+            position: int64 [B, N] or [B, H, N].
+        Returns:
+            float32 [B, H, N].
+        """
+        return static_priority(self.scorer(key, value), position, self.log_gamma, self.decay_step)
 
 
-__all__ = ["NEVER", "eviction_times", "mask_from_eviction", "retention_mask", "static_priority"]
+__all__ = [
+    "LayerPolicy","NEVER", "eviction_times", "mask_from_eviction", "retention_mask", "static_priority"]

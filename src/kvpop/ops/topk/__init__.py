@@ -4,6 +4,7 @@
 A Triton kernel for the GPU arrives with the GPU-speed issue and will be selected here.
 """
 
+from kvpop.ops.topk.predicate import mask_from_eviction
 from kvpop.ops.topk.reference import eviction_times_from_mask, retention_mask_reference
 from kvpop.ops.topk.wavelet import NEVER, boundary_tokens, eviction_positions, prefix_kth_smallest
 
@@ -12,6 +13,7 @@ __all__ = [
     "boundary_tokens",
     "eviction_positions",
     "eviction_times_from_mask",
+    "mask_from_eviction",
     "prefix_kth_smallest",
     "retention_mask_reference",
 ]

@@ -1,0 +1,120 @@
+"""The attention function that `kvpop.retrofit` registers with transformers under the name "kvpop".
+
+Every attention layer of a retrofitted model calls `kvpop_attention`. The retrofit's pre-hook on
+each attention module passes in that layer's `LayerPolicy` and the cache of the call, so nothing
+is looked up globally and nothing is stored on Hugging Face modules. Three cases:
+
+- a `KVpopCache`: the cache inserts the new tokens under the rule and attends (`cache.py`);
+- no cache (or a fresh one of another kind, as a plain `model(ids)` creates): teacher-forced
+  sparse attention over the whole sequence, every layer ranking its own keys/values;
+- `kvpop_dense=True`: the original dense causal attention (the teacher), same numerics.
+
+Extra keyword arguments a caller may pass to the model forward (they flow down to here):
+`kvpop_dense: bool`, `kvpop_capture: list` (receives one `LayerRecord` per layer, for training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kvpop.ops.attention import sparse_attention
+from kvpop.ops.topk import NEVER, eviction_positions
+
+ATTENTION_NAME = "kvpop"
+
+
+@dataclass
+class LayerRecord:
+    """What one layer's teacher-forced forward exposes for training (`KVPOP.md` Sec. 4-5)."""
+
+    layer_idx: int
+    query: Tensor  # [B, Hq, S, D]
+    key: Tensor  # [B, Hkv, S, D]
+    lse: Tensor  # float32 [B, Hq, S], the sparse attention's own log-normaliser
+    priority: Tensor  # float32 [B, Hkv, S], differentiable in the scorer
+    position: Tensor  # int64 [B, S]
+    valid: Tensor  # bool [B, S]
+
+
+def padding_mask_passthrough(*args, attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
+    """Mask factory registered for "kvpop": hand the 2D padding mask [B, L] through untouched.
+
+    The rule builds its own per-layer, per-head masks; it only needs to know which tokens are real.
+    """
+    return attention_mask
+
+
+def _padding(attention_mask: Tensor | None, batch: int, length: int, device) -> Tensor:
+    """Bool [B, length]: which of the newest `length` tokens are real."""
+    if attention_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"kvpop attention takes a 2D padding mask [batch, tokens]; got shape {tuple(attention_mask.shape)}. "
+            "Custom 4D masks are not supported: the retention rule makes its own masks."
+        )
+    return attention_mask[:, -length:].to(device=device, dtype=torch.bool)
+
+
+def kvpop_attention(
+    module: nn.Module,
+    query: Tensor,  # [B, Hq, Q, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers attention interface: returns (output [B, Q, Hq, D], no weights)."""
+    from kvpop.cache import KVpopCache
+
+    policy = kwargs.get("kvpop_layer")
+    if policy is None:
+        raise RuntimeError("kvpop attention called without its layer policy: use kvpop.retrofit(model, cfg)")
+    cfg = kwargs["kvpop_config"]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    B, _, Q, _ = query.shape
+    if Q == 0:
+        raise ValueError("empty input: the model got 0 tokens")
+    cache = kwargs.get("kvpop_cache")
+    if isinstance(cache, KVpopCache):
+        valid = _padding(attention_mask, B, Q, query.device)
+        out = cache.layers[module.layer_idx].attend(query, key, value, valid, policy, scale)
+        return out.transpose(1, 2), None
+    if key.shape[-2] != Q:
+        raise ValueError(
+            f"a kvpop model got a {type(cache).__name__} holding {key.shape[-2] - Q} past tokens; decoding needs the "
+            "bounded cache: pass past_key_values=kvpop.KVpopCache(model)"
+        )
+
+    valid = _padding(attention_mask, B, Q, query.device)
+    position = torch.cumsum(valid.long(), dim=-1) - 1  # [B, S]
+    if kwargs.get("kvpop_dense", False):
+        evict = torch.full(key.shape[:3], NEVER, dtype=torch.long, device=key.device)
+        priority = None
+        sink, window = Q, Q  # everything is a sink: causal attention over real tokens
+    else:
+        priority = policy.priority(key, value, position)
+        evict = eviction_positions(priority.detach(), position[:, None], valid[:, None], cfg.sink, cfg.window, cfg.topk)
+        sink, window = cfg.sink, cfg.window
+    capture = kwargs.get("kvpop_capture")
+    out, lse = sparse_attention(
+        query, key, value, position, valid, position, valid, evict, sink, window, scale,
+        return_lse=capture is not None, backend=kwargs.get("kvpop_backend", "auto"),
+    )
+    if capture is not None:
+        capture.append(LayerRecord(module.layer_idx, query, key, lse, priority, position, valid))
+    return out.transpose(1, 2), None
+
+
+def register() -> None:
+    """Make "kvpop" a valid `attn_implementation` (idempotent; called by `retrofit`, not at import)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, kvpop_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, padding_mask_passthrough)

@@ -1,0 +1,55 @@
+"""Sparse attention under the retention rule: the dense-mask reference and FlexAttention.
+
+`sparse_attention` checks nothing expensive and picks the backend: FlexAttention on CUDA (block
+mask built from the known structure), the dense boolean mask everywhere else (FlexAttention has no
+backward on CPU). The fast backend is imported lazily and never imports the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import Tensor
+
+from kvpop.ops.attention.reference import masked_attention
+
+Backend = Literal["auto", "reference", "flex"]
+
+
+def sparse_attention(
+    query: Tensor,  # [B, Hq, Q, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    q_pos: Tensor,  # [B, Q]
+    q_valid: Tensor,  # [B, Q]
+    k_pos: Tensor,  # [B, N]
+    k_valid: Tensor,  # [B, N]
+    evict: Tensor,  # [B, Hkv, N]
+    sink: int,
+    window: int,
+    scale: float,
+    return_lse: bool = False,
+    backend: Backend = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Attention of each query over the keys the rule keeps for it (see `policy.mask_from_eviction`).
+
+    Returns:
+        out [B, Hq, Q, D] and, if asked, lse float32 [B, Hq, Q].
+    """
+    if backend == "auto":
+        backend = "flex" if query.is_cuda else "reference"
+    if backend == "flex":
+        from kvpop.ops.attention.flex import flex_sparse_attention
+
+        return flex_sparse_attention(
+            query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale, return_lse=return_lse
+        )
+    if backend != "reference":
+        raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'flex'")
+    from kvpop.ops.topk import mask_from_eviction
+
+    mask = mask_from_eviction(q_pos, q_valid, k_pos[:, None], k_valid[:, None], evict, sink, window)
+    return masked_attention(query, key, value, mask, scale, return_lse=return_lse)
+
+
+__all__ = ["masked_attention", "sparse_attention"]

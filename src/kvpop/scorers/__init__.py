@@ -1,0 +1,5 @@
+"""Per-(layer, KV head) scorers: each maps cached keys/values to a float32 score `r[t]`."""
+
+from kvpop.scorers.mlp import MLPScorer
+
+__all__ = ["MLPScorer"]
