@@ -1,0 +1,82 @@
+"""Shared test factories: tiny random models built locally, seeded inputs, comparison helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+import kvpop
+
+LOGIT_ATOL = 1e-4  # teacher-forced vs. prefill + decode, float32 (the issue's bar)
+
+ARCHS = ("qwen3", "llama")
+
+
+def tiny_model(arch: str = "qwen3", layers: int = 2, seed: int = 0, max_positions: int = 4096):
+    """A float32 random model of the given family: 4 query heads over 2 KV heads (GQA), head dim 16."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    config_cls, model_cls = {
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[arch]
+    extra = {"head_dim": 16} if arch in ("qwen3", "llama", "mistral") else {}
+    if arch == "mistral":
+        extra["sliding_window"] = None
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**common, **extra)).eval()
+
+
+def retrofitted(arch: str = "qwen3", cfg: kvpop.KVpopConfig | None = None, seed: int = 0, **kw):
+    cfg = cfg or kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16)
+    model = kvpop.retrofit(tiny_model(arch, seed=seed, **kw), cfg)
+    # a scorer at its random init ranks tokens too uniformly to exercise eviction; sharpen it
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for policy in model.kvpop.layers:
+            policy.scorer.w2.mul_(4.0)
+    return model
+
+
+def cache_kwargs(cache) -> dict:
+    """Pass the cache under the name this transformers version prefers (5.24 renamed it to `cache`)."""
+    import inspect
+
+    import transformers
+
+    params = inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+@contextlib.contextmanager
+def quiet():
+    """Silence transformers' deprecation chatter in a with-block."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str = "") -> None:
+    err = (actual.float() - expected.float()).abs()
+    assert err.max() <= atol, f"{what}: max err {err.max().item():.3e}, mean err {err.mean().item():.3e} (atol {atol})"
+
+
+def padded_batch(seqs: list[torch.Tensor], pad_id: int = 0):
+    """Left-pad 1D id tensors into (ids, attention_mask, position_ids) as `generate` would."""
+    S = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), S), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), S, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, S - len(s):] = s
+        mask[i, S - len(s):] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, pos

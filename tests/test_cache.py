@@ -1,0 +1,170 @@
+"""The central claim: teacher-forced sparse forward == prefill (whole or chunked) + token-by-token decode."""
+
+import pytest
+import torch
+from helpers import ARCHS, LOGIT_ATOL, assert_close, cache_kwargs, padded_batch, quiet, retrofitted
+
+import kvpop
+
+S = 48
+CONFIGS = {
+    "base": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16),
+    "no-sink": kvpop.KVpopConfig(sink=0, window=3, topk=4, scorer_hidden=16),
+    "window-1": kvpop.KVpopConfig(sink=2, window=1, topk=5, scorer_hidden=16),
+    "topk-0": kvpop.KVpopConfig(sink=3, window=4, topk=0, scorer_hidden=16),
+    "budget>S": kvpop.KVpopConfig(sink=4, window=30, topk=30, scorer_hidden=16),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {(arch, name): retrofitted(arch, cfg) for arch in ARCHS for name, cfg in CONFIGS.items()}
+
+
+def _ids(seed=0, n=S, batch=1):
+    return torch.randint(3, 300, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def run_cached(model, ids, split, **fwd):
+    """Prefill in the chunks `split` (lengths), then decode the rest one token at a time."""
+    cache = kvpop.KVpopCache(model)
+    budget = model.kvpop.config.budget
+    outs, start = [], 0
+    steps = list(split) + [1] * (ids.shape[1] - sum(split))
+    for n in steps:
+        sl = slice(start, start + n)
+        extra = {k: v[:, : start + n] if k == "attention_mask" else v[:, sl] for k, v in fwd.items()}
+        outs.append(model(ids[:, sl], **extra, **cache_kwargs(cache)).logits)
+        for used in cache.slots_used():
+            assert used.max() <= budget
+        start += n
+    for layer in cache.layers:
+        assert layer.keys.shape[2] == budget  # preallocated, never grown
+    return torch.cat(outs, 1), cache
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg_name", list(CONFIGS))
+@pytest.mark.parametrize("split", [(1,), (9,), (23,), (7, 7, 7), (13, 20, 15)], ids=str)
+@torch.no_grad()
+def test_teacher_forced_equals_prefill_and_decode(models, arch, cfg_name, split):
+    model = models[(arch, cfg_name)]
+    ids = _ids()
+    with quiet():
+        full = model(ids).logits
+        cached, _ = run_cached(model, ids, split)
+    assert_close(cached, full, LOGIT_ATOL, f"{arch}/{cfg_name}/{split}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_cache_holds_exactly_what_the_rule_retains(models, arch):
+    model = models[(arch, "base")]
+    cfg = model.kvpop.config
+    ids = _ids(1)
+    records = []
+    with quiet():
+        model(ids, kvpop_capture=records)
+        _, cache = run_cached(model, ids, (10,))
+    for rec, layer in zip(records, cache.layers):
+        mask = kvpop.retention_mask(rec.priority, cfg.sink, cfg.window, cfg.topk)  # [1, H, S, S]
+        want = mask[0, :, -1]  # what the last query may see
+        for h in range(want.shape[0]):
+            held = sorted(p for p in layer.pos[0, h].tolist() if p >= 0)
+            assert held == want[h].nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_batch_with_left_padding(models, arch):
+    model = models[(arch, "base")]
+    a, b = _ids(2, 40)[0], _ids(3, 29)[0]
+    ids, mask, pos = padded_batch([a, b])
+    with quiet():
+        alone = [model(x[None]).logits[0] for x in (a, b)]
+        full = model(ids, attention_mask=mask, position_ids=pos).logits
+        cached, _ = run_cached(model, ids, (15,), attention_mask=mask, position_ids=pos)
+    for out, what in ((full, "teacher-forced"), (cached, "cached")):
+        assert_close(out[0], alone[0], LOGIT_ATOL, f"{what} row 0")
+        assert_close(out[1, -29:], alone[1], LOGIT_ATOL, f"{what} row 1 (padded)")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@torch.no_grad()
+def test_generate_greedy_batched_equals_single(models, arch):
+    model = models[(arch, "base")]
+    a, b = _ids(4, 30)[0], _ids(5, 21)[0]
+    ids, mask, _ = padded_batch([a, b])
+    with quiet():
+        batch = model.generate(ids, attention_mask=mask, max_new_tokens=25, do_sample=False, pad_token_id=0,
+                               **cache_kwargs(kvpop.KVpopCache(model)))
+        for row, x in enumerate((a, b)):
+            single = model.generate(x[None], max_new_tokens=25, do_sample=False,
+                                    **cache_kwargs(kvpop.KVpopCache(model)))
+            assert torch.equal(batch[row, -single.shape[1]:], single[0])
+
+
+@torch.no_grad()
+def test_generate_greedy_matches_teacher_forced_argmax(models):
+    model = models[("qwen3", "base")]
+    ids = _ids(6, 12)
+    with quiet():
+        out = model.generate(ids, max_new_tokens=30, do_sample=False, **cache_kwargs(kvpop.KVpopCache(model)))
+        logits = model(out).logits
+    # each generated token is the argmax of the teacher-forced sparse forward at the previous position
+    assert torch.equal(logits[0, 11:-1].argmax(-1), out[0, 12:])
+
+
+@torch.no_grad()
+def test_generate_sampling_and_multi_turn(models):
+    model = models[("llama", "base")]
+    ids = _ids(7, 20)
+    with quiet():
+        torch.manual_seed(0)
+        sampled = model.generate(ids, max_new_tokens=20, do_sample=True, top_p=0.9, temperature=0.8,
+                                 **cache_kwargs(kvpop.KVpopCache(model)))
+        assert sampled.shape == (1, 40)
+        cache = kvpop.KVpopCache(model)
+        turn1 = model.generate(ids, max_new_tokens=10, do_sample=False, **cache_kwargs(cache))
+        turn2_in = torch.cat([turn1, _ids(8, 9)], 1)
+        turn2 = model.generate(turn2_in, max_new_tokens=10, do_sample=False, **cache_kwargs(cache))
+        fresh = model.generate(turn2_in, max_new_tokens=10, do_sample=False, **cache_kwargs(kvpop.KVpopCache(model)))
+    assert torch.equal(turn2, fresh)
+    assert cache.get_seq_length() == turn2.shape[1] - 1
+
+
+@torch.no_grad()
+def test_past_key_values_keyword_still_works(models):
+    model = models[("qwen3", "base")]
+    ids = _ids(9, 20)
+    with quiet():
+        full = model(ids).logits
+        cache = kvpop.KVpopCache(model)
+        first = model(ids[:, :12], past_key_values=cache).logits
+        rest = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(12, 20)]
+    assert_close(torch.cat([first, *rest], 1), full, LOGIT_ATOL, "past_key_values=")
+
+
+@torch.no_grad()
+def test_decoding_without_the_bounded_cache_is_refused(models):
+    model = models[("qwen3", "base")]
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with quiet():
+        model(_ids(0, 10), **cache_kwargs(cache))  # a fresh cache is a plain teacher-forced forward
+        with pytest.raises(ValueError, match="KVpopCache"):
+            model(_ids(0, 1), **cache_kwargs(cache))
+
+
+def test_cache_memory_is_flat():
+    model = retrofitted("qwen3", CONFIGS["base"])
+    cache = kvpop.KVpopCache(model)
+    with torch.no_grad(), quiet():
+        model(_ids(0, 20), **cache_kwargs(cache))
+        sizes = {layer.keys.data_ptr(): layer.keys.numel() for layer in cache.layers}
+        for t in range(200):
+            model(_ids(t, 1), **cache_kwargs(cache))
+    # same buffers, same sizes, however long the generation
+    assert {layer.keys.data_ptr(): layer.keys.numel() for layer in cache.layers} == sizes
+    assert cache.get_seq_length() == 220

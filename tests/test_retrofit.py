@@ -1,0 +1,141 @@
+"""retrofit / save / load, supported architectures, gradients and clear errors for bad input."""
+
+import pytest
+import torch
+from helpers import LOGIT_ATOL, assert_close, cache_kwargs, quiet, retrofitted, tiny_model
+
+import kvpop
+
+
+def _ids(n=40, seed=0):
+    return torch.randint(3, 300, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral"])
+@torch.no_grad()
+def test_supported_architectures_decode_like_teacher_forcing(arch):
+    model = retrofitted(arch)
+    ids = _ids()
+    with quiet():
+        full = model(ids).logits
+        dense = model(ids, kvpop_dense=True).logits
+        cache = kvpop.KVpopCache(model)
+        first = model(ids[:, :17], **cache_kwargs(cache)).logits
+        rest = [model(ids[:, t : t + 1], **cache_kwargs(cache)).logits for t in range(17, 40)]
+    assert_close(torch.cat([first, *rest], 1), full, LOGIT_ATOL, arch)
+    # eviction really acts beyond the budget, and not before it
+    budget = model.kvpop.config.budget
+    assert_close(full[:, :budget], dense[:, :budget], LOGIT_ATOL, "within budget")
+    assert (full[:, budget:] - dense[:, budget:]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_dense_mode_is_the_original_model():
+    base = tiny_model("llama")
+    ids = _ids()
+    want = base(ids).logits
+    model = kvpop.retrofit(base, kvpop.KVpopConfig(sink=2, window=4, topk=4, scorer_hidden=8))
+    with quiet():
+        assert_close(model(ids, kvpop_dense=True).logits, want, 1e-5, "kvpop_dense")
+        kvpop.detach(model)
+        assert_close(model(ids).logits, want, 1e-5, "after detach")
+    assert not hasattr(model, "kvpop")
+
+
+def test_save_load_round_trip_is_bitwise(tmp_path):
+    model = retrofitted("qwen3")
+    ids = _ids()
+    with torch.no_grad(), quiet():
+        want = model(ids).logits
+        kvpop.save(model, tmp_path / "m")
+        loaded = kvpop.load(tmp_path / "m")
+        got = loaded(ids).logits
+    assert torch.equal(got, want)
+    assert loaded.kvpop.config == model.kvpop.config
+    assert {"config.json", "model.safetensors", "kvpop_config.json", "kvpop_scorers.safetensors"} <= {
+        p.name for p in (tmp_path / "m").iterdir()
+    }
+
+
+def test_load_rejects_a_plain_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="kvpop_config.json"):
+        kvpop.load(tmp_path)
+
+
+def test_gradients_reach_base_weights_but_not_the_scorer_through_attention():
+    model = retrofitted("qwen3")
+    model.train()
+    with quiet():
+        loss = model(_ids(), labels=_ids()).loss
+    loss.backward()
+    assert model.get_decoder().layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    for policy in model.kvpop.layers:
+        assert all(p.grad is None for p in policy.parameters())
+
+
+def test_capture_exposes_lse_and_differentiable_priorities():
+    model = retrofitted("llama")
+    records = []
+    with quiet():
+        model(_ids(), kvpop_capture=records)
+    assert [r.layer_idx for r in records] == [0, 1]
+    rec = records[0]
+    assert rec.lse.shape == (1, 4, 40) and rec.priority.shape == (1, 2, 40)
+    assert rec.priority.requires_grad and torch.isfinite(rec.lse).all()
+    rec.priority.sum().backward()
+    assert model.kvpop.layers[0].scorer.w1.grad is not None and model.kvpop.layers[0].theta.grad is not None
+
+
+def test_unsupported_model_type_is_named():
+    import transformers as tf
+
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
+    with pytest.raises(ValueError, match="'gpt2' is not supported"):
+        kvpop.retrofit(gpt2, kvpop.KVpopConfig(sink=1, window=2, topk=2))
+
+
+def test_retrofit_twice_and_wrong_config():
+    model = retrofitted("qwen3")
+    with pytest.raises(ValueError, match="already retrofitted"):
+        kvpop.retrofit(model, model.kvpop.config)
+    with pytest.raises(TypeError, match="KVpopConfig"):
+        kvpop.retrofit(tiny_model(), {"sink": 4})
+    with pytest.raises(ValueError, match="not retrofitted"):
+        kvpop.KVpopCache(tiny_model())
+
+
+def test_empty_and_too_long_inputs():
+    model = retrofitted("qwen3", max_positions=64)
+    with quiet(), torch.no_grad():
+        with pytest.raises(ValueError, match="empty input"):
+            model(torch.zeros(1, 0, dtype=torch.long))
+        with pytest.raises(ValueError, match="max_position_embeddings=64"):
+            model(_ids(65))
+        cache = kvpop.KVpopCache(model)
+        model(_ids(60), **cache_kwargs(cache))
+        with pytest.raises(ValueError, match="60 cached \\+ 5 new"):
+            model(_ids(5), **cache_kwargs(cache))
+
+
+def test_custom_4d_masks_are_refused():
+    model = retrofitted("qwen3")
+    mask4d = torch.ones(1, 1, 10, 10, dtype=torch.bool).tril()
+    with quiet(), pytest.raises(ValueError, match="4D"):
+        model(_ids(10), attention_mask=mask4d)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_flex_path_on_cuda_equals_cpu_path():
+    model = retrofitted("qwen3")
+    ids = _ids(300)
+    with quiet():
+        cpu = model(ids).logits
+        gpu = model.cuda()(ids.cuda()).logits.cpu()
+        cache = kvpop.KVpopCache(model)
+        first = model(ids[:, :100].cuda(), **cache_kwargs(cache)).logits
+        rest = [model(ids[:, t : t + 1].cuda(), **cache_kwargs(cache)).logits for t in range(100, 300)]
+        decoded = torch.cat([first, *rest], 1).cpu()
+    assert_close(gpu, cpu, 2e-4, "flex vs cpu")
+    assert_close(decoded, cpu, 2e-4, "cuda decode vs cpu")
