@@ -37,6 +37,7 @@ class LayerRecord:
     priority: Tensor  # float32 [B, Hkv, S], differentiable in the scorer
     position: Tensor  # int64 [B, S]
     valid: Tensor  # bool [B, S]
+    scale: float  # the logit scale of this layer's attention
 
 
 def padding_mask_passthrough(*args, attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
@@ -107,7 +108,7 @@ def kvpop_attention(
         return_lse=capture is not None, backend=kwargs.get("kvpop_backend", "auto"),
     )
     if capture is not None:
-        capture.append(LayerRecord(module.layer_idx, query, key, lse, priority, position, valid))
+        capture.append(LayerRecord(module.layer_idx, query, key, lse, priority, position, valid, scale))
     return out.transpose(1, 2), None
 
 

@@ -13,6 +13,7 @@ mask, so that shapes stay static and nothing syncs with the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -142,13 +143,16 @@ def boundary_labels(
 def balance_weights(
     pairs: BoundaryPairs,
     clip: tuple[float, float] = (0.2, 5.0),
+    reduce_counts: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Keep/drop balancing weights of paper B.5, per pair.
 
     `rho_h` is the share of keeps among the valid pairs of head `h` over the whole batch; keeps
     weigh `clip(1 / (2 rho_h))`, drops `clip(1 / (2 (1 - rho_h)))`, clipped to `[c_min, c_max]`.
     The denominators are floored at `1 / (2 c_max)`, which changes nothing after the clip but
-    keeps `rho_h = 0` or `1` finite. A head without pairs gets `rho_h = 1/2`.
+    keeps `rho_h = 0` or `1` finite. A head without pairs gets `rho_h = 1/2`. `reduce_counts`
+    (e.g. an all-reduce sum over data-parallel ranks) sees the stacked `[2, H]` pair and keep
+    counts first, so that `rho_h` is the share over the global batch.
 
     Returns:
         float32 [B, H, S]; 0 where `pairs.valid` is False.
@@ -158,8 +162,10 @@ def balance_weights(
         raise ValueError(f"balance clip={clip!r} must satisfy 0 < c_min <= c_max < inf")
     valid = pairs.valid
     keep = valid & (pairs.y > 0)
-    n_pairs = valid.sum(dim=(0, 2)).float()  # [H]
-    n_keep = keep.sum(dim=(0, 2)).float()
+    counts = torch.stack([valid.sum(dim=(0, 2)), keep.sum(dim=(0, 2))]).float()  # [2, H]
+    if reduce_counts is not None:
+        counts = reduce_counts(counts)
+    n_pairs, n_keep = counts[0], counts[1]
     rho = torch.where(n_pairs > 0, n_keep / n_pairs.clamp(min=1.0), 0.5)
     floor = 0.5 / c_max
     w_keep = (0.5 / rho.clamp(min=floor)).clamp(c_min, c_max)
@@ -173,6 +179,7 @@ def pair_weights(
     margin_delta: float = 1.0,
     balance: bool = True,
     balance_clip: tuple[float, float] = (0.2, 5.0),
+    reduce_counts: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """`omega = omega_margin * omega_bal` per pair, detached; 0 where `pairs.valid` is False.
 
@@ -190,7 +197,7 @@ def pair_weights(
     else:
         w = torch.ones_like(pairs.margin, dtype=torch.float32)
     if balance:
-        w = w * balance_weights(pairs, balance_clip)
+        w = w * balance_weights(pairs, balance_clip, reduce_counts)
     return torch.where(valid, w, 0.0).detach()
 
 
@@ -201,6 +208,7 @@ def boundary_loss(
     margin_delta: float = 1.0,
     balance: bool = True,
     balance_clip: tuple[float, float] = (0.2, 5.0),
+    reduce_counts: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`L_score` of Sec. 5 on the student's static priorities.
 
@@ -213,7 +221,7 @@ def boundary_loss(
         pi_hat: float [B, H, S], student static priorities (differentiable).
         pairs: from `boundary_labels` on the teacher's priorities of the same tokens.
         tau: temperature, > 0.
-        margin_delta, balance, balance_clip: see `pair_weights`.
+        margin_delta, balance, balance_clip, reduce_counts: see `pair_weights` / `balance_weights`.
     Returns:
         `(loss, stats)`: a 0-dim float32 loss and detached 0-dim float32 tensors
         `pairs` (count), `keep_rate` (share of teacher keeps), `accuracy` (student agrees with the
@@ -228,7 +236,7 @@ def boundary_loss(
     valid = pairs.valid
     pi_hat = pi_hat.float()
     diff = pi_hat.gather(-1, pairs.t_new) - pi_hat.gather(-1, pairs.t_bnd)
-    omega = pair_weights(pairs, margin_delta, balance, balance_clip)
+    omega = pair_weights(pairs, margin_delta, balance, balance_clip, reduce_counts)
     per_pair = torch.where(valid, omega * F.softplus(-pairs.y * diff / tau), 0.0)
     n_pairs = valid.sum().float()
     loss = per_pair.sum() / n_pairs.clamp(min=1.0)
