@@ -5,6 +5,7 @@ import torch
 from helpers import ARCHS, LOGIT_ATOL, assert_close, cache_kwargs, padded_batch, quiet, retrofitted
 
 import kvpop
+from kvpop.attention import Capture
 
 S = 48
 CONFIGS = {
@@ -62,7 +63,7 @@ def test_cache_holds_exactly_what_the_rule_retains(models, arch):
     model = models[(arch, "base")]
     cfg = model.kvpop.config
     ids = _ids(1)
-    records = []
+    records = Capture()
     with quiet():
         model(ids, kvpop_capture=records)
         _, cache = run_cached(model, ids, (10,))

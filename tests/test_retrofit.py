@@ -5,6 +5,7 @@ import torch
 from helpers import LOGIT_ATOL, assert_close, cache_kwargs, quiet, retrofitted, tiny_model
 
 import kvpop
+from kvpop.attention import Capture
 
 
 def _ids(n=40, seed=0):
@@ -75,7 +76,7 @@ def test_gradients_reach_base_weights_but_not_the_scorer_through_attention():
 
 def test_capture_exposes_lse_and_differentiable_priorities():
     model = retrofitted("llama")
-    records = []
+    records = Capture()
     with quiet():
         model(_ids(), kvpop_capture=records)
     assert [r.layer_idx for r in records] == [0, 1]

@@ -10,7 +10,7 @@ is looked up globally and nothing is stored on Hugging Face modules. Three cases
 - `kvpop_dense=True`: the original dense causal attention (the teacher), same numerics.
 
 Extra keyword arguments a caller may pass to the model forward (they flow down to here):
-`kvpop_dense: bool`, `kvpop_capture: list` (receives one `LayerRecord` per layer, for training).
+`kvpop_dense: bool`, `kvpop_capture: Capture` (receives one `LayerRecord` per layer, for training).
 """
 
 from __future__ import annotations
@@ -38,6 +38,30 @@ class LayerRecord:
     position: Tensor  # int64 [B, S]
     valid: Tensor  # bool [B, S]
     scale: float  # the logit scale of this layer's attention
+    log_gamma: Tensor  # float32 [Hkv], the layer's decay at this forward (detached)
+
+
+class Capture:
+    """Collects one `LayerRecord` per layer when passed as `kvpop_capture=` to the model forward.
+
+    A plain object rather than a list on purpose: wrappers such as FSDP2 rebuild containers they find
+    in forward kwargs (`tree_map`), which would silently drop what the layers append to a copy.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[LayerRecord] = []
+
+    def append(self, record: LayerRecord) -> None:
+        self.records.append(record)
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> LayerRecord:
+        return self.records[i]
 
 
 def padding_mask_passthrough(*args, attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
@@ -108,7 +132,8 @@ def kvpop_attention(
         return_lse=capture is not None, backend=kwargs.get("kvpop_backend", "auto"),
     )
     if capture is not None:
-        capture.append(LayerRecord(module.layer_idx, query, key, lse, priority, position, valid, scale))
+        capture.append(LayerRecord(module.layer_idx, query, key, lse, priority, position, valid, scale,
+                                   policy.log_gamma.detach()))
     return out.transpose(1, 2), None
 
 

@@ -186,6 +186,74 @@ def info(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("train", "distill a KVpop retrofit: scorers by the boundary loss, base weights by KL to the dense model", [
+    MODEL,
+    arg("--data", default="champ", help="champ, a .txt/.jsonl/.parquet file or directory, or a dataset name"),
+    arg("--text-field", default=None, help="record field holding the text (jsonl/parquet/datasets)"),
+    arg("--chat", action="store_true", help="format conversations with the tokenizer's chat template"),
+    arg("--seq-len", type=int, default=512, help="tokens per packed training sequence (default 512)"),
+    arg("--sink", type=int, default=4, help="sink tokens (default 4)"),
+    arg("--window", type=int, default=None, help="protected window (default a quarter of the budget)"),
+    arg("--topk", type=int, default=None, help="long-range top-k slots (default: budget - sink - window)"),
+    arg("--budget", type=int, default=None, help="sink + window + topk; give this or --window/--topk"),
+    arg("--scorer", default="mlp", choices=["mlp"], help="scorer architecture (default mlp)"),
+    arg("--scorer-hidden", type=int, default=256, help="hidden size of the MLP scorer (default 256)"),
+    arg("--query-fraction", type=float, default=1.0, help="share of boundary queries used per sequence (default 1)"),
+    arg("--steps", type=int, default=100, help="optimizer steps (default 100)"),
+    arg("--batch-size", type=int, default=1, help="sequences per micro-batch over all ranks (default 1)"),
+    arg("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)"),
+    arg("--lr-base", type=float, default=8e-5, help="constant learning rate of the base weights (default 8e-5)"),
+    arg("--lr-scorer", type=float, default=1e-3, help="peak scorer learning rate, warm-up + cosine (default 1e-3)"),
+    arg("--warmup-steps", type=int, default=-1, help="scorer warm-up steps (default 5%% of --steps)"),
+    arg("--weight-decay", type=float, default=1e-4),
+    arg("--grad-clip", type=float, default=1.0, help="gradient-norm clip, 0 disables (default 1)"),
+    arg("--freeze-base", action="store_true", help="train the scorers only: no teacher copy, no KL (CPU mode)"),
+    arg("--kl-topk", type=int, default=0, help="KL over the teacher's top-N logits only (default 0: full vocab)"),
+    arg("--out", default="runs/train", help="output directory (default runs/train)"),
+    arg("--resume", action="store_true", help="continue the run in --out from its checkpoint"),
+    arg("--save-every", type=int, default=50, help="checkpoint every N steps (default 50)"),
+    arg("--seed", type=int, default=0),
+    arg("--max-tokens", type=int, default=0, help="cap on training tokens packed (default: what the run uses)"),
+    arg("--fsdp", action="store_true", help="under torchrun: FSDP2 sharding instead of DDP"),
+    arg("--device", default="auto", help="auto, cpu, cuda, ... (default auto)"),
+    arg("--no-progress", action="store_true", help="no progress bar"),
+])
+def train(args: argparse.Namespace) -> int:
+    import kvpop
+    from kvpop.models import is_kvpop_dir
+    from kvpop.train.distill import TrainConfig
+    from kvpop.train.distill import train as run_training
+
+    kcfg = None
+    if not is_kvpop_dir(args.model):
+        if args.budget is not None:
+            if args.topk is not None:
+                raise ValueError("give --budget or --topk, not both")
+            kcfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window, scorer=args.scorer,
+                                                scorer_hidden=args.scorer_hidden,
+                                                loss_query_fraction=args.query_fraction)
+        else:
+            window = 256 if args.window is None else args.window
+            topk = 64 if args.topk is None else args.topk
+            kcfg = kvpop.KVpopConfig(sink=args.sink, window=window, topk=topk, scorer=args.scorer,
+                                     scorer_hidden=args.scorer_hidden, loss_query_fraction=args.query_fraction)
+    tcfg = TrainConfig(
+        model=args.model, data=args.data, text_field=args.text_field, chat=args.chat, seq_len=args.seq_len,
+        steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr_base=args.lr_base,
+        lr_scorer=args.lr_scorer, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, freeze_base=args.freeze_base, kl_topk=args.kl_topk, out=args.out,
+        save_every=args.save_every, seed=args.seed, device=args.device, fsdp=args.fsdp, max_tokens=args.max_tokens,
+    )
+    try:
+        final = run_training(tcfg, kcfg, resume=args.resume, progress=not args.no_progress,
+                             argv=["kvpop", *sys.argv[1:]])
+    except KeyboardInterrupt as err:
+        print(f"kvpop train: {err or 'interrupted'}", file=sys.stderr)
+        return 130
+    print(f"kvpop train: final model in {final} (load it with kvpop.load or --model {final})", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpop",
@@ -218,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.run(args)
-    except (ValueError, OSError, NotImplementedError) as err:
+    except (ValueError, OSError, NotImplementedError, RuntimeError) as err:
         print(f"kvpop {args.command}: error: {err}", file=sys.stderr)
         return 1
 

@@ -1,0 +1,571 @@
+"""Distillation of a KVpop retrofit (`KVPOP.md` Sec. 6): the trainer behind `kvpop train`.
+
+    kvpop train --model tiny-random-qwen3 --data notes.txt --seq-len 256 --sink 4 --window 32 --topk 64 \
+        --steps 100 --out runs/tiny
+
+The student is the model with KVpop attention in every layer. Its base weights learn only from
+`KL(teacher || student)` against a frozen dense copy (the teacher); its scorers and decays learn
+only from the boundary loss on the future-attention target, computed from the student's own
+sparse attention. `--freeze-base` trains the scorers alone (no teacher copy, no KL): the mode a
+CPU runs in minutes. Under `torchrun` the same command runs data-parallel (DDP, or FSDP2 with
+`--fsdp`), each rank taking its share of every global batch.
+
+Nothing is lost: a checkpoint (model, optimizer, scheduler, RNG states, step) is written
+atomically every `--save-every` steps and on Ctrl-C; `--resume` continues to the losses an
+uninterrupted run gives; a non-finite loss stops the run before anything is overwritten.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvpop.attention import Capture
+from kvpop.config import KVpopConfig
+from kvpop.ops.target import future_attention_target
+from kvpop.retrofit import kvpop_modules, retrofit, save
+from kvpop.train.data import DataError, batches, load_texts, pack_sequences
+from kvpop.train.loss import boundary_labels, boundary_loss, teacher_priority
+
+CHECKPOINT = "checkpoint.pt"
+LOG = "train_log.jsonl"
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot go on (non-finite loss, incompatible resume, ...)."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything of a run but the KVpop config; saved as `OUT/config.json` with it."""
+
+    model: str = "tiny-random-qwen3"
+    """Preset name, local Hugging Face directory or `kvpop.save` directory."""
+    data: str = "champ"
+    """Data source (`kvpop.train.data.load_texts`): champ, a file, a directory or a dataset name."""
+    text_field: str | None = None
+    """Field holding the text in jsonl/parquet/dataset records."""
+    chat: bool = False
+    """Format conversations (and champ problems) with the tokenizer's chat template."""
+    seq_len: int = 512
+    """Tokens per packed training sequence; must exceed the KVpop budget."""
+    steps: int = 100
+    """Optimizer steps."""
+    batch_size: int = 1
+    """Sequences per micro-batch, over all ranks together (the global batch)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    lr_base: float = 8e-5
+    """Constant learning rate of the base weights (KL only)."""
+    lr_scorer: float = 1e-3
+    """Peak learning rate of scorers and decays (warm-up, then cosine to 10 %)."""
+    warmup_steps: int = -1
+    """Scorer warm-up steps; -1 means 5 % of `steps`."""
+    weight_decay: float = 1e-4
+    grad_clip: float = 1.0
+    """Gradient-norm clip (over all trained parameters); 0 disables."""
+    freeze_base: bool = False
+    """Train the scorers only: no teacher copy, no KL."""
+    kl_topk: int = 0
+    """0: KL over the full vocabulary; N > 0: over the teacher's top-N logits, renormalised."""
+    out: str = "runs/train"
+    save_every: int = 50
+    """Checkpoint every this many steps (and at the end and on Ctrl-C); 0: only then."""
+    seed: int = 0
+    device: str = "auto"
+    """auto: CUDA when present (and this rank's GPU under torchrun), else CPU."""
+    fsdp: bool = False
+    """Under torchrun, shard with FSDP2 instead of replicating with DDP."""
+    eval_fraction: float = 0.1
+    """Share of documents (champ: problems) held out from training."""
+    max_tokens: int = 0
+    """Cap on the tokens packed for training (0: what the run consumes, at least 8 sequences)."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("seq_len", self.seq_len >= 2, "must be >= 2"),
+            ("steps", self.steps >= 1, "must be >= 1"),
+            ("batch_size", self.batch_size >= 1, "must be >= 1"),
+            ("grad_accum", self.grad_accum >= 1, "must be >= 1"),
+            ("lr_base", self.lr_base >= 0 and math.isfinite(self.lr_base), "must be a finite number >= 0"),
+            ("lr_scorer", self.lr_scorer >= 0 and math.isfinite(self.lr_scorer), "must be a finite number >= 0"),
+            ("warmup_steps", self.warmup_steps >= -1, "must be >= 0 (or -1 for 5 % of steps)"),
+            ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
+            ("grad_clip", self.grad_clip >= 0, "must be >= 0"),
+            ("kl_topk", self.kl_topk >= 0, "must be >= 0"),
+            ("save_every", self.save_every >= 0, "must be >= 0"),
+            ("eval_fraction", 0 <= self.eval_fraction < 1, "must lie in [0, 1)"),
+            ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+    @property
+    def warmup(self) -> int:
+        return max(1, round(0.05 * self.steps)) if self.warmup_steps < 0 else self.warmup_steps
+
+
+# --- schedules, KL, distributed helpers ---
+
+
+def scorer_lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> float:
+    """Linear warm-up to 1, then cosine down to `floor` at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def kl_divergence(teacher_logits: Tensor, student_logits: Tensor, topk: int = 0) -> Tensor:
+    """Mean over positions of `KL(teacher || student)` on next-token distributions, in float32.
+
+    Args:
+        teacher_logits, student_logits: [B, S, V].
+        topk: 0 for the full vocabulary, else the teacher's top-`topk` logits, both sides renormalised.
+    """
+    t, s = teacher_logits.float(), student_logits.float()
+    if topk:
+        idx = t.topk(topk, dim=-1).indices
+        t, s = t.gather(-1, idx), s.gather(-1, idx)
+    log_p, log_q = F.log_softmax(t, -1), F.log_softmax(s, -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def all_sum(self, x: Tensor) -> Tensor:
+        if self.world > 1:
+            x = x.clone()
+            dist.all_reduce(x)
+        return x
+
+
+def init_distributed(device: str) -> Dist:
+    """torchrun's environment -> a process group (NCCL on GPUs, gloo on CPUs); single process otherwise."""
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Dist()
+    d = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        use_cuda = device != "cpu" and torch.cuda.is_available()
+        if use_cuda:
+            torch.cuda.set_device(d.local_rank)
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return d
+
+
+# --- the trainer ---
+
+
+class Distiller:
+    """One training run. `run()` trains to `steps`, checkpointing as it goes, and saves `OUT/final`."""
+
+    def __init__(self, tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, argv: list[str] | None = None):
+        from kvpop.models import load_model
+
+        self.tcfg, self.out, self.argv = tcfg, Path(tcfg.out), argv
+        self.dist = init_distributed(tcfg.device)
+        self.device = self._device(tcfg.device)
+        if tcfg.batch_size % self.dist.world:
+            raise ValueError(f"--batch-size {tcfg.batch_size} must be a multiple of the number of ranks ({self.dist.world})")
+        torch.manual_seed(tcfg.seed)
+        model, self.tokenizer = load_model(tcfg.model, device=self.device)
+        pretrained = getattr(model, "kvpop", None)
+        if pretrained is not None and kcfg is None:
+            kcfg = kvpop_modules(model).config
+        if kcfg is None:
+            raise ValueError("a KVpopConfig is needed unless --model is a kvpop directory")
+        self.kcfg = kcfg
+        self._check_lengths(model)
+        if pretrained is not None and kvpop_modules(model).config != kcfg:
+            raise ValueError(
+                f"{tcfg.model} is already retrofitted with {kvpop_modules(model).config}; it cannot be retrained "
+                f"with a different config"
+            )
+
+        self.teacher = None
+        if not tcfg.freeze_base:
+            base = copy.deepcopy(model)
+            if pretrained is not None:
+                from kvpop.retrofit import detach
+
+                detach(base)
+            self.teacher = base.eval().requires_grad_(False)
+        if pretrained is None:
+            retrofit(model, kcfg)
+        self.model = model
+        self.model.train()
+        scorer_ids = {id(p) for p in kvpop_modules(model).parameters()}
+        if tcfg.freeze_base:
+            for p in model.parameters():
+                if id(p) not in scorer_ids:
+                    p.requires_grad_(False)
+        # wrap before building the optimizer: FSDP2 replaces the parameters by sharded ones
+        self.forward_model = self._wrap(model)
+        scorer_params = list(kvpop_modules(model).parameters())
+        scorer_ids = {id(p) for p in scorer_params}
+        base_params = [p for p in model.parameters() if id(p) not in scorer_ids and p.requires_grad]
+        self.trained = base_params + scorer_params
+        groups = [{"params": scorer_params, "lr": tcfg.lr_scorer, "name": "scorer"}]
+        if base_params:
+            groups.append({"params": base_params, "lr": tcfg.lr_base, "name": "base"})
+        self.optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay)
+        factors = [lambda s: scorer_lr_factor(s, tcfg.warmup, tcfg.steps)] + [lambda s: 1.0] * (len(groups) - 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factors)
+        self.sampler = torch.Generator(device="cpu").manual_seed(tcfg.seed + 1)
+        self.step = 0
+        self.last_saved: int | None = None
+        if resume:
+            self._load_checkpoint()
+        self.tokens = self._training_tokens()
+
+    # --- setup ---
+    def _device(self, name: str) -> torch.device:
+        if name == "auto":
+            if torch.cuda.is_available():
+                return torch.device("cuda", self.dist.local_rank)
+            return torch.device("cpu")
+        return torch.device(name)
+
+    def _check_lengths(self, model: nn.Module) -> None:
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and self.tcfg.seq_len > limit:
+            raise ValueError(f"--seq-len {self.tcfg.seq_len} exceeds the model's max_position_embeddings={limit}")
+        if self.kcfg.budget >= self.tcfg.seq_len:
+            raise ValueError(
+                f"the budget sink + window + topk = {self.kcfg.budget} is not below --seq-len {self.tcfg.seq_len}: "
+                "nothing would ever be evicted, so there is nothing to train"
+            )
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.dist.world == 1:
+            return model
+        if self.tcfg.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.get_decoder().layers:
+                fully_shard(layer)
+            fully_shard(model)
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def _training_tokens(self) -> Tensor:
+        """Pack just enough training documents for the run (or `max_tokens`), identically on every rank."""
+        t = self.tcfg
+        need = t.steps * t.grad_accum * t.batch_size * t.seq_len
+        budget = t.max_tokens or max(need, 8 * t.seq_len)
+        texts = load_texts(t.data, split="train", text_field=t.text_field, tokenizer=self.tokenizer,
+                           eval_fraction=t.eval_fraction, seed=t.seed, chat=t.chat)
+        # tokenize documents in order until the budget is covered (champ alone is ~30M tokens)
+        chosen, total = [], 0
+        for text in texts:
+            chosen.append(text)
+            total += len(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]) + 1
+            if total >= budget:
+                break
+        try:
+            return pack_sequences(chosen, self.tokenizer, t.seq_len)
+        except DataError as e:
+            raise DataError(f"{t.data}: {e}") from None
+
+    # --- one step ---
+    def _micro_step(self, batch: Tensor) -> dict[str, Tensor]:
+        t, k = self.tcfg, self.kcfg
+        batch = batch.to(self.device)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+        records = Capture()
+        with autocast:
+            logits = self.forward_model(batch, kvpop_capture=records, use_cache=False).logits
+            loss_kl = torch.zeros((), device=self.device)
+            if self.teacher is not None:
+                with torch.no_grad():
+                    teacher_logits = self.teacher(batch, use_cache=False).logits
+                loss_kl = kl_divergence(teacher_logits, logits, t.kl_topk)
+        n_layers = len(kvpop_modules(self.model).layers)
+        if len(records) != n_layers:
+            raise TrainingError(f"captured {len(records)} of {n_layers} layers: a wrapper dropped the kvpop_capture kwarg")
+        losses, keep, acc = [], [], []
+        for rec in records:
+            r_tgt = future_attention_target(
+                rec.query.detach(), rec.key.detach(), rec.lse.detach(), k.window, scale=rec.scale,
+                eps=k.target_eps, agg=k.target_agg, count_norm=k.target_count_norm,
+            )
+            pi_tgt = teacher_priority(r_tgt, rec.log_gamma, k.decay_step)
+            pairs = boundary_labels(pi_tgt, k.sink, k.window, k.topk, k.loss_query_fraction, self.sampler)
+            loss, stats = boundary_loss(
+                rec.priority, pairs, k.loss_tau, k.loss_margin_delta, k.loss_balance, k.loss_balance_clip,
+                reduce_counts=self.dist.all_sum if self.dist.world > 1 else None,
+            )
+            losses.append(loss)
+            keep.append(stats["keep_rate"])
+            acc.append(stats["accuracy"])
+        loss_score = torch.stack(losses).mean()
+        ((loss_kl + loss_score) / t.grad_accum).backward()
+        return {
+            "loss_kl": loss_kl.detach(),
+            "loss_score": loss_score.detach(),
+            "keep_rate": torch.stack(keep).nanmean(),
+            "accuracy": torch.stack(acc).nanmean(),
+        }
+
+    def train_step(self, micro_batches: list[Tensor]) -> dict[str, float]:
+        """One optimizer step over `grad_accum` micro-batches; returns the logged numbers."""
+        t = self.tcfg
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, Tensor] = {}
+        share = t.batch_size // self.dist.world
+        for mb in micro_batches:
+            rows = mb[self.dist.rank * share : (self.dist.rank + 1) * share]
+            for name, v in self._micro_step(rows).items():
+                sums[name] = sums.get(name, 0) + v / t.grad_accum
+        stats = torch.stack([sums["loss_kl"], sums["loss_score"], sums["keep_rate"], sums["accuracy"]])
+        stats = self.dist.all_sum(stats) / self.dist.world
+        loss_kl, loss_score, keep_rate, accuracy = stats.tolist()
+        if not all(math.isfinite(x) for x in (loss_kl, loss_score)):
+            where = f"{self.out / CHECKPOINT} (step {self.last_saved})" if self.last_saved is not None else "none yet"
+            raise TrainingError(
+                f"non-finite loss at step {self.step + 1} (loss_kl={loss_kl}, loss_score={loss_score}); "
+                f"stopped without saving. Last good checkpoint: {where}"
+            )
+        grad_norm = (
+            torch.nn.utils.clip_grad_norm_(self.trained, t.grad_clip) if t.grad_clip > 0 else torch.zeros(())
+        )
+        self.optimizer.step()
+        lrs = {g["name"]: g["lr"] for g in self.optimizer.param_groups}
+        self.scheduler.step()
+        self.step += 1
+        elapsed = time.perf_counter() - start
+        return {
+            "step": self.step,
+            "loss": loss_kl + loss_score,
+            "loss_score": loss_score,
+            "loss_kl": loss_kl,
+            "lr_base": lrs.get("base", 0.0),
+            "lr_scorer": lrs["scorer"],
+            "tokens_per_s": t.grad_accum * t.batch_size * t.seq_len / elapsed,
+            "keep_rate": keep_rate,
+            "accuracy": accuracy,
+            "grad_norm": float(grad_norm),
+            "step_time_s": elapsed,
+        }
+
+    def batches(self) -> Iterator[list[Tensor]]:
+        t = self.tcfg
+        stream = batches(self.tokens, t.batch_size, t.seed, start_step=self.step * t.grad_accum)
+        while True:
+            yield [next(stream) for _ in range(t.grad_accum)]
+
+    # --- the loop ---
+    def run(self, progress: bool = True) -> Path:
+        t = self.tcfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.dist.main:
+            self._write_config()
+            self._trim_log()
+        interrupted = False
+
+        def on_sigterm(*_):
+            raise KeyboardInterrupt
+
+        old = signal.signal(signal.SIGTERM, on_sigterm) if self._main_thread() else None
+        bar = self._progress(progress)
+        try:
+            for micro in self.batches():
+                if self.step >= t.steps:
+                    break
+                row = self.train_step(micro)
+                if self.dist.main:
+                    with open(self.out / LOG, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(score=f"{row['loss_score']:.4f}", kl=f"{row['loss_kl']:.4f}",
+                                        acc=f"{row['accuracy']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
+                    self.save_checkpoint()
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            if bar is not None:
+                bar.close()
+            if old is not None:
+                signal.signal(signal.SIGTERM, old)
+        self.save_checkpoint()
+        if interrupted:
+            raise KeyboardInterrupt(f"interrupted at step {self.step}; resume with --resume (checkpoint saved)")
+        final = self.out / "final"
+        self._save_final(final)
+        return final
+
+    # --- persistence ---
+    def _state(self) -> dict[str, Any]:
+        model_state = self._trained_state()
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+               "sampler": self.sampler.get_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "step": self.step,
+            "model": model_state,
+            "optimizer": self._optimizer_state(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng,
+            "train_config": dataclasses.asdict(self.tcfg),
+            "kvpop_config": self.kcfg.to_dict(),
+            "world": self.dist.world,
+        }
+
+    def _trained_state(self) -> dict[str, Tensor]:
+        state = self._full_state_dict()
+        if self.tcfg.freeze_base:
+            state = {k: v for k, v in state.items() if k.startswith("kvpop.")}
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+    def _full_state_dict(self) -> dict[str, Tensor]:
+        if self.dist.world > 1 and self.tcfg.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return self.model.state_dict()
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        if self.dist.world > 1 and self.tcfg.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            return get_optimizer_state_dict(
+                self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+        return self.optimizer.state_dict()
+
+    def _save_final(self, path: Path) -> None:
+        """`kvpop.save` of the trained model (every rank takes part in gathering FSDP2 shards)."""
+        if self.dist.world > 1 and self.tcfg.fsdp:
+            from kvpop.models import load_model
+
+            state = self._full_state_dict()
+            if self.dist.main:
+                # an unsharded copy to hold the gathered weights
+                model, _ = load_model(self.tcfg.model, device="cpu")
+                if getattr(model, "kvpop", None) is None:
+                    retrofit(model, self.kcfg)
+                model.load_state_dict(state)
+                save(model, path, tokenizer=self.tokenizer)
+        elif self.dist.main:
+            save(self.model, path, tokenizer=self.tokenizer)
+        self._barrier()
+
+    def save_checkpoint(self) -> None:
+        """Write `OUT/checkpoint.pt` atomically (temp file, fsync, rename): a crash never leaves half a file."""
+        state = self._state()
+        if self.dist.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            path = self.out / CHECKPOINT
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        self.last_saved = self.step
+        self._barrier()
+
+    def _load_checkpoint(self) -> None:
+        path = self.out / CHECKPOINT
+        if not path.exists():
+            raise TrainingError(f"--resume: no checkpoint at {path}")
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        saved = TrainConfig(**state["train_config"])
+        mine = dataclasses.asdict(self.tcfg)
+        differ = [k for k, v in dataclasses.asdict(saved).items() if k not in ("steps", "save_every") and mine[k] != v]
+        if differ or KVpopConfig.from_dict(state["kvpop_config"]) != self.kcfg:
+            raise TrainingError(
+                f"--resume: {path} was written by a different run (differs in {differ or ['kvpop config']}); "
+                "resume with the same arguments (only --steps and --save-every may change)"
+            )
+        if state.get("world", 1) != self.dist.world:
+            raise TrainingError(f"--resume: checkpoint from {state['world']} ranks, now {self.dist.world}")
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        if unexpected or (not self.tcfg.freeze_base and missing):
+            raise TrainingError(f"--resume: checkpoint does not fit the model (missing {missing}, unexpected {unexpected})")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        self.sampler.set_state(rng["sampler"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.step = self.last_saved = state["step"]
+
+    def _write_config(self) -> None:
+        resolved = {
+            "train": dataclasses.asdict(self.tcfg),
+            "kvpop": self.kcfg.to_dict(),
+            "command": self.argv if self.argv is not None else sys.argv,
+            "world_size": self.dist.world,
+            "torch": torch.__version__,
+        }
+        (self.out / "config.json").write_text(json.dumps(resolved, indent=2))
+
+    def _trim_log(self) -> None:
+        """On resume, drop log lines of steps after the checkpoint (they will be run again)."""
+        log = self.out / LOG
+        if not log.exists():
+            return
+        lines = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
+        log.write_text("".join(ln + "\n" for ln in lines))
+
+    def _progress(self, progress: bool):
+        if not (progress and self.dist.main):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.tcfg.steps, initial=self.step, desc="kvpop train", unit="step", dynamic_ncols=True)
+
+    def _barrier(self) -> None:
+        if self.dist.world > 1:
+            dist.barrier()
+
+    @staticmethod
+    def _main_thread() -> bool:
+        import threading
+
+        return threading.current_thread() is threading.main_thread()
+
+
+def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, progress: bool = True,
+          argv: list[str] | None = None) -> Path:
+    """Run (or resume) a distillation and return the directory of the final model."""
+    return Distiller(tcfg, kcfg, resume=resume, argv=argv).run(progress=progress)
+

@@ -1,0 +1,197 @@
+"""`kvpop train`: the losses fall, the final model loads, resume is exact, bad input is named, ranks agree."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvpop
+from kvpop.cli import main
+from kvpop.train import distill
+from kvpop.train.distill import TrainConfig, TrainingError, kl_divergence, scorer_lr_factor
+
+KCFG = dict(sink=2, window=8, topk=16, scorer_hidden=32)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    rng = random.Random(0)
+    words = "the cat sat on a mat and then it ran to the big red house where many dogs live".split()
+    docs = [" ".join(rng.choice(words) for _ in range(300)) for _ in range(40)]
+    path = tmp_path_factory.mktemp("data") / "notes.txt"
+    path.write_text("\n\n".join(docs))
+    return path
+
+
+def _cfg(text_file, out, **kw) -> TrainConfig:
+    base = dict(model="tiny-random-qwen3", data=str(text_file), seq_len=128, steps=6, batch_size=2, out=str(out),
+                save_every=3, lr_scorer=1e-2, max_tokens=128 * 16)
+    return TrainConfig(**{**base, **kw})
+
+
+def _log(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_scorer_training_lowers_the_boundary_loss_and_saves_a_loadable_model(text_file, tmp_path):
+    out = tmp_path / "run"
+    final = distill.train(_cfg(text_file, out, steps=40, freeze_base=True, save_every=0),
+                          kvpop.KVpopConfig(**KCFG), progress=False)
+    log = _log(out)
+    assert [r["step"] for r in log] == list(range(1, 41))
+    for key in ("loss_score", "loss_kl", "lr_base", "lr_scorer", "tokens_per_s", "keep_rate"):
+        assert key in log[0]
+    first = sum(r["loss_score"] for r in log[:5]) / 5
+    last = sum(r["loss_score"] for r in log[-5:]) / 5
+    assert last < 0.8 * first, (first, last)
+    assert log[-1]["accuracy"] > log[0]["accuracy"]
+    resolved = json.loads((out / "config.json").read_text())
+    assert resolved["kvpop"]["topk"] == 16 and resolved["train"]["freeze_base"] is True
+    model = kvpop.load(final)
+    ids = torch.randint(0, 250, (1, 64))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+@pytest.mark.parametrize("freeze_base", [True, False])
+def test_resume_after_a_crash_continues_to_the_same_losses(text_file, tmp_path, monkeypatch, freeze_base):
+    kcfg = kvpop.KVpopConfig(**KCFG)
+    straight = tmp_path / "straight"
+    distill.train(_cfg(text_file, straight, freeze_base=freeze_base), kcfg, progress=False)
+    crashed = tmp_path / "crashed"
+    real = distill.Distiller.train_step
+
+    def crash_in_step_5(self, micro):
+        if self.step == 4:
+            raise RuntimeError("simulated crash")
+        return real(self, micro)
+
+    monkeypatch.setattr(distill.Distiller, "train_step", crash_in_step_5)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        distill.train(_cfg(text_file, crashed, freeze_base=freeze_base), kcfg, progress=False)
+    monkeypatch.setattr(distill.Distiller, "train_step", real)
+    distill.train(_cfg(text_file, crashed, freeze_base=freeze_base), kcfg, resume=True, progress=False)
+    want, got = _log(straight), _log(crashed)
+    # steps 4 (logged before the crash, then dropped on resume) to 6 come from the checkpoint of step 3
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for a, b in zip(want, got):
+        assert (a["loss_score"], a["loss_kl"]) == (b["loss_score"], b["loss_kl"])
+    a = kvpop.load(straight / "final")
+    b = kvpop.load(crashed / "final")
+    for (name, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(p, q), name
+
+
+def test_interrupt_saves_and_resume_is_exact(text_file, tmp_path, monkeypatch):
+    kcfg = kvpop.KVpopConfig(**KCFG)
+    straight = tmp_path / "straight"
+    distill.train(_cfg(text_file, straight, save_every=0), kcfg, progress=False)
+    out = tmp_path / "interrupted"
+    real = distill.Distiller.train_step
+
+    def ctrl_c_at_step_4(self, micro):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return real(self, micro)
+
+    monkeypatch.setattr(distill.Distiller, "train_step", ctrl_c_at_step_4)
+    with pytest.raises(KeyboardInterrupt, match="step 3"):
+        distill.train(_cfg(text_file, out, save_every=0), kcfg, progress=False)
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3
+    monkeypatch.setattr(distill.Distiller, "train_step", real)
+    distill.train(_cfg(text_file, out, save_every=0), kcfg, resume=True, progress=False)
+    assert [(r["loss_score"], r["loss_kl"]) for r in _log(out)] == [
+        (r["loss_score"], r["loss_kl"]) for r in _log(straight)
+    ]
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(text_file, tmp_path, monkeypatch):
+    out = tmp_path / "nan"
+    calls = {"n": 0}
+
+    def kl_nan_at_third_step(t, s, topk=0):
+        calls["n"] += 1
+        return torch.tensor(float("nan")) if calls["n"] == 3 else kl_divergence(t, s, topk)
+
+    monkeypatch.setattr(distill, "kl_divergence", kl_nan_at_third_step)
+    with pytest.raises(TrainingError, match=r"non-finite loss at step 3.*step 2\)"):
+        distill.train(_cfg(text_file, out, save_every=2), kvpop.KVpopConfig(**KCFG), progress=False)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 2
+    assert not (out / "final").exists()
+
+
+def test_resume_refuses_a_different_run(text_file, tmp_path):
+    out = tmp_path / "r"
+    distill.train(_cfg(text_file, out, steps=2, freeze_base=True), kvpop.KVpopConfig(**KCFG), progress=False)
+    with pytest.raises(TrainingError, match="seq_len"):
+        distill.train(_cfg(text_file, out, seq_len=96, freeze_base=True), kvpop.KVpopConfig(**KCFG), resume=True,
+                      progress=False)
+    with pytest.raises(TrainingError, match="no checkpoint"):
+        distill.train(_cfg(text_file, tmp_path / "none"), kvpop.KVpopConfig(**KCFG), resume=True, progress=False)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--data", "/nonexistent/file.txt"], "does not exist"),
+        (["--data", "EMPTY"], "empty"),
+        (["--seq-len", "5000"], "max_position_embeddings=4096"),
+        (["--seq-len", "64", "--window", "32", "--topk", "32"], "not below --seq-len 64"),
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--steps", "0"], "steps=0"),
+    ],
+)
+def test_bad_input_is_a_clear_error(text_file, tmp_path, capsys, args, message):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    args = [str(empty) if a == "EMPTY" else a for a in args]
+    base = ["train", "--model", "tiny-random-qwen3", "--data", str(text_file), "--seq-len", "128", "--window", "8",
+            "--topk", "16", "--steps", "2", "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main(base + args) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_kl_divergence():
+    torch.manual_seed(0)
+    t, s = torch.randn(2, 5, 50), torch.randn(2, 5, 50)
+    assert kl_divergence(t, t).abs() < 1e-6
+    want = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="none").sum(-1).mean()
+    assert torch.allclose(kl_divergence(t, s), want, atol=1e-6)
+    # top-k: only the teacher's 10 best tokens, both sides renormalised over them
+    idx = t.topk(10, -1).indices
+    want10 = kl_divergence(t.gather(-1, idx), s.gather(-1, idx))
+    assert torch.allclose(kl_divergence(t, s, topk=10), want10)
+
+
+def test_scorer_schedule_warms_up_then_decays():
+    f = [scorer_lr_factor(s, warmup=10, total=100) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:])) and f[-1] >= 0.1
+
+
+def _torchrun(args, n):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
+           str(29500 + random.Random().randint(1, 400)), "-m", "kvpop.cli", "train", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_gloo_ranks_match_one_process(text_file, tmp_path, sharding):
+    args = ["--model", "tiny-random-qwen3", "--data", str(text_file), "--seq-len", "128", "--window", "8", "--topk",
+            "16", "--steps", "3", "--batch-size", "2", "--no-progress", "--max-tokens", str(128 * 8)]
+    assert main(args[:0] + ["train", *args, "--out", str(tmp_path / "one")]) == 0
+    _torchrun([*args, "--out", str(tmp_path / "two"), *(["--fsdp"] if sharding == "fsdp" else [])], 2)
+    one, two = _log(tmp_path / "one"), _log(tmp_path / "two")
+    for a, b in zip(one, two, strict=True):
+        assert a["loss_score"] == pytest.approx(b["loss_score"], abs=1e-5)
+        assert a["loss_kl"] == pytest.approx(b["loss_kl"], abs=1e-5)
+    assert (tmp_path / "two" / "final" / "kvpop_config.json").exists()
