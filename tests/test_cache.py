@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from helpers import ARCHS, LOGIT_ATOL, assert_close, cache_kwargs, padded_batch, quiet, retrofitted
 
 import kvpop
+from helpers import ARCHS, LOGIT_ATOL, assert_close, cache_kwargs, padded_batch, quiet, retrofitted
 from kvpop.attention import Capture
 
 S = 48

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from helpers import LOGIT_ATOL, assert_close, cache_kwargs, quiet, retrofitted, tiny_model
 
 import kvpop
+from helpers import LOGIT_ATOL, assert_close, cache_kwargs, quiet, retrofitted, tiny_model
 from kvpop.attention import Capture
 
 

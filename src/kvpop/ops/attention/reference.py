@@ -30,7 +30,7 @@ def masked_attention(
         Rows with no allowed key give zeros and `lse = -inf`.
     """
     B, Hq, Q, D = query.shape
-    Hkv, N = key.shape[1], key.shape[2]
+    Hkv = key.shape[1]
     G = Hq // Hkv
     q = query.reshape(B, Hkv, G, Q, D).float()
     logits = torch.einsum("bhgqd,bhnd->bhgqn", q, key.float()) * scale
