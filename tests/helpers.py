@@ -43,7 +43,8 @@ def retrofitted(arch: str = "qwen3", cfg: kvpop.KVpopConfig | None = None, seed:
     torch.manual_seed(seed + 1)
     with torch.no_grad():
         for policy in model.kvpop.layers:
-            policy.scorer.w2.mul_(4.0)
+            if hasattr(policy, "scorer"):
+                policy.scorer.w2.mul_(4.0)
     return model
 
 

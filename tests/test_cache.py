@@ -14,6 +14,10 @@ CONFIGS = {
     "window-1": kvpop.KVpopConfig(sink=2, window=1, topk=5, scorer_hidden=16),
     "topk-0": kvpop.KVpopConfig(sink=3, window=4, topk=0, scorer_hidden=16),
     "budget>S": kvpop.KVpopConfig(sink=4, window=30, topk=30, scorer_hidden=16),
+    "streaming_llm": kvpop.KVpopConfig.for_budget(14, sink=2, policy="streaming_llm"),
+    "tova": kvpop.KVpopConfig(sink=2, window=3, topk=9, policy="tova"),
+    "tova-head-average": kvpop.KVpopConfig(sink=0, window=1, topk=13, policy="tova", tova_head_average=True),
+    "h2o": kvpop.KVpopConfig(sink=2, window=5, topk=7, policy="h2o"),
 }
 
 
@@ -49,6 +53,7 @@ def run_cached(model, ids, split, **fwd):
 @pytest.mark.parametrize("split", [(1,), (9,), (23,), (7, 7, 7), (13, 20, 15)], ids=str)
 @torch.no_grad()
 def test_teacher_forced_equals_prefill_and_decode(models, arch, cfg_name, split):
+    # every policy: the sparse teacher-forced forward is what prefill + decode computes
     model = models[(arch, cfg_name)]
     ids = _ids()
     with quiet():
@@ -76,9 +81,10 @@ def test_cache_holds_exactly_what_the_rule_retains(models, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg_name", ["base", "streaming_llm", "tova", "h2o"])
 @torch.no_grad()
-def test_batch_with_left_padding(models, arch):
-    model = models[(arch, "base")]
+def test_batch_with_left_padding(models, arch, cfg_name):
+    model = models[(arch, cfg_name)]
     a, b = _ids(2, 40)[0], _ids(3, 29)[0]
     ids, mask, pos = padded_batch([a, b])
     with quiet():

@@ -10,7 +10,8 @@ is looked up globally and nothing is stored on Hugging Face modules. Three cases
 - `kvpop_dense=True`: the original dense causal attention (the teacher), same numerics.
 
 Extra keyword arguments a caller may pass to the model forward (they flow down to here):
-`kvpop_dense: bool`, `kvpop_capture: Capture` (receives one `LayerRecord` per layer, for training).
+`kvpop_dense: bool`, `kvpop_capture: Capture` (receives one `LayerRecord` per layer, for training),
+`kvpop_priority: list[Tensor]` (static priorities per layer, [B, Hkv, S], replacing the policy's: the oracle).
 """
 
 from __future__ import annotations
@@ -117,13 +118,20 @@ def kvpop_attention(
         )
 
     valid = _padding(attention_mask, B, Q, query.device)
+    if policy.dynamic and not kwargs.get("kvpop_dense", False):
+        # TOVA / H2O: the teacher-forced forward is their decode loop over a fresh cache
+        from kvpop.cache import KVpopLayerCache
+
+        layer = KVpopLayerCache(cfg.sink, cfg.window, cfg.topk)
+        return layer.attend(query, key, value, valid, policy, scale).transpose(1, 2), None
     position = torch.cumsum(valid.long(), dim=-1) - 1  # [B, S]
+    override = kwargs.get("kvpop_priority")
     if kwargs.get("kvpop_dense", False):
         evict = torch.full(key.shape[:3], NEVER, dtype=torch.long, device=key.device)
         priority = None
         sink, window = Q, Q  # everything is a sink: causal attention over real tokens
     else:
-        priority = policy.priority(key, value, position)
+        priority = override[module.layer_idx] if override is not None else policy.priority(key, value, position)
         evict = eviction_positions(priority.detach(), position[:, None], valid[:, None], cfg.sink, cfg.window, cfg.topk)
         sink, window = cfg.sink, cfg.window
     capture = kwargs.get("kvpop_capture")

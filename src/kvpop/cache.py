@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpop.ops.attention import masked_attention
+from kvpop.ops.attention import attention_with_probs, masked_attention
 from kvpop.ops.topk import eviction_positions, mask_from_eviction
 from kvpop.policy import LayerPolicy
 
@@ -111,22 +111,33 @@ class KVpopLayerCache(CacheLayerMixin):
         scale: float,
     ) -> Tensor:
         """Insert a chunk of `C` new tokens and return their attention output [B, Hq, C, D]."""
+        if policy.teacher_forced_only:
+            raise ValueError(f"the {type(policy).__name__} ranks tokens by future attention: it cannot decode")
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         position = self.seen[:, None] + torch.cumsum(valid.long(), dim=-1) - 1  # [B, C]
         priority = policy.priority(key, value, position.clamp(min=0)).detach()  # [B, Hkv, C]
-        if key.shape[-2] == 1:
-            out = self._decode(query, key, value, position[:, 0], valid[:, 0], priority[..., 0], scale)
+        C = key.shape[-2]
+        if C == 1 or policy.dynamic:
+            # dynamic policies re-rank after every token, so even a prefill runs their step semantics
+            outs = [
+                self._decode(query[:, :, j : j + 1], key[:, :, j : j + 1], value[:, :, j : j + 1],
+                             position[:, j], valid[:, j], priority[..., j], scale, policy)
+                for j in range(C)
+            ]
+            out = torch.cat(outs, dim=2)
         else:
             out = self._chunk(query, key, value, position, valid, priority, scale)
         self.seen = self.seen + valid.sum(-1)
         return out
 
-    def _decode(self, query, key, value, p: Tensor, real: Tensor, pri_new: Tensor, scale: float) -> Tensor:
+    def _decode(self, query, key, value, p: Tensor, real: Tensor, pri_new: Tensor, scale: float,
+                policy: LayerPolicy) -> Tensor:
         """One token per row (`p`: [B] its position): Sec. 7's step with static shapes."""
         s, w, k = self.sink, self.window, self.topk
         B, H, _, D = self.keys.shape
-        slot = torch.where(p < s, p, s + (p - s).clamp(min=0) % w)  # [B]
+        # a padding step (p = -1) writes nothing; any in-range slot will do for its index
+        slot = torch.where(p < s, p.clamp(min=0), s + (p - s).clamp(min=0) % w)  # [B]
         idx = slot[:, None, None].expand(B, H, 1)
         if k > 0:
             # the token leaving the window (position p - w) becomes eligible: keep it if it beats the weakest top-k slot
@@ -144,8 +155,12 @@ class KVpopLayerCache(CacheLayerMixin):
             self._move(idx, dst, promote)
         new = real[:, None, None].expand(B, H, 1)
         self._write(idx, new, key, value, p[:, None, None].expand(B, H, 1), pri_new[..., None])
-        mask = (self.pos >= 0)[:, :, None, :]  # [B, H, 1, slots]
-        out, _ = masked_attention(query, self.keys, self.values, mask, scale)
+        occupied = self.pos >= 0
+        if not policy.dynamic:
+            out, _ = masked_attention(query, self.keys, self.values, occupied[:, :, None, :], scale)
+            return out
+        out, probs = attention_with_probs(query, self.keys, self.values, occupied, scale)
+        self.pri = torch.where(real[:, None, None], policy.update(self.pri, probs, occupied), self.pri)
         return out
 
     def _move(self, src: Tensor, dst: Tensor, where: Tensor) -> None:

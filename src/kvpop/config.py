@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-POLICIES = ("kvpop",)
+POLICIES = ("kvpop", "streaming_llm", "streaming_llm_plus", "tova", "h2o", "oracle")
+RECENCY_POLICIES = ("streaming_llm", "streaming_llm_plus")
 SCORERS = ("mlp",)
 AGGREGATIONS = ("max", "mean")
 
@@ -35,8 +36,8 @@ class KVpopConfig:
     """Protected window of the most recent tokens, the current one included. >= 1."""
     topk: int = 1788
     """Long-range slots filled by the learned ranking of older tokens. >= 0 (0 = StreamingLLM pattern)."""
-    policy: Literal["kvpop"] = "kvpop"
-    """Eviction policy. Baselines arrive with their own issue."""
+    policy: Literal["kvpop", "streaming_llm", "streaming_llm_plus", "tova", "h2o", "oracle"] = "kvpop"
+    """Eviction policy: `kvpop` (learned scorer) or a baseline (`kvpop.baselines`)."""
     scorer: Literal["mlp"] = "mlp"
     """Scorer architecture: `mlp` is the stateless KVpop-mlp of Sec. 3."""
     scorer_hidden: int = 256
@@ -45,6 +46,9 @@ class KVpopConfig:
     """Decay step `n` of the static priority `pi[t] = r[t] - floor(t / n) * log(gamma)`. >= 1."""
     gamma_init: float = 0.9
     """Initial per-head decay `gamma_h = sigmoid(theta_h)`, strictly between 0 and 1."""
+    tova_head_average: bool = False
+    """TOVA only: rank by the attention averaged over all query heads of the layer (the original)
+    instead of per KV head (max over its query heads)."""
 
     # --- loss knobs (Sec. 4-5); the training issue consumes them ---
     target_eps: float = 1e-6
@@ -73,6 +77,9 @@ class KVpopConfig:
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= lo, name, value, f"must be an integer >= {lo}")
         _check(self.policy in POLICIES, "policy", self.policy, f"must be one of {POLICIES}")
         _check(self.scorer in SCORERS, "scorer", self.scorer, f"must be one of {SCORERS}")
+        _check(self.policy not in RECENCY_POLICIES or self.topk == 0, "topk", self.topk,
+               f"must be 0 for policy {self.policy!r}, which keeps only sinks and the window "
+               f"(use window = budget - sink; KVpopConfig.for_budget does it)")
         _check(isinstance(self.gamma_init, (int, float)) and 0.0 < self.gamma_init < 1.0, "gamma_init", self.gamma_init,
                "must lie strictly between 0 and 1")
         _check(self.target_eps > 0 and math.isfinite(self.target_eps), "target_eps", self.target_eps, "must be a finite number > 0")
@@ -113,8 +120,13 @@ class KVpopConfig:
 
     @classmethod
     def for_budget(cls, budget: int, sink: int = 4, window: int | None = None, **kw: Any) -> KVpopConfig:
-        """A config with `sink + window + topk == budget`; the window defaults to a quarter of the budget."""
-        window = max(1, budget // 4) if window is None else window
+        """A config with `sink + window + topk == budget`.
+
+        The window defaults to a quarter of the budget; for `streaming_llm(_plus)` it is everything
+        beyond the sinks.
+        """
+        if window is None:
+            window = budget - sink if kw.get("policy") in RECENCY_POLICIES else max(1, budget // 4)
         topk = budget - sink - window
         if topk < 0:
             raise ValueError(f"budget={budget} is smaller than sink + window = {sink} + {window}")

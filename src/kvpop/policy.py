@@ -76,14 +76,52 @@ def eviction_times(priority: Tensor, sink: int, window: int, topk: int) -> Tenso
 
 
 class LayerPolicy(nn.Module):
-    """What one attention layer needs to rank its tokens: a scorer and the per-head decay `gamma_h`.
+    """How one attention layer ranks its tokens: the interface shared by KVpop and every baseline.
 
-    This is the policy interface the sparse attention and the cache call; a baseline supplies its
-    own `priority` (and nothing else) to reuse the whole eviction machinery.
+    The eviction machinery (sinks, window, running top-k, cache slots, masks) lives once, in
+    `ops/topk`, `attention.py` and `cache.py`; a policy supplies only what differs:
+
+    - `priority(key, value, position)`: each new token's priority at insertion (float32);
+    - `dynamic = True` and `update(...)`: priorities that change with the attention each token
+      receives (TOVA, H2O). Such policies run step by step, also when teacher-forced.
+
+    A static policy (`dynamic = False`) ranks by priorities fixed at insertion, so a whole
+    sequence is handled at once by the O(S log S) rule.
     """
+
+    dynamic = False
+    teacher_forced_only = False
 
     def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int):
         super().__init__()
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+
+    @property
+    def log_gamma(self) -> Tensor:
+        """float32 [H]: the decay of Sec. 2 (0: no decay)."""
+        return torch.zeros(self.num_kv_heads)
+
+    def priority(self, key: Tensor, value: Tensor, position: Tensor) -> Tensor:
+        """Priorities of new tokens: float32 [B, H, N] for key/value [B, H, N, D], position int64 [B, N]."""
+        B, H, N, _ = key.shape
+        return torch.zeros(B, H, N, dtype=torch.float32, device=key.device)
+
+    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor) -> Tensor:
+        """Dynamic policies: new slot priorities after one decode step.
+
+        Args:
+            priority: float32 [B, Hkv, N], the slots' priorities before the step.
+            probs: float32 [B, Hkv, G, N], the step's attention probabilities over the slots.
+            occupied: bool [B, Hkv, N].
+        """
+        raise NotImplementedError
+
+
+class ScorerPolicy(LayerPolicy):
+    """KVpop: a learned scorer and a learned per-head decay `gamma_h` (Sec. 2-3)."""
+
+    def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int):
+        super().__init__(cfg, num_kv_heads, head_dim)
         from kvpop.scorers import MLPScorer
 
         self.decay_step = cfg.decay_step
@@ -109,4 +147,11 @@ class LayerPolicy(nn.Module):
 
 
 __all__ = [
-    "LayerPolicy","NEVER", "eviction_times", "mask_from_eviction", "retention_mask", "static_priority"]
+    "NEVER",
+    "LayerPolicy",
+    "ScorerPolicy",
+    "eviction_times",
+    "mask_from_eviction",
+    "retention_mask",
+    "static_priority",
+]

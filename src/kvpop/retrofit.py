@@ -18,7 +18,7 @@ from torch import nn
 
 from kvpop.attention import ATTENTION_NAME, register
 from kvpop.config import KVpopConfig
-from kvpop.policy import LayerPolicy
+from kvpop.baselines import make_policy
 
 TESTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 CONFIG_FILE = "kvpop_config.json"
@@ -26,12 +26,12 @@ SCORERS_FILE = "kvpop_scorers.safetensors"
 
 
 class KVpopModules(nn.Module):
-    """The parameters KVpop adds to a model: one `LayerPolicy` per attention layer."""
+    """What KVpop adds to a model: one `LayerPolicy` (scorer and decay, or a baseline's) per attention layer."""
 
     def __init__(self, cfg: KVpopConfig, num_layers: int, num_kv_heads: int, head_dim: int):
         super().__init__()
         self.config = cfg
-        self.layers = nn.ModuleList(LayerPolicy(cfg, num_kv_heads, head_dim) for _ in range(num_layers))
+        self.layers = nn.ModuleList(make_policy(cfg, num_kv_heads, head_dim) for _ in range(num_layers))
         self.previous_attn_implementation: str | None = None
         self.hooks: list = []
 

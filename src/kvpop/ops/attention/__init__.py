@@ -11,7 +11,7 @@ from typing import Literal
 
 from torch import Tensor
 
-from kvpop.ops.attention.reference import masked_attention
+from kvpop.ops.attention.reference import attention_with_probs, masked_attention
 
 Backend = Literal["auto", "reference", "flex"]
 
@@ -52,4 +52,4 @@ def sparse_attention(
     return masked_attention(query, key, value, mask, scale, return_lse=return_lse)
 
 
-__all__ = ["masked_attention", "sparse_attention"]
+__all__ = ["attention_with_probs", "masked_attention", "sparse_attention"]

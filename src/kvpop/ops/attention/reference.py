@@ -41,3 +41,24 @@ def masked_attention(
     out = torch.einsum("bhgqn,bhnd->bhgqd", probs, value.float()).to(query.dtype)
     out = out.reshape(B, Hq, Q, D)
     return out, (lse.reshape(B, Hq, Q) if return_lse else None)
+
+
+def attention_with_probs(
+    query: Tensor,  # [B, Hq, 1, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    occupied: Tensor,  # [B, Hkv, N] bool
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """One decode step that also returns the attention probabilities (for TOVA / H2O).
+
+    Returns:
+        out [B, Hq, 1, D] and probs float32 [B, Hkv, G, N] (0 on empty slots).
+    """
+    B, Hq, _, D = query.shape
+    Hkv = key.shape[1]
+    q = query.reshape(B, Hkv, Hq // Hkv, D).float()
+    logits = torch.einsum("bhgd,bhnd->bhgn", q, key.float()) * scale
+    probs = torch.softmax(logits.masked_fill(~occupied[:, :, None], float("-inf")), dim=-1)
+    out = torch.einsum("bhgn,bhnd->bhgd", probs, value.float()).to(query.dtype)
+    return out.reshape(B, Hq, 1, D), probs

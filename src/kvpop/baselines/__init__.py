@@ -1,0 +1,29 @@
+"""Eviction policies beside KVpop, each supplying only what differs from the shared machinery.
+
+`make_policy(cfg, ...)` builds the `LayerPolicy` of `cfg.policy` for one layer.
+"""
+
+from __future__ import annotations
+
+from kvpop.baselines.h2o import H2OPolicy
+from kvpop.baselines.oracle import OraclePolicy
+from kvpop.baselines.streaming_llm import RecencyPolicy
+from kvpop.baselines.tova import TOVAPolicy
+from kvpop.config import KVpopConfig
+from kvpop.policy import LayerPolicy, ScorerPolicy
+
+POLICY_CLASSES: dict[str, type[LayerPolicy]] = {
+    "kvpop": ScorerPolicy,
+    "streaming_llm": RecencyPolicy,
+    "streaming_llm_plus": RecencyPolicy,
+    "tova": TOVAPolicy,
+    "h2o": H2OPolicy,
+    "oracle": OraclePolicy,
+}
+
+
+def make_policy(cfg: KVpopConfig, num_kv_heads: int, head_dim: int) -> LayerPolicy:
+    return POLICY_CLASSES[cfg.policy](cfg, num_kv_heads, head_dim)
+
+
+__all__ = ["POLICY_CLASSES", "H2OPolicy", "OraclePolicy", "RecencyPolicy", "TOVAPolicy", "make_policy"]

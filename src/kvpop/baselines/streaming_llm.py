@@ -1,0 +1,12 @@
+"""StreamingLLM (Xiao et al., 2023): attention sinks plus the most recent tokens, nothing else.
+
+The rule with `topk = 0`: the whole budget beyond the sinks is the window, so no priority is
+ever consulted. `streaming_llm_plus` is the same pattern with the base model distilled to it
+(`kvpop train --policy streaming_llm_plus`), the paper's trained fixed-pattern baseline.
+"""
+
+from kvpop.policy import LayerPolicy
+
+
+class RecencyPolicy(LayerPolicy):
+    """No scorer: with `topk = 0` the base class's constant priority is never used."""

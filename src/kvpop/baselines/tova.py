@@ -1,0 +1,29 @@
+"""TOVA (Oren et al., 2024): evict the token the current query attends to least.
+
+A token's priority is the attention weight it received at the latest step: per KV head, the
+largest weight over that head's query heads (default), or the layer-wide average over all query
+heads as in the original (`KVpopConfig(tova_head_average=True)`), which makes every KV head of
+a layer keep the same tokens. To stay within the budget without a second attention pass, the
+weights of step `q - 1` decide the eviction at step `q` (the token leaving the window against the
+weakest long-range slot), as the shared decode step does for every policy.
+"""
+
+from torch import Tensor
+
+from kvpop.config import KVpopConfig
+from kvpop.policy import LayerPolicy
+
+
+class TOVAPolicy(LayerPolicy):
+    dynamic = True
+
+    def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int):
+        super().__init__(cfg, num_kv_heads, head_dim)
+        self.head_average = cfg.tova_head_average
+
+    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor) -> Tensor:
+        if self.head_average:
+            score = probs.mean(dim=(1, 2), keepdim=True)[:, 0].expand_as(priority)
+        else:
+            score = probs.amax(dim=2)
+        return score.where(occupied, priority)
