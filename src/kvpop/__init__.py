@@ -3,20 +3,40 @@
     cfg = kvpop.KVpopConfig(sink=4, window=256, topk=1788)
     model = kvpop.retrofit(hf_model, cfg)
     out = model.generate(**inputs, past_key_values=kvpop.KVpopCache(model))
+
+Names are imported on first use, so `kvpop --help` does not wait for torch and transformers.
 """
 
-from kvpop.cache import KVpopCache
-from kvpop.config import KVpopConfig
-from kvpop.policy import eviction_times, retention_mask
-from kvpop.retrofit import detach, load, retrofit, save
+from __future__ import annotations
 
-__all__ = [
-    "KVpopCache",
-    "KVpopConfig",
-    "detach",
-    "eviction_times",
-    "load",
-    "retention_mask",
-    "retrofit",
-    "save",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "KVpopCache": "kvpop.cache",
+    "KVpopConfig": "kvpop.config",
+    "detach": "kvpop.retrofit",
+    "eviction_times": "kvpop.policy",
+    "future_attention_target": "kvpop.ops.target",
+    "load": "kvpop.retrofit",
+    "retention_mask": "kvpop.policy",
+    "retrofit": "kvpop.retrofit",
+    "save": "kvpop.retrofit",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from kvpop.cache import KVpopCache
+    from kvpop.config import KVpopConfig
+    from kvpop.ops.target import future_attention_target
+    from kvpop.policy import eviction_times, retention_mask
+    from kvpop.retrofit import detach, load, retrofit, save
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvpop' has no attribute {name!r}")
