@@ -4,7 +4,9 @@
     model = kvpop.retrofit(hf_model, cfg)
     out = model.generate(**inputs, past_key_values=kvpop.KVpopCache(model))
 
-Names are imported on first use, so `kvpop --help` does not wait for torch and transformers.
+Most names are imported on first use, so `kvpop --help` does not wait for transformers. The
+functions of `kvpop.retrofit` are bound eagerly: a lazy `retrofit` would be replaced by the
+submodule of the same name the first time anything imports `kvpop.retrofit`.
 """
 
 from __future__ import annotations
@@ -12,26 +14,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from kvpop.config import KVpopConfig
+from kvpop.retrofit import detach, load, retrofit, save
+
 _EXPORTS = {
     "KVpopCache": "kvpop.cache",
-    "KVpopConfig": "kvpop.config",
-    "detach": "kvpop.retrofit",
     "eviction_times": "kvpop.policy",
     "future_attention_target": "kvpop.ops.target",
-    "load": "kvpop.retrofit",
     "retention_mask": "kvpop.policy",
-    "retrofit": "kvpop.retrofit",
-    "save": "kvpop.retrofit",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "KVpopConfig", "detach", "load", "retrofit", "save"])
 
 if TYPE_CHECKING:
     from kvpop.cache import KVpopCache
-    from kvpop.config import KVpopConfig
     from kvpop.ops.target import future_attention_target
     from kvpop.policy import eviction_times, retention_mask
-    from kvpop.retrofit import detach, load, retrofit, save
 
 
 def __getattr__(name: str):

@@ -1,0 +1,1 @@
+"""Evaluation: metrics, benchmarks and plots of a retrofitted model."""

@@ -1,0 +1,380 @@
+"""Decode latency per token and memory against context length: Hugging Face's dense cache vs `KVpopCache`.
+
+    kvpop bench --model tiny-random-qwen3 --contexts 256,512,1024 --budget 128
+    python -m kvpop.eval.bench --model qwen3-8b-shape --device cuda --contexts 4096,16384,65536,131072 --budget 2048
+
+For each context length a seeded random prompt is prefilled (in chunks, so long contexts fit), then
+`--new-tokens` greedy decode steps are timed one by one (after `--warmup` untimed steps); the median
+is reported. The dense rows run the same weights without KVpop (a `DynamicCache` and the model's
+own attention); the KVpop rows run the retrofitted model with a `KVpopCache`.
+
+Memory: on CUDA, the peak allocated during decoding (weights + cache + transients; the peak counter
+is reset after the prefill, whose activations are not part of generation); on the CPU, the bytes
+of the cache tensors. Every row names which in "memory_kind", and "cache_mb" is always the cache.
+
+Output: a header with the shapes, a human table, then one JSON line
+`{"rows": [...], "device": ..., "model": ..., "command": ...}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import inspect
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from kvpop.cache import KVpopCache
+from kvpop.config import KVpopConfig
+from kvpop.retrofit import KVpopModules, detach, retrofit
+
+DENSE = "dense"
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by a cache's tensors: keys and values, plus KVpopCache's positions, priorities and counters."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "pos", "pri", "seen"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _cache_kwargs(model, cache) -> dict:
+    # transformers >= 5.2x renamed `past_key_values=` to `cache=` and warns on the old name
+    return {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {"past_key_values": cache}
+
+
+def _is_retrofitted(model) -> bool:
+    return isinstance(getattr(model, "kvpop", None), KVpopModules)
+
+
+@contextlib.contextmanager
+def _prepared(model, kind: str, config: KVpopConfig | None, seed: int) -> Iterator[KVpopConfig | None]:
+    """The model as cache `kind` needs it, in place: plain for "dense", retrofitted otherwise; restored after.
+
+    No copy of the weights is made, so CUDA peak memory counts one model. "kvpop" uses the model's
+    own retrofit if it has one, else `config`; any other kind is a policy name run with `config`'s budget.
+    """
+    stashed = None
+    if _is_retrofitted(model):
+        if kind == "kvpop":
+            yield model.kvpop.config
+            return
+        stashed = model.kvpop
+        config = config or stashed.config
+        detach(model)
+    try:
+        if kind == DENSE:
+            yield None
+        else:
+            if config is None:
+                raise ValueError(f"cache kind {kind!r} needs a KVpopConfig for a model that is not retrofitted")
+            cfg = config if kind == "kvpop" else dataclasses.replace(config, policy=kind)
+            # the scorers' random init draws from a private generator state: runs repeat exactly
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                retrofit(model, cfg)
+            try:
+                yield cfg
+            finally:
+                detach(model)
+    finally:
+        if stashed is not None:
+            with torch.random.fork_rng(devices=[]):
+                retrofit(model, stashed.config)
+            model.kvpop.load_state_dict(stashed.state_dict(), assign=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _new_cache(model, kind: str):
+    if kind == DENSE:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config)
+    return KVpopCache(model)
+
+
+@torch.no_grad()
+def _run_one(model, kind: str, ids: torch.Tensor, new_tokens: int, warmup: int, chunk: int) -> dict:
+    """Prefill `ids` [B, S], then time `new_tokens` decode steps; memory as the module docstring says."""
+    device = ids.device
+    cache = _new_cache(model, kind)
+    kw = _cache_kwargs(model, cache)
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(0, ids.shape[1], chunk):
+        logits = model(ids[:, i : i + chunk], **kw, use_cache=True, logits_to_keep=1).logits
+    _sync(device)
+    prefill_s = time.perf_counter() - start
+    nxt = logits[:, -1].argmax(-1, keepdim=True)
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(warmup):
+        nxt = model(nxt, **kw, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    times_ms = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(new_tokens)]
+        for begin, end in events:
+            begin.record()
+            nxt = model(nxt, **kw, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            end.record()
+        torch.cuda.synchronize(device)
+        times_ms = [begin.elapsed_time(end) for begin, end in events]
+        peak_mb, memory_kind = torch.cuda.max_memory_allocated(device) / 2**20, "cuda peak (decode)"
+    else:
+        for _ in range(new_tokens):
+            t0 = time.perf_counter()
+            nxt = model(nxt, **kw, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            times_ms.append((time.perf_counter() - t0) * 1e3)
+        peak_mb, memory_kind = None, "cache tensors"
+    cache_mb = cache_bytes(cache) / 2**20
+    ms = statistics.median(times_ms)
+    return {
+        "ms_per_token": ms,
+        "ms_min": min(times_ms),
+        "tokens_per_s": ids.shape[0] * 1e3 / ms,
+        "prefill_s": prefill_s,
+        "peak_mb": cache_mb if peak_mb is None else peak_mb,
+        "cache_mb": cache_mb,
+        "memory_kind": memory_kind,
+        "seen": cache.get_seq_length(),
+    }
+
+
+def bench_decode(
+    model,
+    contexts: Sequence[int],
+    cache_kinds: Sequence[str] = (DENSE, "kvpop"),
+    new_tokens: int = 16,
+    batch: int = 1,
+    warmup: int = 2,
+    device: str | torch.device | None = None,
+    config: KVpopConfig | None = None,
+    prefill_chunk: int = 2048,
+    seed: int = 0,
+) -> list[dict]:
+    """Per-token decode latency and memory for each cache kind at each context length.
+
+    Args:
+        model: a Hugging Face causal LM, plain or retrofitted (it is used in place and left as given).
+        contexts: prompt lengths to prefill before decoding.
+        cache_kinds: "dense" (`DynamicCache`, no KVpop), "kvpop" (the model's retrofit, or `config`),
+            or another policy name, run with `config`'s budget.
+        new_tokens: timed decode steps per run (the median is reported).
+        batch: rows per step, all of the same length.
+        warmup: untimed decode steps before the timed ones.
+        device: where to run (default: the model's device).
+        config: the `KVpopConfig` for a model that is not retrofitted.
+        prefill_chunk: tokens per prefill forward.
+        seed: seeds the prompts (one per context length, the same for every cache kind).
+    Returns:
+        One dict per (context, cache kind): "cache", "context", "batch", "new_tokens",
+        "ms_per_token", "ms_min", "tokens_per_s", "prefill_s", "peak_mb", "cache_mb", "memory_kind",
+        "budget" (None for dense), "vs_dense" (latency ratio), and "error" (None, or "out of memory").
+    """
+    for name, value, lo in (("new_tokens", new_tokens, 1), ("batch", batch, 1), ("warmup", warmup, 0),
+                            ("prefill_chunk", prefill_chunk, 1)):
+        if value < lo:
+            raise ValueError(f"{name}={value} must be >= {lo}")
+    if not contexts or min(contexts) < 1:
+        raise ValueError(f"contexts={list(contexts)} must be non-empty positive lengths")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and max(contexts) + warmup + new_tokens > limit:
+        raise ValueError(f"context {max(contexts)} + {warmup + new_tokens} decode steps exceeds the model's "
+                         f"max_position_embeddings={limit}")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    model.to(device)
+    model.eval()
+    vocab = model.config.vocab_size
+    rows = []
+    for kind in cache_kinds:
+        with _prepared(model, kind, config, seed) as cfg:
+            for context in contexts:
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + context)
+                ids = torch.randint(0, vocab, (batch, context), generator=gen).to(device)
+                row = {"cache": kind, "context": context, "batch": batch, "new_tokens": new_tokens,
+                       "budget": None if cfg is None else cfg.budget, "error": None}
+                try:
+                    row.update(_run_one(model, kind, ids, new_tokens, warmup, prefill_chunk))
+                except torch.OutOfMemoryError:
+                    row.update(ms_per_token=None, peak_mb=None, cache_mb=None, error="out of memory")
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                rows.append(row)
+    order = {kind: i for i, kind in enumerate(cache_kinds)}
+    rows.sort(key=lambda r: (r["context"], order[r["cache"]]))
+    dense = {r["context"]: r["ms_per_token"] for r in rows if r["cache"] == DENSE}
+    for r in rows:
+        base = dense.get(r["context"])
+        r["vs_dense"] = r["ms_per_token"] / base if base and r["ms_per_token"] is not None else None
+    return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """The rows as an aligned text table for people."""
+    head = ("cache", "context", "budget", "ms/token", "vs dense", "tokens/s", "prefill s", "cache MB", "peak MB")
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    def mb(v):
+        return "-" if v is None else format(v, ".1f" if v >= 10 else ".3f")
+
+    lines = [head]
+    for r in rows:
+        if r.get("error"):
+            lines.append((r["cache"], str(r["context"]), fmt(r["budget"], "d"), r["error"], "", "", "", "", ""))
+            continue
+        lines.append((r["cache"], str(r["context"]), fmt(r["budget"], "d"), fmt(r["ms_per_token"], ".2f"),
+                      fmt(r["vs_dense"], ".2f"), fmt(r["tokens_per_s"], ".1f"), fmt(r["prefill_s"], ".2f"),
+                      mb(r["cache_mb"]), mb(r["peak_mb"])))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+           for line in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+BENCH_ARGS: list[tuple[tuple[str, ...], dict]] = [
+    (("--model",), dict(required=True, metavar="PATH_OR_PRESET",
+                        help="a preset (tiny-random-qwen3, smollm2-135m, qwen3-4b-shape, qwen3-8b-shape, "
+                             "tiny-qwen3-shape), a local Hugging Face directory, or a kvpop.save directory")),
+    (("--contexts",), dict(default="256,512,1024", help="comma-separated context lengths (default 256,512,1024)")),
+    (("--caches",), dict(default="dense,kvpop", help="comma-separated cache kinds: dense, kvpop, or a policy name "
+                                                    "(default dense,kvpop)")),
+    (("--new-tokens",), dict(type=int, default=16, help="timed decode steps per run (default 16)")),
+    (("--warmup",), dict(type=int, default=2, help="untimed decode steps before timing (default 2)")),
+    (("--batch",), dict(type=int, default=1, help="sequences per step (default 1)")),
+    (("--prefill-chunk",), dict(type=int, default=2048, help="tokens per prefill forward (default 2048)")),
+    (("--sink",), dict(type=int, default=4, help="sink tokens (default 4)")),
+    (("--window",), dict(type=int, default=None, help="protected window (default a quarter of the budget)")),
+    (("--topk",), dict(type=int, default=None, help="long-range slots (default: budget - sink - window)")),
+    (("--budget",), dict(type=int, default=None, help="sink + window + topk (default 2048 unless --topk is given)")),
+    (("--num-layers",), dict(type=int, default=None, help="decoder layers of a *-shape preset (default: the real count)")),
+    (("--device",), dict(default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")),
+    (("--dtype",), dict(default=None, choices=["float32", "bfloat16", "float16"],
+                        help="model dtype (default: bfloat16 for *-shape presets, else the model's own)")),
+    (("--seed",), dict(type=int, default=0, help="seeds prompts and fresh scorers (default 0)")),
+    (("--json-out",), dict(default=None, metavar="PATH", help="also write the JSON result to PATH")),
+    (("--plot",), dict(default=None, metavar="PATH", help="write the memory/latency plot (PNG) to PATH")),
+]
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `kvpop bench`'s flags to `parser`."""
+    for flags, kwargs in BENCH_ARGS:
+        parser.add_argument(*flags, **kwargs)
+    return parser
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}={text!r} must be comma-separated integers") from None
+
+
+def _rule_config(args: argparse.Namespace) -> KVpopConfig:
+    if args.topk is not None:
+        if args.budget is not None:
+            raise ValueError("give --budget or --topk, not both")
+        return KVpopConfig(sink=args.sink, window=256 if args.window is None else args.window, topk=args.topk)
+    return KVpopConfig.for_budget(2048 if args.budget is None else args.budget, sink=args.sink, window=args.window)
+
+
+def _load(args: argparse.Namespace, device: str):
+    from kvpop.shapes import SHAPE_PRESETS, build_shape_model
+
+    if args.model in SHAPE_PRESETS:
+        dtype = getattr(torch, args.dtype or "bfloat16")
+        return build_shape_model(args.model, device, dtype=dtype, num_layers=args.num_layers, seed=args.seed)[0]
+    if args.num_layers is not None:
+        raise ValueError(f"--num-layers applies to the *-shape presets only, not {args.model!r}")
+    from kvpop.models import load_model
+
+    return load_model(args.model, dtype=args.dtype, device=device)[0]
+
+
+def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
+    """`kvpop bench`: print the header and table, then the JSON line; write --json-out and --plot.
+
+    `command` is recorded with the result (default: `kvpop` and this process's arguments).
+    """
+    from kvpop.models import is_kvpop_dir
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    contexts = _ints(args.contexts, "--contexts")
+    kinds = [k.strip() for k in args.caches.split(",") if k.strip()]
+    model = _load(args, device)
+    config = None if is_kvpop_dir(args.model) else _rule_config(args)
+    c = model.config
+    kv_heads = c.num_key_value_heads or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    n_params = sum(p.numel() for p in model.parameters())
+    rule = config or model.kvpop.config
+    dtype = next(model.parameters()).dtype
+    print(f"# kvpop bench: {args.model} ({n_params / 1e6:.0f}M parameters, {c.num_hidden_layers} layers, "
+          f"{c.num_attention_heads} query / {kv_heads} KV heads of dim {head_dim}, {str(dtype).removeprefix('torch.')}) "
+          f"on {device}; batch {args.batch}, {args.new_tokens} timed steps after {args.warmup}; "
+          f"KVpop sink={rule.sink} window={rule.window} topk={rule.topk} (budget {rule.budget})")
+    rows = bench_decode(model, contexts, kinds, new_tokens=args.new_tokens, batch=args.batch, warmup=args.warmup,
+                        device=device, config=config, prefill_chunk=args.prefill_chunk, seed=args.seed)
+    print(format_table(rows))
+    if args.plot:
+        from kvpop.eval.plots import plot_memory_latency
+
+        path = plot_memory_latency(rows, args.plot, title=f"{args.model} on {_device_name(device)}")
+        print(f"# plot: {path}")
+    result = {
+        "rows": rows,
+        "device": _device_name(device),
+        "model": args.model,
+        "command": command or shlex.join(["kvpop", *sys.argv[1:]]),
+        "dtype": str(dtype).removeprefix("torch."),
+        "params": n_params,
+        "kvpop_config": {"sink": rule.sink, "window": rule.window, "topk": rule.topk, "policy": rule.policy},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+    }
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(result))
+    return 0
+
+
+def _device_name(device: str) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = add_bench_args(argparse.ArgumentParser(prog="kvpop bench", description=__doc__.splitlines()[0]))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return run_bench(parser.parse_args(argv), shlex.join(["python", "-m", "kvpop.eval.bench", *argv]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
