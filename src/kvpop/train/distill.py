@@ -308,7 +308,9 @@ class Distiller:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
         records = Capture()
         with autocast:
-            logits = self.forward_model(batch, kvpop_capture=records, use_cache=False).logits
+            # scorer-only training needs no logits: the LM head runs on the last position only
+            keep = {} if self.teacher is not None else {"logits_to_keep": 1}
+            logits = self.forward_model(batch, kvpop_capture=records, use_cache=False, **keep).logits
             loss_kl = torch.zeros((), device=self.device)
             if self.teacher is not None:
                 with torch.no_grad():

@@ -1,8 +1,9 @@
 """Sparse attention under the retention rule: the dense-mask reference and FlexAttention.
 
 `sparse_attention` checks nothing expensive and picks the backend: FlexAttention on CUDA (block
-mask built from the known structure), the dense boolean mask everywhere else (FlexAttention has no
-backward on CPU). The fast backend is imported lazily and never imports the reference.
+mask built from the known structure), PyTorch's fused CPU kernel with the dense mask on CPU
+(FlexAttention has no backward there), and the explicit reference otherwise. Fast backends are
+imported lazily and never import the reference.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import Tensor
 
 from kvpop.ops.attention.reference import attention_with_probs, masked_attention
 
-Backend = Literal["auto", "reference", "flex"]
+Backend = Literal["auto", "reference", "cpu", "flex"]
 
 
 def sparse_attention(
@@ -37,18 +38,24 @@ def sparse_attention(
         out [B, Hq, Q, D] and, if asked, lse float32 [B, Hq, Q].
     """
     if backend == "auto":
-        backend = "flex" if query.is_cuda else "reference"
+        from kvpop.ops.attention.cpu import available
+
+        backend = "flex" if query.is_cuda else ("cpu" if available(query) else "reference")
     if backend == "flex":
         from kvpop.ops.attention.flex import flex_sparse_attention
 
         return flex_sparse_attention(
             query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale, return_lse=return_lse
         )
-    if backend != "reference":
-        raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'flex'")
+    if backend not in ("reference", "cpu"):
+        raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'cpu', 'flex'")
     from kvpop.ops.topk import mask_from_eviction
 
     mask = mask_from_eviction(q_pos, q_valid, k_pos[:, None], k_valid[:, None], evict, sink, window)
+    if backend == "cpu":
+        from kvpop.ops.attention.cpu import cpu_masked_attention
+
+        return cpu_masked_attention(query, key, value, mask, scale, return_lse=return_lse)
     return masked_attention(query, key, value, mask, scale, return_lse=return_lse)
 
 
