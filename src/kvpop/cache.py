@@ -28,6 +28,14 @@ from kvpop.ops.topk import eviction_positions, mask_from_eviction
 from kvpop.policy import LayerPolicy
 
 
+def cache_kwargs(model, cache: Cache) -> dict:
+    """`{name: cache}` for a forward or `generate` call: transformers >= 5.2x renamed `past_key_values=` to `cache=`."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
 class KVpopLayerCache(CacheLayerMixin):
     """One layer's slots. `keys`/`values`: [B, Hkv, slots, D]; `pos`: int64 and `pri`: float32 [B, Hkv, slots]."""
 

@@ -57,13 +57,6 @@ def _device(name: str | None) -> str:
     return name or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _cache_kwarg(model) -> str:
-    # transformers >= 5.2x renamed `past_key_values=` to `cache=` and warns on the old name
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @command("generate", "generate text with a bounded KVpop cache, streaming tokens as they come", [
     MODEL,
     arg("--prompt", required=True, help="the prompt text"),
@@ -86,6 +79,7 @@ def generate(args: argparse.Namespace) -> int:
     from transformers import TextStreamer
 
     import kvpop
+    from kvpop.cache import cache_kwargs
     from kvpop.models import is_kvpop_dir, load_model
 
     if not args.prompt:
@@ -120,7 +114,7 @@ def generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = model.generate(
         **inputs,
-        **{_cache_kwarg(model): cache},
+        **cache_kwargs(model, cache),
         max_new_tokens=args.max_new_tokens,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         streamer=TextStreamer(tokenizer, skip_prompt=True),
@@ -254,6 +248,33 @@ def train(args: argparse.Namespace) -> int:
         return 130
     print(f"kvpop train: final model in {final} (load it with kvpop.load or --model {final})", file=sys.stderr)
     return 0
+
+
+@command("demo", "the main job: train KVpop on SmolLM2-135M + champ math, compare with the baselines, plot", [
+    arg("--quick", action="store_true", help="a shorter run (within 15 minutes on 2 CPU cores)"),
+    arg("--out", default="runs/demo", help="output directory (default runs/demo)"),
+    arg("--device", default=None, help="cpu, cuda, ... (default: cuda if available, else cpu)"),
+    arg("--seed", type=int, default=0),
+])
+def demo(args: argparse.Namespace) -> int:
+    from kvpop.eval.demo import run_demo
+
+    run_demo(args.out, quick=args.quick, device=args.device, seed=args.seed)
+    return 0
+
+
+def _bench_args():
+    from kvpop.eval.args import BENCH_ARGS
+
+    return BENCH_ARGS
+
+
+@command("bench", "decode latency per token and peak memory against context length: dense cache vs KVpopCache",
+         _bench_args())
+def bench(args: argparse.Namespace) -> int:
+    from kvpop.eval.bench import run_bench
+
+    return run_bench(args, command=" ".join(["kvpop", *sys.argv[1:]]))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-import inspect
 import json
 import platform
 import shlex
@@ -34,8 +33,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from kvpop.cache import KVpopCache
+from kvpop.cache import KVpopCache, cache_kwargs
 from kvpop.config import KVpopConfig
+from kvpop.eval.args import BENCH_ARGS
 from kvpop.retrofit import KVpopModules, detach, retrofit
 
 DENSE = "dense"
@@ -50,11 +50,6 @@ def cache_bytes(cache) -> int:
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
     return total
-
-
-def _cache_kwargs(model, cache) -> dict:
-    # transformers >= 5.2x renamed `past_key_values=` to `cache=` and warns on the old name
-    return {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {"past_key_values": cache}
 
 
 def _is_retrofitted(model) -> bool:
@@ -116,7 +111,7 @@ def _run_one(model, kind: str, ids: torch.Tensor, new_tokens: int, warmup: int, 
     """Prefill `ids` [B, S], then time `new_tokens` decode steps; memory as the module docstring says."""
     device = ids.device
     cache = _new_cache(model, kind)
-    kw = _cache_kwargs(model, cache)
+    kw = cache_kwargs(model, cache)
     _sync(device)
     start = time.perf_counter()
     for i in range(0, ids.shape[1], chunk):
@@ -255,29 +250,6 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(out)
 
 
-BENCH_ARGS: list[tuple[tuple[str, ...], dict]] = [
-    (("--model",), dict(required=True, metavar="PATH_OR_PRESET",
-                        help="a preset (tiny-random-qwen3, smollm2-135m, qwen3-4b-shape, qwen3-8b-shape, "
-                             "tiny-qwen3-shape), a local Hugging Face directory, or a kvpop.save directory")),
-    (("--contexts",), dict(default="256,512,1024", help="comma-separated context lengths (default 256,512,1024)")),
-    (("--caches",), dict(default="dense,kvpop", help="comma-separated cache kinds: dense, kvpop, or a policy name "
-                                                    "(default dense,kvpop)")),
-    (("--new-tokens",), dict(type=int, default=16, help="timed decode steps per run (default 16)")),
-    (("--warmup",), dict(type=int, default=2, help="untimed decode steps before timing (default 2)")),
-    (("--batch",), dict(type=int, default=1, help="sequences per step (default 1)")),
-    (("--prefill-chunk",), dict(type=int, default=2048, help="tokens per prefill forward (default 2048)")),
-    (("--sink",), dict(type=int, default=4, help="sink tokens (default 4)")),
-    (("--window",), dict(type=int, default=None, help="protected window (default a quarter of the budget)")),
-    (("--topk",), dict(type=int, default=None, help="long-range slots (default: budget - sink - window)")),
-    (("--budget",), dict(type=int, default=None, help="sink + window + topk (default 2048 unless --topk is given)")),
-    (("--num-layers",), dict(type=int, default=None, help="decoder layers of a *-shape preset (default: the real count)")),
-    (("--device",), dict(default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")),
-    (("--dtype",), dict(default=None, choices=["float32", "bfloat16", "float16"],
-                        help="model dtype (default: bfloat16 for *-shape presets, else the model's own)")),
-    (("--seed",), dict(type=int, default=0, help="seeds prompts and fresh scorers (default 0)")),
-    (("--json-out",), dict(default=None, metavar="PATH", help="also write the JSON result to PATH")),
-    (("--plot",), dict(default=None, metavar="PATH", help="write the memory/latency plot (PNG) to PATH")),
-]
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

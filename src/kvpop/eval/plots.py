@@ -17,7 +17,7 @@ import torch
 from matplotlib.colors import BoundaryNorm
 from matplotlib.figure import Figure
 
-from kvpop.cache import KVpopCache
+from kvpop.cache import KVpopCache, cache_kwargs
 from kvpop.retrofit import kvpop_modules
 
 DPI = 110
@@ -80,20 +80,13 @@ def eviction_counts(model, input_ids, last: int = 112, chunk: int | None = None)
     cache = KVpopCache(model)
     step = chunk or S
     for i in range(0, S, step):
-        model(ids[:, i : i + step], **_cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        model(ids[:, i : i + step], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     positions = torch.arange(start, end, device=device)
     counts = []
     for layer in cache.layers:
         held = (layer.pos[0][:, :, None] == positions).any(dim=1)  # [Hkv, T]
         counts.append(held.sum(0))
     return torch.stack(counts).cpu(), positions.cpu()
-
-
-def _cache_kwargs(model, cache) -> dict:
-    # transformers >= 5.2x renamed `past_key_values=` to `cache=` and warns on the old name
-    import inspect
-
-    return {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {"past_key_values": cache}
 
 
 def plot_eviction_pattern(

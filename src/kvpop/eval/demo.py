@@ -1,0 +1,148 @@
+"""`kvpop demo`: KVpop on a real pretrained model, end to end, on whatever machine runs it.
+
+    kvpop demo --quick --out runs/demo
+
+SmolLM2-135M-Instruct and the champ math solutions (both from PyPI, nothing downloaded from a hub):
+train KVpop-mlp at S = 2048 for B = 512 (CR 75 %) and B = 256 (CR 88 %) - scorer-only on a CPU,
+full distillation when CUDA is present - then compare it with StreamingLLM, TOVA, H2O and the
+oracle on held-out problems, plot the eviction pattern, the recall per layer and the memory /
+latency of decoding, and generate a sample answer with the bounded cache. The table goes to
+stdout, and the last line of stdout is one JSON object with the rows.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+BASELINES = ("streaming_llm", "tova", "h2o", "oracle")
+
+
+@dataclass
+class DemoPlan:
+    seq_len: int = 2048
+    budgets: tuple[int, ...] = (512, 256)
+    train_steps: int = 150
+    lr_scorer: float = 3e-3
+    eval_sequences: int = 6
+    sample_tokens: int = 160
+    bench_contexts: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+
+    @classmethod
+    def for_machine(cls, quick: bool, cuda: bool) -> DemoPlan:
+        if cuda:
+            return cls(seq_len=2048, train_steps=60 if quick else 400, eval_sequences=4 if quick else 16)
+        if quick:
+            return cls(train_steps=18, eval_sequences=2, sample_tokens=96, bench_contexts=(256, 512, 1024, 2048))
+        return cls()
+
+
+def _log(msg: str) -> None:
+    print(f"[kvpop demo] {msg}", file=sys.stderr, flush=True)
+
+
+def run_demo(out: str | Path, quick: bool = False, device: str | None = None, seed: int = 0,
+             model_name: str = "smollm2-135m") -> dict:
+    from tqdm.auto import tqdm
+
+    import kvpop
+    from kvpop.cache import cache_kwargs
+    from kvpop.eval import plots
+    from kvpop.eval.bench import bench_decode
+    from kvpop.eval.evaluate import Evaluator, format_table, from_directory, headline, training_free
+    from kvpop.models import load_model
+    from kvpop.train.data import champ_problems, load_texts, pack_sequences
+    from kvpop.train.distill import TrainConfig, train
+
+    start = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    plan = DemoPlan.for_machine(quick, cuda)
+    _log(f"{model_name} on {device}; plan {plan}")
+    torch.manual_seed(seed)
+    base, tokenizer = load_model(model_name, device=device)
+
+    # 1. train KVpop-mlp for each budget
+    trained = {}
+    for budget in plan.budgets:
+        cfg = kvpop.KVpopConfig.for_budget(budget)
+        tcfg = TrainConfig(model=model_name, data="champ", seq_len=plan.seq_len, steps=plan.train_steps,
+                           batch_size=1, freeze_base=not cuda, lr_scorer=plan.lr_scorer, out=str(out / f"train_b{budget}"),
+                           save_every=0, seed=seed, device=device)
+        _log(f"training KVpop-mlp, budget {budget} (sink {cfg.sink}, window {cfg.window}, topk {cfg.topk}), "
+             f"{'full distillation' if cuda else 'scorer only'}, {plan.train_steps} steps")
+        trained[budget] = train(tcfg, cfg, argv=["kvpop", "demo"])
+
+    # 2. evaluate every policy on held-out problems
+    texts = load_texts("champ", split="eval", tokenizer=tokenizer, seed=seed)
+    tokens = pack_sequences(texts, tokenizer, plan.seq_len)[: plan.eval_sequences]
+    entries = []
+    for budget in plan.budgets:
+        entries.append(from_directory(str(trained[budget]), name="kvpop"))
+        entries += [training_free(p, budget) for p in BASELINES]
+    evaluator = Evaluator(base, entries, device=device)
+    for row in tqdm(tokens, desc="kvpop eval", unit="seq"):
+        evaluator.add(row[None])
+    rows = evaluator.rows(plan.seq_len)
+    table = format_table(rows)
+
+    # 3. plots
+    figures = {}
+    big = max(plan.budgets)
+    model = kvpop.load(trained[big], device=device)
+    trace = tokens[:1].to(device)
+    counts, positions = plots.eviction_counts(model, trace, last=112)
+    labels = plots.token_labels(tokenizer, trace[0, positions].tolist())
+    figures["eviction_pattern"] = str(plots.plot_eviction_pattern(
+        counts.cpu().numpy(), labels, model.config.num_key_value_heads, out / "eviction_pattern.png",
+        title=f"KVpop-mlp, B = {big}: KV heads (of {model.config.num_key_value_heads}) retaining each token"))
+    kv_entry = next(e for e in evaluator.entries if e.name == "kvpop" and e.budget == big)
+    figures["recall_per_layer"] = str(plots.plot_recall_per_layer(
+        kv_entry.recall.result().per_head, out / "recall_per_layer.png",
+        title=f"Top-k retention recall vs. the oracle, B = {big}"))
+    _log("benchmarking decode memory and latency against context length")
+    bench_rows = bench_decode(model, list(plan.bench_contexts), new_tokens=8, warmup=2, device=device)
+    figures["memory_latency"] = str(plots.plot_memory_latency(
+        bench_rows, out / "memory_latency.png", title=f"{model_name}: dense cache vs KVpopCache (B = {big})"))
+
+    # 4. a sample answer with the bounded cache
+    problem = champ_problems("eval", seed=seed)[0]
+    small = kvpop.load(trained[min(plan.budgets)], device=device)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": problem["problem"]}], tokenize=False,
+                                           add_generation_prompt=True)
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(device)
+    cache = kvpop.KVpopCache(small)
+    gen = small.generate(**inputs, **cache_kwargs(small, cache), max_new_tokens=plan.sample_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    answer = tokenizer.decode(gen[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    result = {
+        "rows": rows,
+        "plan": asdict(plan),
+        "device": device,
+        "model": model_name,
+        "figures": figures,
+        "bench": bench_rows,
+        "sample": {"problem": problem["problem"], "reference_answer": problem["answer"], "answer": answer,
+                   "budget": min(plan.budgets), "tokens_seen": cache.get_seq_length(),
+                   "slots": cache.config.budget},
+        "seconds": round(time.perf_counter() - start, 1),
+        "torch": torch.__version__,
+        "command": " ".join(["kvpop", *sys.argv[1:]]),
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "table.txt").write_text(table + "\n")
+    print(table)
+    print(f"\nSample answer (bounded cache, B = {min(plan.budgets)}, {cache.get_seq_length()} tokens seen):")
+    print(f"  problem: {problem['problem'][:300]}")
+    print(f"  answer:  {answer.strip()[:600]}")
+    print(f"\nplots: {', '.join(figures.values())}; everything in {out} ({result['seconds']} s)")
+    print(json.dumps(headline(rows)))
+    return result

@@ -1,0 +1,156 @@
+"""Side-by-side evaluation of eviction policies on held-out text: the engine behind `kvpop eval`.
+
+    kvpop eval --model smollm2-135m --data champ --seq-len 2048 --budgets 512,256 \
+        --policies streaming_llm,tova,h2o,oracle --trained 512=runs/b512/final --sequences 3
+
+Every policy and budget sees the same sequences; every number is teacher-forced against the dense
+model with the same weights (`kvpop_dense=True`), counted at positions `>= budget` where eviction
+acts (`DESIGN.md`, Metrics). Static-priority policies (KVpop, the oracle) also get their top-k
+retention recall against the oracle of the evaluated model, per layer and head (paper Fig. 7).
+Because the training mask equals the decoding cache, these are the numbers a user gets generating.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from kvpop.attention import Capture
+from kvpop.config import KVpopConfig
+from kvpop.eval.metrics import RetentionRecall, TeacherForcedStats, priorities_from_records
+from kvpop.retrofit import detach, kvpop_modules, load, retrofit
+
+
+@dataclass
+class Entry:
+    """One row of the comparison: a policy at a budget, training-free or from a trained directory."""
+
+    name: str
+    """Row label, e.g. `kvpop`, `streaming_llm`."""
+    budget: int
+    cfg: KVpopConfig
+    trained: str | None = None
+    """A `kvpop.save` directory (its own config and weights), or None for a training-free policy."""
+    stats: TeacherForcedStats = field(default_factory=TeacherForcedStats, repr=False)
+    recall: RetentionRecall | None = field(default=None, repr=False)
+
+
+def training_free(policy: str, budget: int, sink: int = 4) -> Entry:
+    """A baseline at `budget` with the split each policy expects (`KVpopConfig.for_budget`)."""
+    cfg = KVpopConfig.for_budget(budget, sink=sink, policy=policy)
+    return Entry(policy, budget, cfg)
+
+
+def from_directory(path: str, name: str = "kvpop") -> Entry:
+    import json
+    from pathlib import Path
+
+    cfg = KVpopConfig.from_dict(json.loads((Path(path) / "kvpop_config.json").read_text()))
+    return Entry(name, cfg.budget, cfg, trained=str(path))
+
+
+class Evaluator:
+    """Runs `entries` over sequences, keeping one base model and loading trained ones once."""
+
+    def __init__(self, base: nn.Module, entries: Sequence[Entry], device: torch.device | str = "cpu"):
+        self.base, self.entries, self.device = base, list(entries), torch.device(device)
+        self._trained: dict[str, nn.Module] = {}
+        # the dense reference: the base with any policy attached, run with kvpop_dense=True
+        self._reference_cfg = KVpopConfig(sink=1, window=1, topk=0, policy="streaming_llm")
+
+    def _model(self, entry: Entry) -> nn.Module:
+        if entry.trained is None:
+            return retrofit(self.base, entry.cfg)
+        if entry.trained not in self._trained:
+            self._trained[entry.trained] = load(entry.trained, device=self.device)
+        return self._trained[entry.trained]
+
+    def _release(self, entry: Entry, model: nn.Module) -> None:
+        if entry.trained is None:
+            detach(model)
+
+    @torch.no_grad()
+    def add(self, input_ids: Tensor) -> None:
+        """Evaluate every entry on one batch of unpadded sequences [B, S]."""
+        ids = input_ids.to(self.device)
+        model = retrofit(self.base, self._reference_cfg)
+        dense = model(ids, kvpop_dense=True, use_cache=False).logits.float()
+        detach(model)
+        for entry in self.entries:
+            model = self._model(entry)
+            try:
+                logits, recall = self._run(entry, model, ids)
+            finally:
+                self._release(entry, model)
+            entry.stats.update(dense, logits, ids, start=entry.budget)
+            if recall is not None:
+                if entry.recall is None:
+                    c = entry.cfg
+                    entry.recall = RetentionRecall(c.sink, c.window, c.topk)
+                entry.recall.update(*recall)
+
+    def _run(self, entry: Entry, model: nn.Module, ids: Tensor) -> tuple[Tensor, tuple | None]:
+        cfg = kvpop_modules(model).config
+        if model.kvpop.layers[0].dynamic or cfg.topk == 0:
+            return model(ids, use_cache=False).logits.float(), None
+        # static priorities: the oracle of this very model (dense pass), then its own sparse pass
+        dense = Capture()
+        model(ids, kvpop_dense=True, kvpop_capture=dense, use_cache=False, logits_to_keep=1)
+        teacher = priorities_from_records(dense, cfg)
+        if cfg.policy == "oracle":
+            return model(ids, kvpop_priority=teacher, use_cache=False).logits.float(), (teacher, teacher)
+        sparse = Capture()
+        logits = model(ids, kvpop_capture=sparse, use_cache=False).logits.float()
+        return logits, (teacher, [r.priority.detach() for r in sparse])
+
+    def rows(self, seq_len: int) -> list[dict]:
+        rows = []
+        for e in self.entries:
+            r = e.stats.result()
+            row = {
+                "policy": e.name,
+                "budget": e.budget,
+                "cr": round(1 - e.budget / seq_len, 4),
+                "rel_accuracy": r.rel_accuracy,
+                "top1_agreement": r.top1_agreement,
+                "kl": r.kl,
+                "ppl_ratio": r.ppl_ratio,
+                "accuracy": r.accuracy,
+                "accuracy_dense": r.accuracy_dense,
+                "positions": r.positions,
+                "sink": e.cfg.sink,
+                "window": e.cfg.window,
+                "topk": e.cfg.topk,
+                "trained": e.trained,
+            }
+            if e.recall is not None:
+                rec = e.recall.result()
+                row["recall"] = rec.mean
+                row["recall_per_layer"] = [float(x) for x in rec.per_layer]
+            rows.append(row)
+        return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """The comparison as a plain-text table, one line per (budget, policy)."""
+    head = f"{'budget':>6} {'CR':>5}  {'policy':<20} {'rel acc':>8} {'top-1 agr':>9} {'KL':>8} {'ppl ratio':>9} {'recall':>7}"
+    lines = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: (-r["budget"], r["policy"])):
+        recall = f"{r['recall']:.3f}" if r.get("recall") is not None else "-"
+        lines.append(
+            f"{r['budget']:>6} {r['cr']:>5.0%}  {r['policy']:<20} {r['rel_accuracy']:>8.3f} {r['top1_agreement']:>9.3f} "
+            f"{r['kl']:>8.4f} {r['ppl_ratio']:>9.3f} {recall:>7}"
+        )
+    return "\n".join(lines)
+
+
+def headline(rows: Sequence[dict]) -> dict:
+    """The JSON object `kvpop demo` prints last: the issue's fields only."""
+    keys = ("policy", "budget", "cr", "rel_accuracy", "top1_agreement", "kl", "ppl_ratio")
+    return {"rows": [{k: r[k] for k in keys} for r in rows]}
+
+
+__all__ = ["Entry", "Evaluator", "format_table", "from_directory", "headline", "training_free"]
