@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from helpers import cache_kwargs, quiet, retrofitted
 
 import kvpop
+from helpers import cache_kwargs, quiet, retrofitted
 from kvpop.baselines import H2OPolicy, TOVAPolicy, make_policy
 from kvpop.cache import KVpopLayerCache
 

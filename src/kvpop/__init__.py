@@ -24,7 +24,17 @@ _EXPORTS = {
     "retention_mask": "kvpop.policy",
 }
 
-__all__ = sorted([*_EXPORTS, "KVpopConfig", "detach", "load", "retrofit", "save"])
+__all__ = [
+    "KVpopCache",
+    "KVpopConfig",
+    "detach",
+    "eviction_times",
+    "future_attention_target",
+    "load",
+    "retention_mask",
+    "retrofit",
+    "save",
+]
 
 if TYPE_CHECKING:
     from kvpop.cache import KVpopCache
