@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kvpop.attention import ATTENTION_NAME, register
-from kvpop.config import KVpopConfig
 from kvpop.baselines import make_policy
+from kvpop.config import KVpopConfig
 
 TESTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 CONFIG_FILE = "kvpop_config.json"
