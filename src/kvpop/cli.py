@@ -250,6 +250,127 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("eval", "compare eviction policies and budgets side by side on held-out text (teacher-forced, + pass@1)", [
+    MODEL,
+    arg("--data", default="champ", help="champ (held-out problems), a file, a directory or a dataset name"),
+    arg("--text-field", default=None),
+    arg("--split", default="eval", choices=["eval", "train", "all"], help="which split of --data (default eval)"),
+    arg("--seq-len", type=int, default=2048, help="tokens per evaluated sequence (default 2048)"),
+    arg("--sequences", type=int, default=4, help="number of sequences (default 4)"),
+    arg("--budgets", default="512,256", help="comma-separated budgets for the training-free policies"),
+    arg("--policies", default="streaming_llm,tova,h2o,oracle",
+        help="comma-separated training-free policies (streaming_llm, tova, h2o, oracle), or none"),
+    arg("--trained", action="append", default=[], metavar="DIR",
+        help="a kvpop.save directory (e.g. OUT/final of kvpop train), evaluated at its own budget; repeatable"),
+    arg("--sink", type=int, default=4),
+    arg("--rollouts", type=int, default=0, help="pass@1: sampled answers per champ problem (default 0: skip)"),
+    arg("--problems", type=int, default=8, help="pass@1: held-out champ problems (default 8)"),
+    arg("--max-new-tokens", type=int, default=512, help="pass@1: tokens per answer (default 512)"),
+    arg("--out", default="runs/eval", help="output directory (default runs/eval)"),
+    arg("--device", default=None),
+    arg("--seed", type=int, default=0),
+])
+def evaluate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from kvpop.eval.evaluate import Evaluator, format_table, from_directory, headline, training_free
+    from kvpop.models import load_model
+    from kvpop.train.data import load_texts, pack_sequences
+
+    device = _device(args.device)
+    torch.manual_seed(args.seed)
+    base, tokenizer = load_model(args.model, device=device)
+    if getattr(base, "kvpop", None) is not None:
+        raise ValueError(f"--model must be the base model; pass kvpop directories with --trained ({args.model})")
+    limit = getattr(base.config, "max_position_embeddings", None)
+    if limit is not None and args.seq_len > limit:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings={limit}")
+    policies = [p for p in args.policies.split(",") if p and p != "none"]
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    entries = [from_directory(d) for d in args.trained]
+    entries += [training_free(p, b, sink=args.sink) for b in budgets for p in policies]
+    if not entries:
+        raise ValueError("nothing to evaluate: give --policies and --budgets, or --trained")
+    for e in entries:
+        if e.budget >= args.seq_len:
+            raise ValueError(f"budget {e.budget} ({e.name}) is not below --seq-len {args.seq_len}: nothing is evicted")
+    texts = load_texts(args.data, split=args.split, text_field=args.text_field, tokenizer=tokenizer, seed=args.seed)
+    tokens = pack_sequences(texts, tokenizer, args.seq_len)[: args.sequences]
+    evaluator = Evaluator(base, entries, device=device)
+    for row in tqdm(tokens, desc="kvpop eval", unit="seq"):
+        evaluator.add(row[None])
+    rows = evaluator.rows(args.seq_len)
+    if args.rollouts:
+        from kvpop.eval.evaluate import rollouts_pass_at_1
+        from kvpop.retrofit import detach, load, retrofit
+        from kvpop.train.data import champ_problems
+
+        problems = champ_problems("eval", seed=args.seed)[: args.problems]
+        for entry, row in zip(evaluator.entries, rows):
+            if entry.cfg.policy == "oracle":
+                continue
+            model = load(entry.trained, device=device) if entry.trained else retrofit(base, entry.cfg)
+            row["pass_at_1"], _ = rollouts_pass_at_1(model, tokenizer, problems, args.rollouts, args.max_new_tokens,
+                                                     seed=args.seed)
+            if not entry.trained:
+                detach(model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = format_table(rows)
+    (out / "table.txt").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps({"rows": rows, "command": " ".join(["kvpop", *sys.argv[1:]]),
+                                                  "args": vars(args) | {"run": None}, "sequences": len(tokens)},
+                                                 indent=2, default=str))
+    print(table)
+    print(json.dumps(headline(rows)))
+    return 0
+
+
+@command("viz", "plot which tokens each layer's KV heads still hold (the paper's Fig. 6) for a model, text, policy", [
+    MODEL,
+    arg("--text", default=None, help="the text (default: the first held-out champ solution)"),
+    arg("--file", default=None, help="read the text from this file"),
+    arg("--policy", default="kvpop", choices=["kvpop", "streaming_llm", "tova", "h2o"],
+        help="policy for a model that is not already retrofitted (default kvpop, untrained unless --model is)"),
+    arg("--budget", type=int, default=512, help="budget for a fresh retrofit (default 512)"),
+    arg("--sink", type=int, default=4),
+    arg("--last", type=int, default=112, help="evictable tokens to show (default 112)"),
+    arg("--max-tokens", type=int, default=2048, help="truncate the text to this many tokens (default 2048)"),
+    arg("--out", default="eviction_pattern.png", help="PNG path (default eviction_pattern.png)"),
+    arg("--device", default=None),
+])
+def viz(args: argparse.Namespace) -> int:
+    import kvpop
+    from kvpop.eval import plots
+    from kvpop.models import load_model
+    from kvpop.train.data import load_texts
+
+    model, tokenizer = load_model(args.model, device=_device(args.device))
+    if getattr(model, "kvpop", None) is None:
+        model = kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, policy=args.policy))
+    if args.file:
+        with open(args.file) as f:
+            text = f.read()
+    else:
+        text = args.text or load_texts("champ", split="eval", tokenizer=tokenizer)[0]
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][:, : args.max_tokens]
+    cfg = model.kvpop.config
+    if ids.shape[1] <= cfg.budget:
+        raise ValueError(f"the text has {ids.shape[1]} tokens, within the budget {cfg.budget}: nothing is evicted")
+    ids = ids.to(model.device)
+    counts, positions = plots.eviction_counts(model, ids, last=args.last)
+    labels = plots.token_labels(tokenizer, ids[0, positions].tolist())
+    path = plots.plot_eviction_pattern(
+        counts.cpu().numpy(), labels, model.config.num_key_value_heads, args.out,
+        title=f"{args.model}: {cfg.policy}, budget {cfg.budget} (sink {cfg.sink}, window {cfg.window}, topk {cfg.topk})")
+    print(f"kvpop viz: wrote {path}", file=sys.stderr)
+    return 0
+
+
 @command("demo", "the main job: train KVpop on SmolLM2-135M + champ math, compare with the baselines, plot", [
     arg("--quick", action="store_true", help="a shorter run (within 15 minutes on 2 CPU cores)"),
     arg("--out", default="runs/demo", help="output directory (default runs/demo)"),

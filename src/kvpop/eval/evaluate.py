@@ -153,4 +153,30 @@ def headline(rows: Sequence[dict]) -> dict:
     return {"rows": [{k: r[k] for k in keys} for r in rows]}
 
 
-__all__ = ["Entry", "Evaluator", "format_table", "from_directory", "headline", "training_free"]
+
+
+@torch.no_grad()
+def rollouts_pass_at_1(model: nn.Module, tokenizer, problems: Sequence[dict], samples: int, max_new_tokens: int,
+                       temperature: float = 0.7, seed: int = 0) -> tuple[float, list[list[str]]]:
+    """pass@1 over `samples` sampled answers per problem, generated with the bounded cache, scored by math-verify."""
+    from kvpop.cache import KVpopCache, cache_kwargs
+    from kvpop.eval.metrics import pass_at_1
+
+    device = next(model.parameters()).device
+    completions = []
+    for i, problem in enumerate(problems):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": problem["problem"] + "\nPut the final answer in \\boxed{}."}],
+            tokenize=False, add_generation_prompt=True)
+        inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(device)
+        outs = []
+        for j in range(samples):
+            torch.manual_seed(seed + 1000 * i + j)
+            gen = model.generate(**inputs, **cache_kwargs(model, KVpopCache(model)), max_new_tokens=max_new_tokens,
+                                 do_sample=True, temperature=temperature, pad_token_id=tokenizer.pad_token_id)
+            outs.append(tokenizer.decode(gen[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+        completions.append(outs)
+    return pass_at_1(completions, [p["answer"] for p in problems]), completions
+
+
+__all__ = ["Entry", "Evaluator", "format_table", "from_directory", "headline", "rollouts_pass_at_1", "training_free"]

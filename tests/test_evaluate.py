@@ -1,0 +1,83 @@
+"""`kvpop eval`, `kvpop viz` and `kvpop demo` end to end on a tiny model (the demo with a shrunken plan)."""
+
+import json
+import random
+
+import pytest
+import torch
+
+import kvpop
+from kvpop.cli import main
+from kvpop.eval import demo
+from kvpop.eval.evaluate import Evaluator, training_free
+from kvpop.models import load_model
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    rng = random.Random(1)
+    words = "so we add two to both sides and then divide by three which gives x equals five".split()
+    path = tmp_path_factory.mktemp("evaldata") / "t.txt"
+    path.write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(200)) for _ in range(30)))
+    return path
+
+
+def test_eval_compares_policies_side_by_side(text_file, tmp_path, capsys):
+    trained = tmp_path / "trained"
+    model, tok = load_model("tiny-random-qwen3")
+    kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(32, scorer_hidden=16)), trained, tokenizer=tok)
+    args = ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--split", "all", "--seq-len", "128",
+            "--sequences", "2", "--budgets", "32,16", "--trained", str(trained), "--out", str(tmp_path / "o")]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = json.loads(lines[-1])["rows"]
+    assert {(r["policy"], r["budget"]) for r in rows} == {
+        ("kvpop", 32), *((p, b) for p in ("streaming_llm", "tova", "h2o", "oracle") for b in (32, 16))}
+    for r in rows:
+        assert r["cr"] == pytest.approx(1 - r["budget"] / 128)
+        assert 0 <= r["top1_agreement"] <= 1 and r["kl"] >= 0 and r["ppl_ratio"] > 0
+    saved = json.loads((tmp_path / "o" / "results.json").read_text())
+    oracle = next(r for r in saved["rows"] if r["policy"] == "oracle" and r["budget"] == 32)
+    assert oracle["recall"] == pytest.approx(1.0)
+    assert "kvpop eval" in saved["command"]
+
+
+@torch.no_grad()
+def test_a_budget_beyond_the_sequence_is_the_dense_model(text_file):
+    # within the budget nothing is evicted, so every policy must agree with the dense model exactly
+    model, tok = load_model("tiny-random-llama")
+    ids = torch.randint(0, 250, (1, 40))
+    entries = [training_free(p, 64) for p in ("streaming_llm", "tova", "h2o")]
+    ev = Evaluator(model, entries)
+    ev.add(torch.cat([ids, ids], 1)[:, :64])
+    for row in ev.rows(64):
+        assert row["top1_agreement"] == 1.0 and row["kl"] == pytest.approx(0, abs=1e-6)
+
+
+def test_eval_bad_input(text_file, tmp_path, capsys):
+    base = ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--seq-len", "64", "--out", str(tmp_path)]
+    assert main(base + ["--budgets", "64"]) == 1
+    assert "not below --seq-len 64" in capsys.readouterr().err
+    assert main(base + ["--policies", "none", "--budgets", ""]) == 1
+    assert "nothing to evaluate" in capsys.readouterr().err
+
+
+def test_viz_writes_the_eviction_pattern(tmp_path):
+    out = tmp_path / "pattern.png"
+    text = " ".join(["the proof follows by induction on n"] * 40)
+    assert main(["viz", "--model", "tiny-random-qwen3", "--text", text, "--budget", "64", "--last", "40",
+                 "--out", str(out)]) == 0
+    assert out.stat().st_size > 5000
+
+
+def test_demo_end_to_end_with_a_small_plan(tmp_path, monkeypatch, capsys):
+    small = demo.DemoPlan(seq_len=256, budgets=(64, 32), train_steps=2, eval_sequences=1, sample_tokens=8,
+                          bench_contexts=(64, 128))
+    monkeypatch.setattr(demo.DemoPlan, "for_machine", classmethod(lambda cls, quick, cuda: small))
+    result = demo.run_demo(tmp_path, quick=True, model_name="tiny-random-qwen3")
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {r["policy"] for r in last["rows"]} == {"kvpop", "streaming_llm", "tova", "h2o", "oracle"}
+    assert set(last["rows"][0]) == {"policy", "budget", "cr", "rel_accuracy", "top1_agreement", "kl", "ppl_ratio"}
+    for name in ("eviction_pattern", "recall_per_layer", "memory_latency"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 5000
+    assert result["sample"]["tokens_seen"] > 0
