@@ -242,7 +242,7 @@ def train(args: argparse.Namespace) -> int:
     )
     try:
         final = run_training(tcfg, kcfg, resume=args.resume, progress=not args.no_progress,
-                             argv=["kvpop", *sys.argv[1:]])
+                             argv=args.command_line.split())
     except KeyboardInterrupt as err:
         print(f"kvpop train: {err or 'interrupted'}", file=sys.stderr)
         return 130
@@ -322,8 +322,9 @@ def evaluate(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     table = format_table(rows)
     (out / "table.txt").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps({"rows": rows, "command": " ".join(["kvpop", *sys.argv[1:]]),
-                                                  "args": vars(args) | {"run": None}, "sequences": len(tokens)},
+    (out / "results.json").write_text(json.dumps({"rows": rows, "command": args.command_line,
+                                                  "args": {k: v for k, v in vars(args).items() if k != "run"},
+                                                  "sequences": len(tokens)},
                                                  indent=2, default=str))
     print(table)
     print(json.dumps(headline(rows)))
@@ -380,7 +381,7 @@ def viz(args: argparse.Namespace) -> int:
 def demo(args: argparse.Namespace) -> int:
     from kvpop.eval.demo import run_demo
 
-    run_demo(args.out, quick=args.quick, device=args.device, seed=args.seed)
+    run_demo(args.out, quick=args.quick, device=args.device, seed=args.seed, command=args.command_line)
     return 0
 
 
@@ -395,7 +396,7 @@ def _bench_args():
 def bench(args: argparse.Namespace) -> int:
     from kvpop.eval.bench import run_bench
 
-    return run_bench(args, command=" ".join(["kvpop", *sys.argv[1:]]))
+    return run_bench(args, command=args.command_line)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -425,6 +426,8 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the exact command, saved beside every result
+    args.command_line = " ".join(["kvpop", *(sys.argv[1:] if argv is None else argv)])
     if args.command is None:
         parser.print_help()
         return 2

@@ -47,7 +47,7 @@ def _log(msg: str) -> None:
 
 
 def run_demo(out: str | Path, quick: bool = False, device: str | None = None, seed: int = 0,
-             model_name: str = "smollm2-135m") -> dict:
+             model_name: str = "smollm2-135m", command: str = "kvpop demo") -> dict:
     from tqdm.auto import tqdm
 
     import kvpop
@@ -78,7 +78,7 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
                            save_every=0, seed=seed, device=device)
         _log(f"training KVpop-mlp, budget {budget} (sink {cfg.sink}, window {cfg.window}, topk {cfg.topk}), "
              f"{'full distillation' if cuda else 'scorer only'}, {plan.train_steps} steps")
-        trained[budget] = train(tcfg, cfg, argv=["kvpop", "demo"])
+        trained[budget] = train(tcfg, cfg, argv=command.split())
 
     # 2. evaluate every policy on held-out problems
     texts = load_texts("champ", split="eval", tokenizer=tokenizer, seed=seed)
@@ -135,7 +135,7 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
                    "slots": cache.config.budget},
         "seconds": round(time.perf_counter() - start, 1),
         "torch": torch.__version__,
-        "command": " ".join(["kvpop", *sys.argv[1:]]),
+        "command": command,
     }
     (out / "results.json").write_text(json.dumps(result, indent=2))
     (out / "table.txt").write_text(table + "\n")
