@@ -28,17 +28,22 @@ def cpu_masked_attention(
 ) -> tuple[Tensor, Tensor | None]:
     """Same contract as `reference.masked_attention` (rows with no key give zeros and `lse = -inf`)."""
     B, Hq, Q, D = query.shape
-    G = Hq // key.shape[1]
+    Hkv, N = key.shape[1], key.shape[2]
+    G = Hq // Hkv
     empty = ~mask.any(-1, keepdim=True)  # [B, Hkv, Q, 1]
     # an empty row (a padding query) gets one key so the kernel stays finite; its output is zeroed below
-    allowed = mask | (empty & (torch.arange(mask.shape[-1], device=mask.device) == 0))
-    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, float("-inf"))
+    allowed = mask | (empty & (torch.arange(N, device=mask.device) == 0))
+    # fold each KV head into the batch: its G query heads then share one [Q, N] mask (broadcast over
+    # heads) and the keys/values are expanded, not copied, so nothing is repeated G times
+    bias = torch.where(allowed, 0.0, float("-inf")).to(query.dtype).reshape(B * Hkv, 1, Q, N)
     out, lse = _OP(
-        query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1), 0.0, False,
-        attn_mask=bias.repeat_interleave(G, 1), scale=scale,
+        query.reshape(B * Hkv, G, Q, D),
+        key.reshape(B * Hkv, 1, N, D).expand(B * Hkv, G, N, D),
+        value.reshape(B * Hkv, 1, N, value.shape[-1]).expand(B * Hkv, G, N, value.shape[-1]),
+        0.0, False, attn_mask=bias, scale=scale,
     )
     empty_q = empty[..., 0].repeat_interleave(G, 1)  # [B, Hq, Q]
-    out = out.masked_fill(empty_q[..., None], 0.0)
+    out = out.reshape(B, Hq, Q, -1).masked_fill(empty_q[..., None], 0.0)
     if not return_lse:
         return out, None
-    return out, lse.float().masked_fill(empty_q, float("-inf"))
+    return out, lse.reshape(B, Hq, Q).float().masked_fill(empty_q, float("-inf"))
