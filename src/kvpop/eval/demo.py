@@ -38,7 +38,7 @@ class DemoPlan:
         if cuda:
             return cls(seq_len=2048, train_steps=60 if quick else 400, eval_sequences=4 if quick else 16)
         if quick:
-            return cls(train_steps=18, eval_sequences=2, sample_tokens=96, bench_contexts=(256, 512, 1024, 2048))
+            return cls(train_steps=24, eval_sequences=2, sample_tokens=96, bench_contexts=(256, 512, 1024, 2048))
         return cls()
 
 
