@@ -45,6 +45,12 @@ def retrofitted(arch: str = "qwen3", cfg: kvpop.KVpopConfig | None = None, seed:
         for policy in model.kvpop.layers:
             if hasattr(policy, "scorer"):
                 policy.scorer.w2.mul_(4.0)
+            if policy.stateful:
+                # a shared positive offset on q~ and k~ keeps the readout's denominator q~.n from cancelling,
+                # whose float32 rounding would otherwise differ between executions (scorers/README.md: precision)
+                d = policy.scorer.d
+                policy.scorer.w_in[..., : 2 * d].mul_(0.5)
+                policy.scorer.b_in[:, : 2 * d].add_(1.0)
     return model
 
 

@@ -18,6 +18,12 @@ CONFIGS = {
     "tova": kvpop.KVpopConfig(sink=2, window=3, topk=9, policy="tova"),
     "tova-head-average": kvpop.KVpopConfig(sink=0, window=1, topk=13, policy="tova", tova_head_average=True),
     "h2o": kvpop.KVpopConfig(sink=2, window=5, topk=7, policy="h2o"),
+    # per-token eviction gates (-inf priorities) with the oldest-first overflow of the fixed buffer
+    "dms": kvpop.KVpopConfig(sink=2, window=5, topk=7, policy="dms", scorer_hidden=16),
+    # the stateful scorer: read out when leaving the window (the method), at insertion, and in between
+    "mlstm": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="mlstm", mlstm_hidden=16),
+    "mlstm-delay0": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="mlstm", mlstm_hidden=16, delay=0),
+    "mlstm-delay2": kvpop.KVpopConfig(sink=0, window=4, topk=5, scorer="mlstm", mlstm_hidden=0, delay=2),
 }
 
 
@@ -63,9 +69,10 @@ def test_teacher_forced_equals_prefill_and_decode(models, arch, cfg_name, split)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "mlstm-delay0", "dms"])
 @torch.no_grad()
-def test_cache_holds_exactly_what_the_rule_retains(models, arch):
-    model = models[(arch, "base")]
+def test_cache_holds_exactly_what_the_rule_retains(models, arch, cfg_name):
+    model = models[(arch, cfg_name)]
     cfg = model.kvpop.config
     ids = _ids(1)
     records = Capture()
@@ -81,7 +88,7 @@ def test_cache_holds_exactly_what_the_rule_retains(models, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg_name", ["base", "streaming_llm", "tova", "h2o"])
+@pytest.mark.parametrize("cfg_name", ["base", "streaming_llm", "tova", "h2o", "mlstm", "mlstm-delay0", "dms"])
 @torch.no_grad()
 def test_batch_with_left_padding(models, arch, cfg_name):
     model = models[(arch, cfg_name)]
@@ -97,9 +104,10 @@ def test_batch_with_left_padding(models, arch, cfg_name):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg_name", ["base", "mlstm"])
 @torch.no_grad()
-def test_generate_greedy_batched_equals_single(models, arch):
-    model = models[(arch, "base")]
+def test_generate_greedy_batched_equals_single(models, arch, cfg_name):
+    model = models[(arch, cfg_name)]
     a, b = _ids(4, 30)[0], _ids(5, 21)[0]
     ids, mask, _ = padded_batch([a, b])
     with quiet():
@@ -175,3 +183,61 @@ def test_cache_memory_is_flat():
     # same buffers, same sizes, however long the generation
     assert {layer.keys.data_ptr(): layer.keys.numel() for layer in cache.layers} == sizes
     assert cache.get_seq_length() == 220
+
+
+@torch.no_grad()
+def test_stateful_memory_follows_the_batch_rows(models):
+    # reset / batch_select / reorder / repeat_interleave carry the mLSTM memory with the slots
+    model = models[("qwen3", "mlstm")]
+    a, b = _ids(10, 30), _ids(11, 30)
+    with quiet():
+        alone = [run_cached(model, x, (17,))[0] for x in (a, b)]
+        cache = kvpop.KVpopCache(model)
+        model(torch.cat([a, b])[:, :17], **cache_kwargs(cache))
+        assert all(layer.state is not None for layer in cache.layers)
+        cache.reorder_cache(torch.tensor([1, 0]))
+        cache.batch_repeat_interleave(2)  # rows b, b, a, a
+        cache.batch_select_indices(torch.tensor([1, 2]))  # rows b, a
+        rest = [model(torch.cat([b, a])[:, t : t + 1], **cache_kwargs(cache)).logits for t in range(17, 30)]
+        rest = torch.cat(rest, 1)
+        assert_close(rest[0], alone[1][0, 17:], LOGIT_ATOL, "row b after reorder/repeat/select")
+        assert_close(rest[1], alone[0][0, 17:], LOGIT_ATOL, "row a after reorder/repeat/select")
+        cache.reset()
+        assert all(layer.state is None for layer in cache.layers)
+        ab = torch.cat([a, b])
+        again = [model(ab[:, :17], **cache_kwargs(cache)).logits]
+        again += [model(ab[:, t : t + 1], **cache_kwargs(cache)).logits for t in range(17, 30)]
+    again = torch.cat(again, 1)
+    for row in range(2):
+        assert_close(again[row], alone[row][0], LOGIT_ATOL, f"row {row} after reset")
+
+
+@torch.no_grad()
+def test_stateful_padding_steps_leave_the_memory_unchanged(models):
+    model = models[("llama", "mlstm-delay2")]
+    ids = _ids(12, 20)
+    cache = kvpop.KVpopCache(model)
+    with quiet():
+        model(ids[:, :12], **cache_kwargs(cache))
+        before = [tuple(t.clone() for t in layer.state) for layer in cache.layers]
+        pri = [layer.pri.clone() for layer in cache.layers]
+        mask = torch.cat([torch.ones(1, 12, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)], 1)
+        model(ids[:, 12:13], attention_mask=mask, **cache_kwargs(cache))
+    for layer, state, p in zip(cache.layers, before, pri):
+        assert all(torch.equal(x, y) for x, y in zip(layer.state, state))
+        assert torch.equal(layer.pri, p)
+
+
+def test_match_mlp_memory_cache_and_refusal():
+    cfg = kvpop.KVpopConfig(sink=2, window=5, topk=30, scorer="mlstm", mlstm_hidden=8, match_mlp_memory=True)
+    model = retrofitted("qwen3", cfg)
+    # head dim 16: ceil((16 * 16 + 16) / 32) = 9 entries of state
+    assert model.kvpop.config.topk == 21 and kvpop.KVpopCache(model).config.budget == 28
+    with pytest.raises(ValueError, match="resolved config"):
+        kvpop.KVpopCache(2, config=cfg)
+    ids = _ids(13, 60)
+    with torch.no_grad(), quiet():
+        full = model(ids).logits
+        cached, cache = run_cached(model, ids, (31,))
+    assert_close(cached, full, LOGIT_ATOL, "match_mlp_memory")
+    assert max(int(u.max()) for u in cache.slots_used()) == 28

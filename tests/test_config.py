@@ -44,3 +44,41 @@ def test_budget_round_trip_and_presets():
         kvpop.KVpopConfig.for_budget(8, window=16)
     with pytest.raises(ValueError, match="unknown KVpopConfig field"):
         kvpop.KVpopConfig.from_dict({"sinks": 4})
+
+
+def test_mlstm_fields_are_checked():
+    with pytest.raises(ValueError, match=r"KVpopConfig.delay=9 is invalid: .*\[0, window=8\]"):
+        kvpop.KVpopConfig(window=8, delay=9, scorer="mlstm")
+    with pytest.raises(ValueError, match=r"KVpopConfig.delay=-1 "):
+        kvpop.KVpopConfig(delay=-1, scorer="mlstm")
+    with pytest.raises(ValueError, match="KVpopConfig.delay=3 .*scorer='mlstm'"):
+        kvpop.KVpopConfig(delay=3)
+    with pytest.raises(ValueError, match="KVpopConfig.match_mlp_memory=True .*scorer='mlstm'"):
+        kvpop.KVpopConfig(match_mlp_memory=True)
+    with pytest.raises(ValueError, match="KVpopConfig.mlstm_dim=0 "):
+        kvpop.KVpopConfig(mlstm_dim=0, scorer="mlstm")
+    with pytest.raises(ValueError, match="KVpopConfig.mlstm_hidden=-1 "):
+        kvpop.KVpopConfig(mlstm_hidden=-1, scorer="mlstm")
+    assert kvpop.KVpopConfig(window=8, scorer="mlstm").readout_delay == 8
+    assert kvpop.KVpopConfig(window=8, delay=0, scorer="mlstm").readout_delay == 0
+
+
+def test_match_mlp_memory_reduces_topk_by_the_state():
+    from kvpop.scorers import MLSTMScorer
+
+    cfg = kvpop.KVpopConfig(sink=4, window=256, topk=1788, scorer="mlstm", match_mlp_memory=True)
+    # D = d = 64: ceil((64 * 64 + 64) / 128) = 33 KV entries, as the scorer counts them
+    assert cfg.state_entries(64) == MLSTMScorer(1, 64).state_entries() == 33
+    assert cfg.effective_topk(64) == 1755
+    resolved = cfg.resolve(64)
+    assert (resolved.topk, resolved.budget, resolved.match_mlp_memory) == (1755, 2015, False)
+    assert resolved.extra["match_mlp_memory"] == {"mlp_topk": 1788, "state_entries": 33, "head_dim": 64}
+    # resolving is idempotent (a saved, resolved config is not reduced again when loaded)
+    assert resolved.resolve(64) == resolved
+    assert kvpop.KVpopConfig.from_dict(resolved.to_dict()) == resolved
+    assert kvpop.KVpopConfig(scorer="mlstm", mlstm_dim=32, match_mlp_memory=True).state_entries(64) == 9
+    plain = kvpop.KVpopConfig(topk=1788, scorer="mlstm")
+    assert plain.effective_topk(64) == 1788 and plain.resolve(64) is plain
+    assert kvpop.KVpopConfig(topk=1788).state_entries(64) == 0
+    with pytest.raises(ValueError, match="KVpopConfig.topk=10 is invalid: .*33 KV entries"):
+        kvpop.KVpopConfig(topk=10, scorer="mlstm", match_mlp_memory=True).effective_topk(64)

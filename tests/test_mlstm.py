@@ -181,6 +181,45 @@ def test_scan_any_readout_steps_and_padding():
             _assert_close(a, b, f"final state {what}", atol=1e-5 * b.abs().amax().item())
 
 
+@pytest.mark.parametrize("C", [1, 20, 45])
+def test_scan_one_readout_per_step_matches_explicit_steps(C):
+    # readout_step=None (what the cache's prefill uses): token r read out after step r, chunkwise
+    p0 = 17
+    s = _scorer(delay=0, seed=C, chunk_size=8)
+    key, value = _inputs(p0 + C, seed=C)
+    g = torch.Generator().manual_seed(C)
+    rk, rv = 2 * torch.randn(B, H, C, D, generator=g), 2 * torch.randn(B, H, C, D, generator=g)
+    valid = torch.rand(B, C, generator=g) > 0.3
+    valid[0, : C // 3] = False
+    with torch.no_grad():
+        state = s.init_state(B)
+        for u in range(p0):
+            state = s.step(state, key[:, :, u], value[:, :, u])
+        new, scores = s.scan(state, key[:, :, p0:], value[:, :, p0:], rk, rv, None, valid=valid)
+        steps = torch.arange(C).expand(B, H, C)
+        ref_new, ref = s.scan(state, key[:, :, p0:], value[:, :, p0:], rk, rv, steps, valid=valid)
+    _assert_close(scores, ref, f"one readout per step, C={C}")
+    for a, b, what in zip(_true_state(new, ref_new.m), ref_new[:2], ("C", "n")):
+        _assert_close(a, b, f"final state {what}", atol=1e-5 * b.abs().amax().item())
+    with pytest.raises(ValueError, match="one readout per step"):
+        s.scan(state, key[:, :, p0:], value[:, :, p0:], torch.cat([rk, rk], 2), torch.cat([rv, rv], 2), None)
+
+
+@pytest.mark.parametrize("delay", [0, 4])
+def test_forward_skips_left_padding(delay):
+    S, P = 40, 9
+    s = _scorer(delay, seed=delay)
+    key, value = _inputs(S, seed=delay)
+    g = torch.Generator().manual_seed(5)
+    pad_k, pad_v = torch.randn(B, H, P, D, generator=g), torch.randn(B, H, P, D, generator=g)
+    valid = torch.ones(B, P + S, dtype=torch.bool)
+    valid[:, :P] = False
+    with torch.no_grad():
+        want = s(key, value)
+        got = s(torch.cat([pad_k, key], 2), torch.cat([pad_v, value], 2), valid=valid)
+    _assert_close(got[..., P:], want, f"left padding, delay={delay}")
+
+
 def test_padding_step_leaves_memory_unchanged():
     s = _scorer(delay=0)
     key, value = _inputs(5)

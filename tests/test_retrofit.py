@@ -58,6 +58,35 @@ def test_save_load_round_trip_is_bitwise(tmp_path):
     }
 
 
+def test_save_load_round_trip_of_the_mlstm_scorer_is_bitwise(tmp_path):
+    import json
+
+    cfg = kvpop.KVpopConfig(sink=2, window=5, topk=16, scorer="mlstm", mlstm_hidden=8, delay=3, match_mlp_memory=True)
+    model = retrofitted("qwen3", cfg)
+    # head dim 16: the state costs ceil((16 * 16 + 16) / 32) = 9 entries, so 16 - 9 top-k slots
+    assert model.kvpop.config.topk == 7 and model.kvpop.config.extra["match_mlp_memory"]["mlp_topk"] == 16
+    ids = _ids()
+    with torch.no_grad(), quiet():
+        want = model(ids).logits
+        cache = kvpop.KVpopCache(model)
+        want_cached = torch.cat([model(ids[:, :20], **cache_kwargs(cache)).logits,
+                                 *(model(ids[:, t : t + 1], **cache_kwargs(cache)).logits for t in range(20, 40))], 1)
+        kvpop.save(model, tmp_path / "m")
+        loaded = kvpop.load(tmp_path / "m")
+        got = loaded(ids).logits
+        cache = kvpop.KVpopCache(loaded)
+        got_cached = torch.cat([loaded(ids[:, :20], **cache_kwargs(cache)).logits,
+                                *(loaded(ids[:, t : t + 1], **cache_kwargs(cache)).logits for t in range(20, 40))], 1)
+    assert torch.equal(got, want)
+    # decoding is not bitwise across a reload, for the MLP scorer as well (the base weights' layout): within tolerance
+    assert_close(got_cached, want_cached, LOGIT_ATOL, "cached after load")
+    assert_close(got_cached, got, LOGIT_ATOL, "cached vs teacher-forced after load")
+    assert loaded.kvpop.config == model.kvpop.config and loaded.kvpop.config.topk == 7
+    assert json.loads((tmp_path / "m" / "kvpop_config.json").read_text())["topk"] == 7
+    for (name, p), (_, q) in zip(model.kvpop.state_dict().items(), loaded.kvpop.state_dict().items()):
+        assert torch.equal(p, q), name
+
+
 def test_load_rejects_a_plain_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="kvpop_config.json"):
         kvpop.load(tmp_path)

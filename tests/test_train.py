@@ -195,3 +195,32 @@ def test_two_gloo_ranks_match_one_process(text_file, tmp_path, sharding):
         assert a["loss_score"] == pytest.approx(b["loss_score"], abs=1e-5)
         assert a["loss_kl"] == pytest.approx(b["loss_kl"], abs=1e-5)
     assert (tmp_path / "two" / "final" / "kvpop_config.json").exists()
+
+
+@pytest.mark.parametrize("delay", [None, 0], ids=["delay=window", "delay=0"])
+def test_mlstm_scorer_training_lowers_the_boundary_loss(text_file, tmp_path, delay):
+    out = tmp_path / "run"
+    kcfg = kvpop.KVpopConfig(**{**KCFG, "scorer": "mlstm", "mlstm_hidden": 32, "delay": delay})
+    final = distill.train(_cfg(text_file, out, steps=20, freeze_base=True, save_every=0), kcfg, progress=False)
+    log = _log(out)
+    first = sum(r["loss_score"] for r in log[:5]) / 5
+    last = sum(r["loss_score"] for r in log[-5:]) / 5
+    assert last < 0.9 * first, (first, last)
+    assert sum(r["accuracy"] for r in log[-5:]) > sum(r["accuracy"] for r in log[:5])
+    model = kvpop.load(final)
+    assert model.kvpop.config == kcfg and model.kvpop.layers[0].scorer.delay == kcfg.readout_delay
+
+
+def test_cli_trains_the_mlstm_scorer_and_reports_the_effective_topk(text_file, tmp_path, capsys):
+    out = tmp_path / "o"
+    common = ["train", "--model", "tiny-random-qwen3", "--data", str(text_file), "--seq-len", "128", "--window", "8",
+              "--topk", "16", "--steps", "2", "--out", str(out), "--no-progress", "--freeze-base", "--max-tokens",
+              str(128 * 8), "--delay", "4"]
+    assert main(common + ["--scorer", "mlstm", "--match-mlp-memory"]) == 0
+    # head dim 16: the state costs ceil((16 * 16 + 16) / 32) = 9 KV entries
+    assert "effective topk 7 = 16 - 9" in capsys.readouterr().err
+    saved = json.loads((out / "final" / "kvpop_config.json").read_text())
+    assert (saved["scorer"], saved["delay"], saved["topk"], saved["match_mlp_memory"]) == ("mlstm", 4, 7, False)
+    assert json.loads((out / "config.json").read_text())["kvpop"]["topk"] == 7
+    assert main(common + ["--scorer", "mlp"]) == 1
+    assert "need --scorer mlstm" in capsys.readouterr().err

@@ -2,12 +2,13 @@
 
 Every attention layer of a retrofitted model calls `kvpop_attention`. The retrofit's pre-hook on
 each attention module passes in that layer's `LayerPolicy` and the cache of the call, so nothing
-is looked up globally and nothing is stored on Hugging Face modules. Three cases:
+is looked up globally and nothing is stored on Hugging Face modules. The cases:
 
 - a `KVpopCache`: the cache inserts the new tokens under the rule and attends (`cache.py`);
 - no cache (or a fresh one of another kind, as a plain `model(ids)` creates): teacher-forced
   sparse attention over the whole sequence, every layer ranking its own keys/values;
-- `kvpop_dense=True`: the original dense causal attention (the teacher), same numerics.
+- `kvpop_dense=True`: the original dense causal attention (the teacher), same numerics;
+- a DMS policy in training mode, teacher-forced: DMS's soft eviction mask (`baselines/dms.py`).
 
 Extra keyword arguments a caller may pass to the model forward (they flow down to here):
 `kvpop_dense: bool`, `kvpop_capture: Capture` (receives one `LayerRecord` per layer, for training),
@@ -40,6 +41,7 @@ class LayerRecord:
     valid: Tensor  # bool [B, S]
     scale: float  # the logit scale of this layer's attention
     log_gamma: Tensor  # float32 [Hkv], the layer's decay at this forward (detached)
+    gate: Tensor | None = None  # float32 [B, Hkv, S], DMS in training: the eviction gate logits a_t (differentiable)
 
 
 class Capture:
@@ -125,6 +127,18 @@ def kvpop_attention(
         layer = KVpopLayerCache(cfg.sink, cfg.window, cfg.topk)
         return layer.attend(query, key, value, valid, policy, scale).transpose(1, 2), None
     position = torch.cumsum(valid.long(), dim=-1) - 1  # [B, S]
+    capture = kwargs.get("kvpop_capture")
+    if cfg.policy == "dms" and policy.training and not kwargs.get("kvpop_dense", False):
+        # DMS learns its gates through a soft eviction mask (an additive bias), not the boolean rule
+        from kvpop.baselines.dms import relaxed_attention
+
+        logits, alpha, priority = policy.relaxed(key, value)
+        out, lse = relaxed_attention(query, key, value, position, valid, alpha, cfg.sink, cfg.window, scale,
+                                     return_lse=capture is not None)
+        if capture is not None:
+            capture.append(LayerRecord(module.layer_idx, query, key, lse, priority, position, valid, scale,
+                                       policy.log_gamma.detach(), gate=logits))
+        return out.transpose(1, 2), None
     override = kwargs.get("kvpop_priority")
     if kwargs.get("kvpop_dense", False):
         evict = torch.full(key.shape[:3], NEVER, dtype=torch.long, device=key.device)
@@ -134,7 +148,6 @@ def kvpop_attention(
         priority = override[module.layer_idx] if override is not None else policy.priority(key, value, position)
         evict = eviction_positions(priority.detach(), position[:, None], valid[:, None], cfg.sink, cfg.window, cfg.topk)
         sink, window = cfg.sink, cfg.window
-    capture = kwargs.get("kvpop_capture")
     out, lse = sparse_attention(
         query, key, value, position, valid, position, valid, evict, sink, window, scale,
         return_lse=capture is not None, backend=kwargs.get("kvpop_backend", "auto"),

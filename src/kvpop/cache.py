@@ -15,6 +15,10 @@ Two update paths, both equal to the rule (tests check them against the teacher-f
 - chunk (prefill, any length): the rule is evaluated over `slots + chunk` with `eviction_positions`,
   each query attends what the rule keeps for it, then the slots are rewritten with what is retained
   at the chunk's last token.
+
+A stateful policy (the mLSTM scorer) also keeps its memory here, per layer (`state`, batch first).
+Its priorities are read out `delay <= window` steps after insertion: at position `p` the memory takes
+token `p` and then reads out token `p - delay`, which is still in the window (or is token `p` itself).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class KVpopLayerCache(CacheLayerMixin):
         self.pos: Tensor | None = None
         self.pri: Tensor | None = None
         self.seen: Tensor | None = None  # [B] real tokens so far, per row
+        self.state: tuple[Tensor, ...] | None = None  # a stateful policy's memory, batch first (made on first use)
         self.processed = 0  # tokens given to the model so far, padding included (what generate counts)
 
     # --- transformers' Cache protocol ---
@@ -88,22 +93,25 @@ class KVpopLayerCache(CacheLayerMixin):
             self.pos.fill_(-1)
             self.pri.fill_(float("-inf"))
             self.seen.zero_()
+        self.state = None
         self.processed = 0
 
-    def reorder_cache(self, beam_idx: Tensor) -> None:
+    def _map_rows(self, fn) -> None:
+        """Apply `fn` to every per-row buffer (batch dim 0), the stateful policy's memory included."""
         if self.is_initialized:
             for name in ("keys", "values", "pos", "pri", "seen"):
-                setattr(self, name, getattr(self, name).index_select(0, beam_idx.to(self.device)))
+                setattr(self, name, fn(getattr(self, name)))
+        if self.state is not None:
+            self.state = type(self.state)(*(fn(t) for t in self.state))
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            for name in ("keys", "values", "pos", "pri", "seen"):
-                setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: Tensor) -> None:
-        if self.is_initialized:
-            for name in ("keys", "values", "pos", "pri", "seen"):
-                setattr(self, name, getattr(self, name)[indices])
+        self._map_rows(lambda t: t[indices])
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a KVpopCache cannot be cropped: evicted tokens are gone")
@@ -124,8 +132,14 @@ class KVpopLayerCache(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         position = self.seen[:, None] + torch.cumsum(valid.long(), dim=-1) - 1  # [B, C]
-        priority = policy.priority(key, value, position.clamp(min=0)).detach()  # [B, Hkv, C]
-        C = key.shape[-2]
+        B, H, C, _ = key.shape
+        if policy.stateful:
+            if self.state is None:
+                self.state = policy.init_state(B, key.device)
+            # priorities are read out `delay` steps after insertion (`_advance_*`); until then a placeholder
+            priority = torch.full((B, H, C), float("-inf"), dtype=torch.float32, device=key.device)
+        else:
+            priority = policy.priority(key, value, position.clamp(min=0)).detach()  # [B, Hkv, C]
         if C == 1 or policy.dynamic:
             # dynamic policies re-rank after every token, so even a prefill runs their step semantics
             outs = [
@@ -135,7 +149,7 @@ class KVpopLayerCache(CacheLayerMixin):
             ]
             out = torch.cat(outs, dim=2)
         else:
-            out = self._chunk(query, key, value, position, valid, priority, scale)
+            out = self._chunk(query, key, value, position, valid, priority, scale, policy)
         self.seen = self.seen + valid.sum(-1)
         return out
 
@@ -147,6 +161,9 @@ class KVpopLayerCache(CacheLayerMixin):
         # a padding step (p = -1) writes nothing; any in-range slot will do for its index
         slot = torch.where(p < s, p.clamp(min=0), s + (p - s).clamp(min=0) % w)  # [B]
         idx = slot[:, None, None].expand(B, H, 1)
+        if policy.stateful:
+            # before the leaving token is compared: with delay == window it is the one read out now
+            pri_new = self._advance_decode(key, value, p, real, pri_new, policy)
         if k > 0:
             # the token leaving the window (position p - w) becomes eligible: keep it if it beats the weakest top-k slot
             leave_pos, leave_pri = self.pos.gather(2, idx), self.pri.gather(2, idx)
@@ -158,7 +175,8 @@ class KVpopLayerCache(CacheLayerMixin):
             widx = oldest.argmin(-1, keepdim=True)  # [B, H, 1]
             weakest_pos = top_pos.gather(2, widx)
             beats = (leave_pri > weakest_pri) | ((leave_pri == weakest_pri) & (leave_pos > weakest_pos))
-            promote = leaving & beats
+            # a -inf token (DMS's "evict") never takes a long-range slot, not even an empty one
+            promote = leaving & beats & (leave_pri > float("-inf"))
             dst = widx + s + w
             self._move(idx, dst, promote)
         new = real[:, None, None].expand(B, H, 1)
@@ -170,6 +188,59 @@ class KVpopLayerCache(CacheLayerMixin):
         out, probs = attention_with_probs(query, self.keys, self.values, occupied, scale)
         self.pri = torch.where(real[:, None, None], policy.update(self.pri, probs, occupied), self.pri)
         return out
+
+    def _advance_decode(self, key, value, p: Tensor, real: Tensor, pri_new: Tensor, policy: LayerPolicy) -> Tensor:
+        """Stateful policies, one step: insert token `p` into the memory, read out token `p - delay`.
+
+        Token `p - delay` is the new token itself (delay 0) or sits in its window ring slot (`1 <= delay
+        <= window`). At delay == window it is the token leaving the window, whose slot the new token is
+        about to take: it is read here, before that write. Padding steps change nothing.
+
+        Returns:
+            the new token's priority [B, H] (its readout at delay 0, else the placeholder `pri_new`).
+        """
+        s, w, d = self.sink, self.window, policy.delay
+        B, H, _, D = self.keys.shape
+        x = p - d  # [B] the position read out
+        rslot = (s + (x - s).clamp(min=0) % w)[:, None, None].expand(B, H, 1)
+        if d == 0:
+            rk, rv = key, value
+        else:
+            rk = self.keys.gather(2, rslot[..., None].expand(-1, -1, -1, D))
+            rv = self.values.gather(2, rslot[..., None].expand(-1, -1, -1, self.values.shape[-1]))
+        state, pri = policy.advance(self.state, key, value, real[:, None], rk, rv, x.clamp(min=0)[:, None])
+        self.state = type(state)(*(t.detach() for t in state))
+        pri = pri.detach()  # [B, H, 1]
+        if d == 0:
+            return pri[..., 0]
+        # sinks are never ranked, and nothing is read out before the first token
+        due = (real & (x >= s))[:, None, None].expand(B, H, 1)
+        self.pri.scatter_(2, rslot, torch.where(due, pri, self.pri.gather(2, rslot)))
+        return pri_new
+
+    def _advance_chunk(self, key, value, position: Tensor, valid: Tensor, cand_k: Tensor, cand_v: Tensor,
+                       cand_pri: Tensor, policy: LayerPolicy) -> Tensor:
+        """Stateful policies, a chunk: insert its tokens into the memory; after step `u`, read out token `u - delay`.
+
+        Returns:
+            `cand_pri` ([B, H, slots + C]) with the priorities of every token read out in this chunk.
+        """
+        s, w, d, n_slots = self.sink, self.window, policy.delay, self.slots
+        B, H, C, D = key.shape
+        x = position - d  # [B, C] the position read out after each step
+        # token x is a chunk token, or an older one still in its window ring slot (x >= seen - delay >= seen - window)
+        seen = self.seen[:, None]
+        in_chunk = torch.searchsorted(torch.cumsum(valid.long(), dim=-1), (x - seen + 1).clamp(min=1)).clamp(max=C - 1)
+        src = torch.where(x >= seen, n_slots + in_chunk, s + (x - s).clamp(min=0) % w)[:, None].expand(B, H, C)
+        rk = cand_k.gather(2, src[..., None].expand(-1, -1, -1, D))
+        rv = cand_v.gather(2, src[..., None].expand(-1, -1, -1, cand_v.shape[-1]))
+        state, pri = policy.advance(self.state, key, value, valid, rk, rv, x.clamp(min=0))
+        self.state = type(state)(*(t.detach() for t in state))
+        # every token is read out at one step only; steps with nothing due write to a scratch column
+        due = (valid & (x >= s))[:, None].expand(B, H, C)
+        dst = torch.where(due, src, cand_pri.shape[-1])
+        scratch = cand_pri.new_empty(B, H, 1)
+        return torch.cat([cand_pri, scratch], dim=2).scatter_(2, dst, pri.detach())[..., :-1]
 
     def _move(self, src: Tensor, dst: Tensor, where: Tensor) -> None:
         """Copy slot `src` to slot `dst` ([B, H, 1] indices) where `where` holds."""
@@ -190,7 +261,8 @@ class KVpopLayerCache(CacheLayerMixin):
             else:
                 buf.scatter_(2, idx, torch.where(where, new.to(buf.dtype), buf.gather(2, idx)))
 
-    def _chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float) -> Tensor:
+    def _chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float,
+               policy: LayerPolicy) -> Tensor:
         """Any number of tokens: the rule over `slots + chunk`, then the slots rewritten."""
         s, w, n_slots = self.sink, self.window, self.slots
         B, H, C, _ = key.shape
@@ -200,6 +272,12 @@ class KVpopLayerCache(CacheLayerMixin):
         cand_pri = torch.cat([self.pri, priority], dim=2)
         cand_k = torch.cat([self.keys, key.to(self.keys.dtype)], dim=2)
         cand_v = torch.cat([self.values, value.to(self.values.dtype)], dim=2)
+        if policy.stateful:
+            # tokens whose readout is not due yet (t + delay > last) keep the placeholder -inf. It cannot
+            # sway a decision of this chunk: a token acts on the others only once eligible (at query
+            # t + window), the queries here end at `last` < t + delay <= t + window, and an eviction
+            # caused by it would come at `t + window > last`. It is read out before it becomes eligible.
+            cand_pri = self._advance_chunk(key, value, position, valid, cand_k, cand_v, cand_pri, policy)
         evict = eviction_positions(cand_pri, cand_pos, cand_valid, s, w, self.topk)
         mask = mask_from_eviction(position, valid, cand_pos, cand_valid, evict, s, w)  # [B, H, C, slots + C]
         out, _ = masked_attention(query, cand_k, cand_v, mask, scale)
@@ -242,6 +320,9 @@ class KVpopCache(Cache):
             config, num_layers = mods.config, len(mods.layers)
         else:
             num_layers = model if isinstance(model, int) else len(kvpop_modules(model).layers)
+        if config.match_mlp_memory:
+            raise ValueError("KVpopCache needs a resolved config (its effective topk): pass the retrofitted model, "
+                             "or config=cfg.resolve(head_dim)")
         self.config = config
         super().__init__(layers=[KVpopLayerCache(config.sink, config.window, config.topk) for _ in range(num_layers)])
 

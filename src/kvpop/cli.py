@@ -175,6 +175,10 @@ def info(args: argparse.Namespace) -> int:
         rows["retrofitted with"] = (f"sink={c['sink']} window={c['window']} topk={c['topk']} "
                                     f"(budget {c['sink'] + c['window'] + c['topk']}), policy {c['policy']}, "
                                     f"scorer {c['scorer']}")
+        if c.get("scorer") == "mlstm":
+            matched = c.get("extra", {}).get("match_mlp_memory")
+            rows["retrofitted with"] += (f", delay {c['window'] if c.get('delay') is None else c['delay']}"
+                                         + (f", topk matched to the MLP's {matched['mlp_topk']}" if matched else ""))
     for key, value in rows.items():
         print(f"{key + ':':20s}{value}")
     return 0
@@ -190,10 +194,21 @@ def info(args: argparse.Namespace) -> int:
     arg("--window", type=int, default=None, help="protected window (default a quarter of the budget)"),
     arg("--topk", type=int, default=None, help="long-range top-k slots (default: budget - sink - window)"),
     arg("--budget", type=int, default=None, help="sink + window + topk; give this or --window/--topk"),
-    arg("--policy", default="kvpop", choices=["kvpop", "streaming_llm_plus"],
-        help="kvpop (learned scorer) or streaming_llm_plus (sinks + window only, base distilled; topk 0)"),
-    arg("--scorer", default="mlp", choices=["mlp"], help="scorer architecture (default mlp)"),
+    arg("--policy", default="kvpop", choices=["kvpop", "streaming_llm_plus", "dms"],
+        help="kvpop (learned scorer), streaming_llm_plus (sinks + window only, base distilled; topk 0) or dms "
+             "(learned per-token eviction gates, Dynamic Memory Sparsification)"),
+    arg("--dms-temperature", type=float, default=0.1, help="dms: Gumbel-sigmoid temperature (default 0.1)"),
+    arg("--dms-target-retention", type=float, default=None,
+        help="dms: share of tokens past the window each head may keep (default topk / (seq_len - sink - window))"),
+    arg("--scorer", default="mlp", choices=["mlp", "mlstm"],
+        help="scorer architecture: mlp (KVpop-mlp) or mlstm (stateful KVpop, delayed readout) (default mlp)"),
     arg("--scorer-hidden", type=int, default=256, help="hidden size of the MLP scorer (default 256)"),
+    arg("--delay", type=int, default=None,
+        help="mlstm: read a token out N steps after insertion, 0..window (default: the window; 0 is the ablation)"),
+    arg("--mlstm-dim", type=int, default=None, help="mlstm: memory size d (default: the head dim)"),
+    arg("--mlstm-hidden", type=int, default=64, help="mlstm: hidden size of the readout head, 0 linear (default 64)"),
+    arg("--match-mlp-memory", action="store_true",
+        help="mlstm: reduce topk by the state's size in KV entries, the MLP variant's total memory"),
     arg("--query-fraction", type=float, default=1.0, help="share of boundary queries used per sequence (default 1)"),
     arg("--steps", type=int, default=100, help="optimizer steps (default 100)"),
     arg("--batch-size", type=int, default=1, help="sequences per micro-batch over all ranks (default 1)"),
@@ -222,17 +237,23 @@ def train(args: argparse.Namespace) -> int:
 
     kcfg = None
     if not is_kvpop_dir(args.model):
+        scorer = dict(scorer=args.scorer, scorer_hidden=args.scorer_hidden, policy=args.policy,
+                      loss_query_fraction=args.query_fraction)
+        if args.scorer == "mlstm":
+            scorer.update(delay=args.delay, mlstm_dim=args.mlstm_dim, mlstm_hidden=args.mlstm_hidden,
+                          match_mlp_memory=args.match_mlp_memory)
+        elif args.delay is not None or args.mlstm_dim is not None or args.match_mlp_memory:
+            raise ValueError("--delay, --mlstm-dim and --match-mlp-memory need --scorer mlstm")
+        if args.policy == "dms":
+            scorer.update(dms_temperature=args.dms_temperature, dms_target_retention=args.dms_target_retention)
         if args.budget is not None:
             if args.topk is not None:
                 raise ValueError("give --budget or --topk, not both")
-            kcfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window, scorer=args.scorer,
-                                                scorer_hidden=args.scorer_hidden, policy=args.policy,
-                                                loss_query_fraction=args.query_fraction)
+            kcfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window, **scorer)
         else:
             window = 256 if args.window is None else args.window
             topk = (0 if args.policy == "streaming_llm_plus" else 64) if args.topk is None else args.topk
-            kcfg = kvpop.KVpopConfig(sink=args.sink, window=window, topk=topk, scorer=args.scorer, policy=args.policy,
-                                     scorer_hidden=args.scorer_hidden, loss_query_fraction=args.query_fraction)
+            kcfg = kvpop.KVpopConfig(sink=args.sink, window=window, topk=topk, **scorer)
     tcfg = TrainConfig(
         model=args.model, data=args.data, text_field=args.text_field, chat=args.chat, seq_len=args.seq_len,
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr_base=args.lr_base,

@@ -12,10 +12,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-POLICIES = ("kvpop", "streaming_llm", "streaming_llm_plus", "tova", "h2o", "oracle")
+POLICIES = ("kvpop", "streaming_llm", "streaming_llm_plus", "tova", "h2o", "oracle", "dms")
 RECENCY_POLICIES = ("streaming_llm", "streaming_llm_plus")
-SCORERS = ("mlp",)
+SCORERS = ("mlp", "mlstm")
 AGGREGATIONS = ("max", "mean")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -36,12 +40,23 @@ class KVpopConfig:
     """Protected window of the most recent tokens, the current one included. >= 1."""
     topk: int = 1788
     """Long-range slots filled by the learned ranking of older tokens. >= 0 (0 = StreamingLLM pattern)."""
-    policy: Literal["kvpop", "streaming_llm", "streaming_llm_plus", "tova", "h2o", "oracle"] = "kvpop"
+    policy: Literal["kvpop", "streaming_llm", "streaming_llm_plus", "tova", "h2o", "oracle", "dms"] = "kvpop"
     """Eviction policy: `kvpop` (learned scorer) or a baseline (`kvpop.baselines`)."""
-    scorer: Literal["mlp"] = "mlp"
-    """Scorer architecture: `mlp` is the stateless KVpop-mlp of Sec. 3."""
+    scorer: Literal["mlp", "mlstm"] = "mlp"
+    """Scorer architecture (Sec. 3): `mlp`, the stateless KVpop-mlp, or `mlstm`, the stateful KVpop."""
     scorer_hidden: int = 256
     """Hidden size of the MLP scorer. >= 1."""
+    delay: int | None = None
+    """mLSTM only: a token is read out `delay` steps after its insertion, in [0, window]. None means
+    `window` (the method: read out when it leaves the window); 0 reads it out at insertion (the ablation)."""
+    mlstm_dim: int | None = None
+    """mLSTM only: memory size `d` (state `d x d`); None means the head dim `D`. >= 1."""
+    mlstm_hidden: int = 64
+    """mLSTM only: hidden size of the head from the readout to the score; 0 makes it linear. >= 0."""
+    match_mlp_memory: bool = False
+    """mLSTM only: count the memory against the budget, so that the total equals the MLP variant's:
+    `topk` shrinks by `state_entries = ceil((d*d + d) / (2D))` KV entries. The head dim `D` is known only
+    at retrofit time, which resolves it (`resolve`); the retrofitted model holds and saves the result."""
     decay_step: int = 128
     """Decay step `n` of the static priority `pi[t] = r[t] - floor(t / n) * log(gamma)`. >= 1."""
     gamma_init: float = 0.9
@@ -49,6 +64,14 @@ class KVpopConfig:
     tova_head_average: bool = False
     """TOVA only: rank by the attention averaged over all query heads of the layer (the original)
     instead of per KV head (max over its query heads)."""
+    dms_temperature: float = 0.1
+    """DMS only: temperature of the Gumbel-sigmoid relaxation of the eviction gates in training. > 0."""
+    dms_target_retention: float | None = None
+    """DMS only: share `rho` of the tokens past the window that the compression loss lets each head keep,
+    in [0, 1]. None: `topk / (S - sink - window)` with `S` the training length (`kvpop train` resolves and
+    saves it), so that the expected retained long-range tokens at a sequence's end equal `topk`."""
+    dms_loss_weight: float = 1.0
+    """DMS only: weight of the compression loss `|retention - rho|` against the KL. >= 0."""
 
     # --- loss knobs (Sec. 4-5); the training issue consumes them ---
     target_eps: float = 1e-6
@@ -74,14 +97,33 @@ class KVpopConfig:
     def __post_init__(self) -> None:
         for name, lo in (("sink", 0), ("window", 1), ("topk", 0), ("scorer_hidden", 1), ("decay_step", 1)):
             value = getattr(self, name)
-            _check(isinstance(value, int) and not isinstance(value, bool) and value >= lo, name, value, f"must be an integer >= {lo}")
+            _check(_is_int(value) and value >= lo, name, value, f"must be an integer >= {lo}")
         _check(self.policy in POLICIES, "policy", self.policy, f"must be one of {POLICIES}")
         _check(self.scorer in SCORERS, "scorer", self.scorer, f"must be one of {SCORERS}")
+        _check(self.delay is None or (_is_int(self.delay) and 0 <= self.delay <= self.window), "delay", self.delay,
+               f"must be None (= window) or an integer in [0, window={self.window}]")
+        _check(self.mlstm_dim is None or (_is_int(self.mlstm_dim) and self.mlstm_dim >= 1), "mlstm_dim",
+               self.mlstm_dim, "must be None (= head dim) or an integer >= 1")
+        _check(_is_int(self.mlstm_hidden) and self.mlstm_hidden >= 0, "mlstm_hidden", self.mlstm_hidden,
+               "must be an integer >= 0")
+        _check(isinstance(self.match_mlp_memory, bool), "match_mlp_memory", self.match_mlp_memory, "must be a bool")
+        uses_mlstm = self.policy == "kvpop" and self.scorer == "mlstm"
+        for name in ("delay", "mlstm_dim"):
+            _check(uses_mlstm or getattr(self, name) is None, name, getattr(self, name),
+                   "applies only to policy='kvpop' with scorer='mlstm' (leave it None)")
+        _check(uses_mlstm or not self.match_mlp_memory, "match_mlp_memory", self.match_mlp_memory,
+               "applies only to policy='kvpop' with scorer='mlstm'")
         _check(self.policy not in RECENCY_POLICIES or self.topk == 0, "topk", self.topk,
                f"must be 0 for policy {self.policy!r}, which keeps only sinks and the window "
                f"(use window = budget - sink; KVpopConfig.for_budget does it)")
         _check(isinstance(self.gamma_init, (int, float)) and 0.0 < self.gamma_init < 1.0, "gamma_init", self.gamma_init,
                "must lie strictly between 0 and 1")
+        _check(self.dms_temperature > 0 and math.isfinite(self.dms_temperature), "dms_temperature",
+               self.dms_temperature, "must be a finite number > 0")
+        _check(self.dms_target_retention is None or 0.0 <= self.dms_target_retention <= 1.0, "dms_target_retention",
+               self.dms_target_retention, "must be None (derived from the budget) or lie in [0, 1]")
+        _check(self.dms_loss_weight >= 0 and math.isfinite(self.dms_loss_weight), "dms_loss_weight",
+               self.dms_loss_weight, "must be a finite number >= 0")
         _check(self.target_eps > 0 and math.isfinite(self.target_eps), "target_eps", self.target_eps, "must be a finite number > 0")
         _check(self.target_agg in AGGREGATIONS, "target_agg", self.target_agg, f"must be one of {AGGREGATIONS}")
         _check(self.loss_tau > 0 and math.isfinite(self.loss_tau), "loss_tau", self.loss_tau, "must be a finite number > 0")
@@ -97,6 +139,40 @@ class KVpopConfig:
     def budget(self) -> int:
         """Entries kept per (layer, KV head): `sink + window + topk`."""
         return self.sink + self.window + self.topk
+
+    @property
+    def readout_delay(self) -> int:
+        """mLSTM: steps between a token's insertion and its readout (`delay`, or `window` when None)."""
+        return self.window if self.delay is None else self.delay
+
+    def state_entries(self, head_dim: int) -> int:
+        """KV entries one head's scorer state costs: `ceil((d*d + d) / (2D))` for the mLSTM (Sec. 3), else 0."""
+        if self.policy != "kvpop" or self.scorer != "mlstm":
+            return 0
+        d = self.mlstm_dim or head_dim
+        return -(-(d * d + d) // (2 * head_dim))
+
+    def effective_topk(self, head_dim: int) -> int:
+        """The top-k a model of head dim `D` gets: `topk - state_entries(D)` with `match_mlp_memory`, else `topk`."""
+        if not self.match_mlp_memory:
+            return self.topk
+        entries = self.state_entries(head_dim)
+        _check(self.topk >= entries, "topk", self.topk,
+               f"must be >= the {entries} KV entries of the mLSTM state (d={self.mlstm_dim or head_dim}, "
+               f"head dim {head_dim}) with match_mlp_memory=True")
+        return self.topk - entries
+
+    def resolve(self, head_dim: int) -> KVpopConfig:
+        """The config a model of head dim `D` runs: `topk` made effective (idempotent).
+
+        With `match_mlp_memory` the result has `topk = effective_topk(D)` and `match_mlp_memory=False`, so
+        that it is not reduced twice when loaded; `extra["match_mlp_memory"]` records what it came from.
+        """
+        if not self.match_mlp_memory:
+            return self
+        record = {"mlp_topk": self.topk, "state_entries": self.state_entries(head_dim), "head_dim": head_dim}
+        return dataclasses.replace(self, topk=self.effective_topk(head_dim), match_mlp_memory=False,
+                                   extra={**self.extra, "match_mlp_memory": record})
 
     def compression_ratio(self, seq_len: int) -> float:
         """`CR = 1 - budget / seq_len` (0 when the sequence fits the budget)."""

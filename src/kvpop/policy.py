@@ -83,14 +83,21 @@ class LayerPolicy(nn.Module):
 
     - `priority(key, value, position)`: each new token's priority at insertion (float32);
     - `dynamic = True` and `update(...)`: priorities that change with the attention each token
-      receives (TOVA, H2O). Such policies run step by step, also when teacher-forced.
+      receives (TOVA, H2O). Such policies run step by step, also when teacher-forced;
+    - `stateful = True`, `init_state(...)` and `advance(...)`: static priorities that a memory over
+      all tokens so far assigns `delay <= window` steps after a token's insertion (the mLSTM scorer).
+      Teacher-forced, `priority` scores a whole sequence at once; the cache instead holds the memory
+      and asks `advance` for each token's priority when it is due.
 
-    A static policy (`dynamic = False`) ranks by priorities fixed at insertion, so a whole
-    sequence is handled at once by the O(S log S) rule.
+    A static policy (`dynamic = False`) ranks by priorities fixed before a token becomes eligible, so
+    a whole sequence is handled at once by the O(S log S) rule.
     """
 
     dynamic = False
+    stateful = False
     teacher_forced_only = False
+    delay = 0
+    """Stateful policies: the token read out at step `u` is token `u - delay`."""
 
     def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int):
         super().__init__()
@@ -116,18 +123,42 @@ class LayerPolicy(nn.Module):
         """
         raise NotImplementedError
 
+    def init_state(self, batch: int, device: torch.device) -> tuple[Tensor, ...]:
+        """Stateful policies: the memory before any token, a tuple of tensors with the batch as dim 0."""
+        raise NotImplementedError
+
+    def advance(
+        self,
+        state: tuple[Tensor, ...],
+        key: Tensor,  # [B, H, C, D]
+        value: Tensor,  # [B, H, C, D]
+        valid: Tensor,  # bool [B, C], False: a padding step that leaves the memory unchanged
+        readout_key: Tensor,  # [B, H, C, D]
+        readout_value: Tensor,  # [B, H, C, D]
+        readout_position: Tensor,  # int64 [B, C]
+    ) -> tuple[tuple[Tensor, ...], Tensor]:
+        """Stateful policies: insert C tokens; after step `j`, read out readout token `j` (token `u - delay`).
+
+        Returns:
+            the memory after the C tokens, and the readout tokens' static priorities, float32 [B, H, C].
+        """
+        raise NotImplementedError
+
 
 class ScorerPolicy(LayerPolicy):
     """KVpop: a learned scorer and a learned per-head decay `gamma_h` (Sec. 2-3)."""
 
     def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int):
         super().__init__(cfg, num_kv_heads, head_dim)
-        from kvpop.scorers import MLPScorer
-
         self.decay_step = cfg.decay_step
-        self.scorer = MLPScorer(num_kv_heads, head_dim, cfg.scorer_hidden)
+        self.scorer = self.make_scorer(cfg, num_kv_heads, head_dim)
         # gamma_h = sigmoid(theta_h): always in (0, 1)
         self.theta = nn.Parameter(torch.full((num_kv_heads,), math.log(cfg.gamma_init / (1 - cfg.gamma_init))))
+
+    def make_scorer(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int) -> nn.Module:
+        from kvpop.scorers import MLPScorer
+
+        return MLPScorer(num_kv_heads, head_dim, cfg.scorer_hidden)
 
     @property
     def log_gamma(self) -> Tensor:
@@ -146,9 +177,54 @@ class ScorerPolicy(LayerPolicy):
         return static_priority(self.scorer(key, value), position, self.log_gamma, self.decay_step)
 
 
+class MLSTMPolicy(ScorerPolicy):
+    """KVpop with the stateful mLSTM scorer (Sec. 3): token `t` is scored `delay` steps after its insertion.
+
+    With `delay <= window` a token's priority is known by the query at which it becomes eligible
+    (`t + window`), so the retention rule and its O(S log S) form apply unchanged.
+    """
+
+    stateful = True
+
+    def make_scorer(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int) -> nn.Module:
+        from kvpop.scorers.mlstm import MLSTMScorer
+
+        return MLSTMScorer(num_kv_heads, head_dim, d=cfg.mlstm_dim, hidden=cfg.mlstm_hidden, delay=cfg.readout_delay)
+
+    @property
+    def delay(self) -> int:
+        return self.scorer.delay
+
+    def priority(self, key: Tensor, value: Tensor, position: Tensor) -> Tensor:
+        """Static priorities of a whole sequence (teacher-forced): token `t` read out after step `t + delay`.
+
+        Args:
+            key, value: [B, H, S, D] as cached.
+            position: int64 [B, S] (or [B, H, S]); negative for padding, which the memory skips.
+        Returns:
+            float32 [B, H, S], differentiable in the scorer and gamma.
+        """
+        valid = position >= 0
+        valid = valid[:, 0] if valid.dim() == 3 else valid
+        return static_priority(self.scorer(key, value, valid=valid), position, self.log_gamma, self.decay_step)
+
+    def init_state(self, batch: int, device: torch.device) -> tuple[Tensor, ...]:
+        return self.scorer.init_state(batch, device)
+
+    def advance(self, state, key, value, valid, readout_key, readout_value, readout_position):
+        if key.shape[2] == 1:
+            # decoding: the one-step recurrence
+            state = self.scorer.step(state, key[:, :, 0], value[:, :, 0], valid[:, 0])
+            score = self.scorer.readout(state, readout_key[:, :, 0], readout_value[:, :, 0])[..., None]
+        else:
+            state, score = self.scorer.scan(state, key, value, readout_key, readout_value, None, valid)
+        return state, static_priority(score, readout_position, self.log_gamma, self.decay_step)
+
+
 __all__ = [
     "NEVER",
     "LayerPolicy",
+    "MLSTMPolicy",
     "ScorerPolicy",
     "eviction_times",
     "mask_from_eviction",

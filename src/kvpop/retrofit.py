@@ -26,7 +26,10 @@ SCORERS_FILE = "kvpop_scorers.safetensors"
 
 
 class KVpopModules(nn.Module):
-    """What KVpop adds to a model: one `LayerPolicy` (scorer and decay, or a baseline's) per attention layer."""
+    """What KVpop adds to a model: one `LayerPolicy` (scorer and decay, or a baseline's) per attention layer.
+
+    `config` is the resolved config the model runs (`KVpopConfig.resolve`: the effective `topk`).
+    """
 
     def __init__(self, cfg: KVpopConfig, num_layers: int, num_kv_heads: int, head_dim: int):
         super().__init__()
@@ -73,10 +76,22 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     return attns
 
 
+def model_head_dim(model: nn.Module) -> int:
+    """The attention head dim `D` of a Hugging Face model."""
+    config = model.config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def resolve_config(model: nn.Module, cfg: KVpopConfig) -> KVpopConfig:
+    """`cfg` as `retrofit(model, cfg)` will run it: with `match_mlp_memory`, `topk` reduced by the mLSTM state."""
+    return cfg.resolve(model_head_dim(model))
+
+
 def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
     """Give `model` KVpop attention in every layer (in place) and return it.
 
-    The scorers start from a random initialisation; train them with `kvpop train`.
+    The scorers start from a random initialisation; train them with `kvpop train`. The model runs (and
+    `save` writes) `resolve_config(model, cfg)`, readable as `model.kvpop.config`.
     """
     if not isinstance(cfg, KVpopConfig):
         raise TypeError(f"cfg must be a KVpopConfig, got {type(cfg).__name__}")
@@ -84,10 +99,13 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
         raise ValueError("model is already retrofitted; call kvpop.detach(model) first to change its config")
     attns = _attention_modules(model)
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = model_head_dim(model)
+    cfg = cfg.resolve(head_dim)
     num_kv = config.num_key_value_heads or config.num_attention_heads
     ref = next(model.parameters())
     mods = KVpopModules(cfg, len(attns), num_kv, head_dim).to(device=ref.device)
+    # the policies follow the model's mode (DMS relaxes its gates in training mode only)
+    mods.train(model.training)
     register()
     mods.previous_attn_implementation = config._attn_implementation
     model.kvpop = mods

@@ -5,12 +5,13 @@
 
 from __future__ import annotations
 
+from kvpop.baselines.dms import DMSPolicy
 from kvpop.baselines.h2o import H2OPolicy
 from kvpop.baselines.oracle import OraclePolicy
 from kvpop.baselines.streaming_llm import RecencyPolicy
 from kvpop.baselines.tova import TOVAPolicy
 from kvpop.config import KVpopConfig
-from kvpop.policy import LayerPolicy, ScorerPolicy
+from kvpop.policy import LayerPolicy, MLSTMPolicy, ScorerPolicy
 
 POLICY_CLASSES: dict[str, type[LayerPolicy]] = {
     "kvpop": ScorerPolicy,
@@ -19,11 +20,15 @@ POLICY_CLASSES: dict[str, type[LayerPolicy]] = {
     "tova": TOVAPolicy,
     "h2o": H2OPolicy,
     "oracle": OraclePolicy,
+    "dms": DMSPolicy,
 }
+# the learned policy's class by `cfg.scorer`
+SCORER_CLASSES: dict[str, type[LayerPolicy]] = {"mlp": ScorerPolicy, "mlstm": MLSTMPolicy}
 
 
 def make_policy(cfg: KVpopConfig, num_kv_heads: int, head_dim: int) -> LayerPolicy:
-    return POLICY_CLASSES[cfg.policy](cfg, num_kv_heads, head_dim)
+    cls = SCORER_CLASSES[cfg.scorer] if cfg.policy == "kvpop" else POLICY_CLASSES[cfg.policy]
+    return cls(cfg, num_kv_heads, head_dim)
 
 
-__all__ = ["POLICY_CLASSES", "H2OPolicy", "OraclePolicy", "RecencyPolicy", "TOVAPolicy", "make_policy"]
+__all__ = ["POLICY_CLASSES", "SCORER_CLASSES", "DMSPolicy", "H2OPolicy", "OraclePolicy", "RecencyPolicy", "TOVAPolicy", "make_policy"]

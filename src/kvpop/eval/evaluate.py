@@ -7,6 +7,8 @@ Every policy and budget sees the same sequences; every number is teacher-forced 
 model with the same weights (`kvpop_dense=True`), counted at positions `>= budget` where eviction
 acts (`DESIGN.md`, Metrics). Static-priority policies (KVpop, the oracle) also get their top-k
 retention recall against the oracle of the evaluated model, per layer and head (paper Fig. 7).
+DMS rows also get `avg_cache_fraction`: the entries its heads really hold / budget, averaged over
+layers, KV heads and queries `>= budget` (its per-head retention is ragged inside the fixed buffer).
 Because the training mask equals the decoding cache, these are the numbers a user gets generating.
 """
 
@@ -36,6 +38,9 @@ class Entry:
     """A `kvpop.save` directory (its own config and weights), or None for a training-free policy."""
     stats: TeacherForcedStats = field(default_factory=TeacherForcedStats, repr=False)
     recall: RetentionRecall | None = field(default=None, repr=False)
+    cache_sum: float = field(default=0.0, repr=False)
+    """DMS: sum over (layer, KV head, query >= budget) of entries held / budget, and its count."""
+    cache_count: int = field(default=0, repr=False)
 
 
 def training_free(policy: str, budget: int, sink: int = 4) -> Entry:
@@ -44,12 +49,13 @@ def training_free(policy: str, budget: int, sink: int = 4) -> Entry:
     return Entry(policy, budget, cfg)
 
 
-def from_directory(path: str, name: str = "kvpop") -> Entry:
+def from_directory(path: str, name: str | None = None) -> Entry:
+    """A trained directory, labelled `name` or else by its policy (`kvpop`, `dms`, `streaming_llm_plus`)."""
     import json
     from pathlib import Path
 
     cfg = KVpopConfig.from_dict(json.loads((Path(path) / "kvpop_config.json").read_text()))
-    return Entry(name, cfg.budget, cfg, trained=str(path))
+    return Entry(name or cfg.policy, cfg.budget, cfg, trained=str(path))
 
 
 class Evaluator:
@@ -94,6 +100,8 @@ class Evaluator:
 
     def _run(self, entry: Entry, model: nn.Module, ids: Tensor) -> tuple[Tensor, tuple | None]:
         cfg = kvpop_modules(model).config
+        if cfg.policy == "dms":
+            return self._run_dms(entry, model, ids), None
         if model.kvpop.layers[0].dynamic or cfg.topk == 0:
             return model(ids, use_cache=False).logits.float(), None
         # static priorities: the oracle of this very model (dense pass), then its own sparse pass
@@ -105,6 +113,22 @@ class Evaluator:
         sparse = Capture()
         logits = model(ids, kvpop_capture=sparse, use_cache=False).logits.float()
         return logits, (teacher, [r.priority.detach() for r in sparse])
+
+    def _run_dms(self, entry: Entry, model: nn.Module, ids: Tensor) -> Tensor:
+        """DMS's hard decisions through the shared rule, and the cache sizes they really use."""
+        from kvpop.baselines.dms import cache_fraction
+        from kvpop.ops.topk import eviction_positions
+
+        cfg = kvpop_modules(model).config
+        records = Capture()
+        logits = model(ids, kvpop_capture=records, use_cache=False).logits.float()
+        for rec in records:
+            evict = eviction_positions(rec.priority, rec.position[:, None], rec.valid[:, None], cfg.sink, cfg.window,
+                                       cfg.topk)
+            total, count = cache_fraction(evict, cfg.sink, cfg.window, cfg.budget)
+            entry.cache_sum += total
+            entry.cache_count += count
+        return logits
 
     def rows(self, seq_len: int) -> list[dict]:
         rows = []
@@ -130,19 +154,24 @@ class Evaluator:
                 rec = e.recall.result()
                 row["recall"] = rec.mean
                 row["recall_per_layer"] = [float(x) for x in rec.per_layer]
+            if e.cfg.policy == "dms":
+                row["avg_cache_fraction"] = e.cache_sum / max(1, e.cache_count)
             rows.append(row)
         return rows
 
 
 def format_table(rows: Sequence[dict]) -> str:
     """The comparison as a plain-text table, one line per (budget, policy)."""
-    head = f"{'budget':>6} {'CR':>5}  {'policy':<20} {'rel acc':>8} {'top-1 agr':>9} {'KL':>8} {'ppl ratio':>9} {'recall':>7}"
+    head = (f"{'budget':>6} {'CR':>5}  {'policy':<20} {'rel acc':>8} {'top-1 agr':>9} {'KL':>8} {'ppl ratio':>9} "
+            f"{'recall':>7} {'cache':>6}")
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (-r["budget"], r["policy"])):
         recall = f"{r['recall']:.3f}" if r.get("recall") is not None else "-"
+        # the share of the budget actually held (DMS); the other policies fill it
+        cache = f"{r['avg_cache_fraction']:.3f}" if r.get("avg_cache_fraction") is not None else "-"
         lines.append(
             f"{r['budget']:>6} {r['cr']:>5.0%}  {r['policy']:<20} {r['rel_accuracy']:>8.3f} {r['top1_agreement']:>9.3f} "
-            f"{r['kl']:>8.4f} {r['ppl_ratio']:>9.3f} {recall:>7}"
+            f"{r['kl']:>8.4f} {r['ppl_ratio']:>9.3f} {recall:>7} {cache:>6}"
         )
     return "\n".join(lines)
 

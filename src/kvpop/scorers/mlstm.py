@@ -305,19 +305,23 @@ class MLSTMScorer(nn.Module):
 
     # --- whole sequences (training) ---
     def forward(
-        self, key: Tensor, value: Tensor, *, backend: Literal["chunkwise", "quadratic"] = "chunkwise",
-        chunk_size: int | None = None,
+        self, key: Tensor, value: Tensor, *, valid: Tensor | None = None,
+        backend: Literal["chunkwise", "quadratic"] = "chunkwise", chunk_size: int | None = None,
     ) -> Tensor:
         """Scores of a whole sequence, each token read out with the memory after `min(t + delay, S - 1)`.
 
         Args:
             key, value: [B, H, S, D] as cached (after k-norm and RoPE); gradients are not taken through them.
+            valid: bool [B, S], False for padding: such steps leave the memory unchanged (left padding
+                then gives every real token the score it has without the padding).
             backend: "chunkwise" (O(S L) memory) or "quadratic" (the S x S reference).
             chunk_size: L of the chunkwise form; default `self.chunk_size`.
         Returns:
             float32 [B, H, S].
         """
         q, k, v, igate, logf = self.features(key, value)
+        if valid is not None:
+            igate, logf = _mask_padding(igate, logf, valid[:, None, :])
         if backend == "chunkwise":
             h, _ = mlstm_delayed_chunkwise(q, k, v, igate, logf, self.delay, chunk_size or self.chunk_size)
         elif backend == "quadratic":
@@ -356,11 +360,14 @@ class MLSTMScorer(nn.Module):
         value: Tensor,  # [B, H, C, D]
         readout_key: Tensor,  # [B, H, R, D]
         readout_value: Tensor,  # [B, H, R, D]
-        readout_step: Tensor,  # int64 [B, H, R], in [0, C - 1]
+        readout_step: Tensor | None,  # int64 [B, H, R], in [0, C - 1]; None: R == C, token r after step r
         valid: Tensor | None = None,  # [B, C] bool, False: a padding step that leaves the memory unchanged
         chunk_size: int | None = None,
     ) -> tuple[MLSTMState, Tensor]:
         """Insert C tokens after `state`; score R tokens, token r with the memory after in-chunk step `readout_step[r]`.
+
+        `readout_step=None` is the case of one readout per step (the cache's prefill: step `u` reads out
+        token `u - delay`): it runs the chunkwise form, `O(C L d)` instead of `O(C^2 d)`.
 
         Returns:
             the memory after the C tokens, and float32 scores [B, H, R].
@@ -369,7 +376,12 @@ class MLSTMScorer(nn.Module):
         if valid is not None:
             igate, logf = _mask_padding(igate, logf, valid[:, None, :])
         q_r = self.queries(readout_key, readout_value)
-        h, state = mlstm_scan(state, k, v, igate, logf, q_r, readout_step, chunk_size or self.chunk_size)
+        if readout_step is None:
+            if q_r.shape[2] != k.shape[2]:
+                raise ValueError(f"readout_step=None needs one readout per step: got {q_r.shape[2]} for {k.shape[2]} steps")
+            h, state = mlstm_delayed_chunkwise(q_r, k, v, igate, logf, 0, chunk_size or self.chunk_size, state)
+        else:
+            h, state = mlstm_scan(state, k, v, igate, logf, q_r, readout_step, chunk_size or self.chunk_size)
         return state, self.head(h)
 
     # --- accounting ---

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from kvpop.attention import Capture
 from kvpop.config import KVpopConfig
 from kvpop.ops.target import future_attention_target
-from kvpop.retrofit import kvpop_modules, retrofit, save
+from kvpop.retrofit import kvpop_modules, model_head_dim, resolve_config, retrofit, save
 from kvpop.train.data import DataError, batches, load_texts, pack_sequences
 from kvpop.train.loss import boundary_labels, boundary_loss, teacher_priority
 
@@ -81,7 +81,7 @@ class TrainConfig:
     """Scorer warm-up steps; -1 means 5 % of `steps`."""
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
-    """Gradient-norm clip (over all trained parameters); 0 disables."""
+    """Gradient-norm clip, applied to the base and the scorer parameters separately; 0 disables."""
     freeze_base: bool = False
     """Train the scorers only: no teacher copy, no KL."""
     kl_topk: int = 0
@@ -180,6 +180,16 @@ def init_distributed(device: str) -> Dist:
     return d
 
 
+def describe_cache(kcfg: KVpopConfig, head_dim: int) -> str:
+    """One line on what the cache of a resolved config holds per (layer, KV head), the scorer state included."""
+    entries = kcfg.state_entries(head_dim)
+    matched = kcfg.extra.get("match_mlp_memory")
+    topk = (f"effective topk {kcfg.topk} = {matched['mlp_topk']} - {entries} (match_mlp_memory)" if matched
+            else f"topk {kcfg.topk}")
+    return (f"scorer {kcfg.scorer}, delay {kcfg.readout_delay}; per KV head: sink {kcfg.sink} + window {kcfg.window} + "
+            f"{topk} = {kcfg.budget} entries, plus the mLSTM state ({entries} KV entries)")
+
+
 # --- the trainer ---
 
 
@@ -201,7 +211,15 @@ class Distiller:
             kcfg = kvpop_modules(model).config
         if kcfg is None:
             raise ValueError("a KVpopConfig is needed unless --model is a kvpop directory")
-        self.kcfg = kcfg
+        if kcfg.policy == "dms" and kcfg.dms_target_retention is None:
+            # DMS: the retention target follows from the budget and this run's length; it is saved with the model
+            from kvpop.baselines.dms import target_retention
+
+            kcfg = dataclasses.replace(kcfg, dms_target_retention=target_retention(kcfg, tcfg.seq_len))
+        # the config the model runs: with match_mlp_memory, topk shrinks by the mLSTM state
+        self.kcfg = kcfg = resolve_config(model, kcfg)
+        if self.dist.main and kcfg.scorer == "mlstm" and kcfg.policy == "kvpop":
+            print(f"kvpop train: {describe_cache(kcfg, model_head_dim(model))}", file=sys.stderr)
         if kcfg.policy in ("tova", "h2o", "oracle"):
             raise ValueError(f"policy {kcfg.policy!r} has nothing to train (training-free); evaluate it with kvpop eval")
         if kcfg.policy in ("streaming_llm", "streaming_llm_plus") and tcfg.freeze_base:
@@ -214,7 +232,8 @@ class Distiller:
             )
 
         self.teacher = None
-        if not tcfg.freeze_base:
+        # DMS gates learn from the KL even with the base frozen, so DMS always has a teacher
+        if not tcfg.freeze_base or kcfg.policy == "dms":
             base = copy.deepcopy(model)
             if pretrained is not None:
                 from kvpop.retrofit import detach
@@ -235,7 +254,6 @@ class Distiller:
         scorer_params = list(kvpop_modules(model).parameters())
         scorer_ids = {id(p) for p in scorer_params}
         base_params = [p for p in model.parameters() if id(p) not in scorer_ids and p.requires_grad]
-        self.trained = base_params + scorer_params
         groups = [{"params": scorer_params, "lr": tcfg.lr_scorer, "name": "scorer"}]
         if base_params:
             groups.append({"params": base_params, "lr": tcfg.lr_base, "name": "base"})
@@ -320,7 +338,15 @@ class Distiller:
         if len(records) != n_layers:
             raise TrainingError(f"captured {len(records)} of {n_layers} layers: a wrapper dropped the kvpop_capture kwarg")
         losses, keep, acc = [], [], []
-        for rec in records if k.topk > 0 else []:
+        extra: dict[str, Tensor] = {}
+        if k.policy == "dms":
+            # DMS: no boundary loss; its gates learn from the KL through the soft mask and the compression loss
+            from kvpop.baselines.dms import compression_loss
+
+            loss, extra = compression_loss(records, k)
+            losses.append(loss)
+            keep.append(extra["retention"])
+        for rec in records if k.topk > 0 and k.policy != "dms" else []:
             r_tgt = future_attention_target(
                 rec.query.detach(), rec.key.detach(), rec.lse.detach(), k.window, scale=rec.scale,
                 eps=k.target_eps, agg=k.target_agg, count_norm=k.target_count_norm,
@@ -344,6 +370,7 @@ class Distiller:
             "loss_score": loss_score.detach(),
             "keep_rate": torch.stack(keep).nanmean(),
             "accuracy": torch.stack(acc).nanmean(),
+            **extra,
         }
 
     def train_step(self, micro_batches: list[Tensor]) -> dict[str, float]:
@@ -366,9 +393,13 @@ class Distiller:
                 f"non-finite loss at step {self.step + 1} (loss_kl={loss_kl}, loss_score={loss_score}); "
                 f"stopped without saving. Last good checkpoint: {where}"
             )
-        grad_norm = (
-            torch.nn.utils.clip_grad_norm_(self.trained, t.grad_clip) if t.grad_clip > 0 else torch.zeros(())
-        )
+        # each group is clipped on its own: the two losses train disjoint parameters, and a large KL
+        # gradient must not shrink the scorer's steps
+        norms = {}
+        for group in self.optimizer.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params and t.grad_clip > 0:
+                norms[group["name"]] = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
         self.optimizer.step()
         lrs = {g["name"]: g["lr"] for g in self.optimizer.param_groups}
         self.scheduler.step()
@@ -384,8 +415,12 @@ class Distiller:
             "tokens_per_s": t.grad_accum * t.batch_size * t.seq_len / elapsed,
             "keep_rate": keep_rate,
             "accuracy": accuracy,
-            "grad_norm": float(grad_norm),
+            "grad_norm_scorer": norms.get("scorer", 0.0),
+            "grad_norm_base": norms.get("base", 0.0),
             "step_time_s": elapsed,
+            # policy-specific numbers (DMS: retention, retention_hard, target_retention)
+            **{name: float(self.dist.all_sum(v) / self.dist.world) for name, v in sums.items()
+               if name not in ("loss_kl", "loss_score", "keep_rate", "accuracy")},
         }
 
     def batches(self) -> Iterator[list[Tensor]]:
@@ -576,5 +611,10 @@ class Distiller:
 def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, progress: bool = True,
           argv: list[str] | None = None) -> Path:
     """Run (or resume) a distillation and return the directory of the final model."""
-    return Distiller(tcfg, kcfg, resume=resume, argv=argv).run(progress=progress)
+    try:
+        return Distiller(tcfg, kcfg, resume=resume, argv=argv).run(progress=progress)
+    finally:
+        # a process group left to the interpreter's exit can abort the process (SIGABRT in gloo's teardown)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 

@@ -38,7 +38,8 @@ def retention_mask_reference(priority: Tensor, sink: int, window: int, topk: int
     eligible = (t >= sink) & (t <= q - window)
     # better[q, t] = #{u in E(q) : u beats t}; t is in the top-k of E(q) iff fewer than k beat it
     better = torch.matmul(eligible.double(), beats(priority).double())
-    in_topk = eligible & (better < topk)
+    # a -inf token is never retained past the window (DMS's "evict" decision)
+    in_topk = eligible & (better < topk) & (priority[..., None, :] > float("-inf"))
     return (t <= q) & ((t < sink) | (t > q - window) | in_topk)
 
 

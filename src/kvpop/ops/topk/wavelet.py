@@ -86,7 +86,8 @@ def eviction_positions(
     cache's slots plus a new chunk - so that training, prefill and decoding share one rule. A token
     `t` with `position >= sink` leaves the protected window at query `pos_t + window`; it is then
     evicted once `topk` eligible tokens outrank it, i.e. at `pos_u + window` where `u` is the
-    `topk`-th oldest token that beats it.
+    `topk`-th oldest token that beats it. A token of priority `-inf` never takes a long-range slot: it
+    is evicted as it leaves the window (DMS's "evict" decision), and it displaces nobody.
 
     Args:
         priority: float32 [B, H, N], static priorities.
@@ -100,12 +101,14 @@ def eviction_positions(
     position = position.expand(B, H, N)
     valid = valid.expand(B, H, N)
     eligible = valid & (position >= sink)
+    # -inf tokens beat nobody, so leaving them out of the ranking changes no other token's eviction
+    ranked = eligible & (priority > float("-inf"))
     if topk == 0:
         return torch.where(eligible, position + window, NEVER)
 
     pri = priority.reshape(B * H, N)
     pos = position.reshape(B * H, N)
-    elig = eligible.reshape(B * H, N)
+    elig = ranked.reshape(B * H, N)
     # index of each token in position order, so that wavelet values stay below N whatever the positions
     by_pos = torch.argsort(torch.where(elig, pos, NEVER), dim=-1, stable=True)
     pos_sorted = pos.gather(-1, by_pos)
@@ -119,7 +122,8 @@ def eviction_positions(
     found = (kth >= 0) & (kth < N)
     kth_pos = pos_sorted.gather(-1, kth.clamp(0, N - 1))
     evict = torch.where(found, torch.maximum(pos, kth_pos) + window, NEVER)
-    return torch.where(elig, evict, NEVER).reshape(B, H, N)
+    evict = torch.where(elig, evict, NEVER).reshape(B, H, N)
+    return torch.where(eligible & ~ranked, position + window, evict)
 
 
 def boundary_tokens(priority: Tensor, sink: int, window: int, topk: int) -> Tensor:
