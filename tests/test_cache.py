@@ -104,17 +104,18 @@ def test_batch_with_left_padding(models, arch, cfg_name):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg_name", ["base", "mlstm"])
+@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "streaming_llm", "tova", "h2o", "dms"])
 @torch.no_grad()
 def test_generate_greedy_batched_equals_single(models, arch, cfg_name):
     model = models[(arch, cfg_name)]
     a, b = _ids(4, 30)[0], _ids(5, 21)[0]
     ids, mask, _ = padded_batch([a, b])
     with quiet():
-        batch = model.generate(ids, attention_mask=mask, max_new_tokens=25, do_sample=False, pad_token_id=0,
-                               **cache_kwargs(kvpop.KVpopCache(model)))
+        # min_new_tokens: a row that hit EOS would be padded, which is not what is compared here
+        batch = model.generate(ids, attention_mask=mask, max_new_tokens=25, min_new_tokens=25, do_sample=False,
+                               pad_token_id=0, **cache_kwargs(kvpop.KVpopCache(model)))
         for row, x in enumerate((a, b)):
-            single = model.generate(x[None], max_new_tokens=25, do_sample=False,
+            single = model.generate(x[None], max_new_tokens=25, min_new_tokens=25, do_sample=False,
                                     **cache_kwargs(kvpop.KVpopCache(model)))
             assert torch.equal(batch[row, -single.shape[1]:], single[0])
 
