@@ -356,8 +356,9 @@ def evaluate(args: argparse.Namespace) -> int:
     MODEL,
     arg("--text", default=None, help="the text (default: the first held-out champ solution)"),
     arg("--file", default=None, help="read the text from this file"),
-    arg("--policy", default="kvpop", choices=["kvpop", "streaming_llm", "tova", "h2o"],
-        help="policy for a model that is not already retrofitted (default kvpop, untrained unless --model is)"),
+    arg("--policy", default="kvpop", choices=["kvpop", "streaming_llm", "tova", "h2o", "dms"],
+        help="policy for a model that is not already retrofitted (default kvpop; kvpop and dms are untrained "
+             "unless --model is a trained directory)"),
     arg("--budget", type=int, default=512, help="budget for a fresh retrofit (default 512)"),
     arg("--sink", type=int, default=4),
     arg("--last", type=int, default=112, help="evictable tokens to show (default 112)"),

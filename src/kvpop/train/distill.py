@@ -83,7 +83,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Gradient-norm clip, applied to the base and the scorer parameters separately; 0 disables."""
     freeze_base: bool = False
-    """Train the scorers only: no teacher copy, no KL."""
+    """Train the scorers only: no KL for the base (DMS still keeps a teacher: its gates learn through the KL)."""
     kl_topk: int = 0
     """0: KL over the full vocabulary; N > 0: over the teacher's top-N logits, renormalised."""
     out: str = "runs/train"
