@@ -102,11 +102,13 @@ class LayerPolicy(nn.Module):
     def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int):
         super().__init__()
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        # a buffer, not a fresh tensor, so that it follows the model to its device
+        self.register_buffer("no_decay", torch.zeros(num_kv_heads), persistent=False)
 
     @property
     def log_gamma(self) -> Tensor:
         """float32 [H]: the decay of Sec. 2 (0: no decay)."""
-        return torch.zeros(self.num_kv_heads)
+        return self.no_decay
 
     def priority(self, key: Tensor, value: Tensor, position: Tensor) -> Tensor:
         """Priorities of new tokens: float32 [B, H, N] for key/value [B, H, N, D], position int64 [B, N]."""
