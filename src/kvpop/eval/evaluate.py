@@ -64,8 +64,9 @@ class Evaluator:
     def __init__(self, base: nn.Module, entries: Sequence[Entry], device: torch.device | str = "cpu"):
         self.base, self.entries, self.device = base, list(entries), torch.device(device)
         self._trained: dict[str, nn.Module] = {}
-        # the dense reference: the base with any policy attached, run with kvpop_dense=True
-        self._reference_cfg = KVpopConfig(sink=1, window=1, topk=0, policy="streaming_llm")
+        # the dense reference: the base run with kvpop_dense=True; attached as the oracle, its capture
+        # carries the oracle's decay, so training-free oracle rows reuse this pass instead of their own
+        self._reference_cfg = KVpopConfig(sink=1, window=1, topk=1, policy="oracle")
 
     def _model(self, entry: Entry) -> nn.Module:
         if entry.trained is None:
@@ -83,12 +84,13 @@ class Evaluator:
         """Evaluate every entry on one batch of unpadded sequences [B, S]."""
         ids = input_ids.to(self.device)
         model = retrofit(self.base, self._reference_cfg)
-        dense = model(ids, kvpop_dense=True, use_cache=False).logits.float()
+        reference = Capture()
+        dense = model(ids, kvpop_dense=True, kvpop_capture=reference, use_cache=False).logits.float()
         detach(model)
         for entry in self.entries:
             model = self._model(entry)
             try:
-                logits, recall = self._run(entry, model, ids)
+                logits, recall = self._run(entry, model, ids, reference)
             finally:
                 self._release(entry, model)
             entry.stats.update(dense, logits, ids, start=entry.budget)
@@ -98,15 +100,18 @@ class Evaluator:
                     entry.recall = RetentionRecall(c.sink, c.window, c.topk)
                 entry.recall.update(*recall)
 
-    def _run(self, entry: Entry, model: nn.Module, ids: Tensor) -> tuple[Tensor, tuple | None]:
+    def _run(self, entry: Entry, model: nn.Module, ids: Tensor, reference: Capture) -> tuple[Tensor, tuple | None]:
         cfg = kvpop_modules(model).config
         if cfg.policy == "dms":
             return self._run_dms(entry, model, ids), None
         if model.kvpop.layers[0].dynamic or cfg.topk == 0:
             return model(ids, use_cache=False).logits.float(), None
         # static priorities: the oracle of this very model (dense pass), then its own sparse pass
-        dense = Capture()
-        model(ids, kvpop_dense=True, kvpop_capture=dense, use_cache=False, logits_to_keep=1)
+        if entry.trained is None and cfg.gamma_init == self._reference_cfg.gamma_init:
+            dense = reference  # same weights, same decay: the reference pass already has it
+        else:
+            dense = Capture()
+            model(ids, kvpop_dense=True, kvpop_capture=dense, use_cache=False, logits_to_keep=1)
         teacher = priorities_from_records(dense, cfg)
         if cfg.policy == "oracle":
             return model(ids, kvpop_priority=teacher, use_cache=False).logits.float(), (teacher, teacher)
