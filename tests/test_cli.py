@@ -105,6 +105,24 @@ def test_generate_end_to_end(capsys):
 
 
 @needs_retrofit
+def test_generate_compiled_equals_eager(capsys, monkeypatch):
+    import kvpop.decode
+
+    # the same capture as inductor, without its C++ compilation on a small CPU
+    monkeypatch.setattr(kvpop.decode, "DEFAULT_BACKEND", "aot_eager")
+    argv = ["generate", "--model", "tiny-random-qwen3", "--prompt", PROMPT,
+            "--sink", "2", "--window", "8", "--topk", "8", "--max-new-tokens", "12"]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, err
+    rc, out_c, err_c = run(capsys, *argv, "--compile")
+    assert rc == 0, err_c
+    assert summary(err_c) == summary(err)
+    assert out_c.strip() == out.strip()
+    rc, _, err = run(capsys, *argv, "--compile", "--do-sample")
+    assert rc != 0 and "--do-sample" in err
+
+
+@needs_retrofit
 def test_generate_chat_sampling_llama(capsys):
     rc, out, err = run(capsys, "generate", "--model", "tiny-random-llama", "--prompt", "hi", "--chat",
                        "--do-sample", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3",

@@ -23,6 +23,9 @@ token `p` and then reads out token `p - delay`, which is still in the window (or
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -55,6 +58,9 @@ class KVpopLayerCache(CacheLayerMixin):
         self.seen: Tensor | None = None  # [B] real tokens so far, per row
         self.state: tuple[Tensor, ...] | None = None  # a stateful policy's memory, batch first (made on first use)
         self.processed = 0  # tokens given to the model so far, padding included (what generate counts)
+        # while True, `update` leaves `processed` alone: a compiled step would otherwise specialise on
+        # (and recompile for) every value of this Python int; `KVpopCache.static_length` sets it
+        self.frozen = False
 
     # --- transformers' Cache protocol ---
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
@@ -70,7 +76,8 @@ class KVpopLayerCache(CacheLayerMixin):
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         # the real work needs priorities and padding, which only the attention call has: see `attend`
-        self.processed += key_states.shape[-2]
+        if not self.frozen:
+            self.processed += key_states.shape[-2]
         return key_states, value_states
 
     def get_seq_length(self) -> int:
@@ -150,7 +157,8 @@ class KVpopLayerCache(CacheLayerMixin):
             out = torch.cat(outs, dim=2)
         else:
             out = self._chunk(query, key, value, position, valid, priority, scale, policy)
-        self.seen = self.seen + valid.sum(-1)
+        # in place, like every per-step update here: a captured CUDA graph keeps the buffers' addresses
+        self.seen.add_(valid.sum(-1))
         return out
 
     def _decode(self, query, key, value, p: Tensor, real: Tensor, pri_new: Tensor, scale: float,
@@ -186,7 +194,7 @@ class KVpopLayerCache(CacheLayerMixin):
             out, _ = masked_attention(query, self.keys, self.values, occupied[:, :, None, :], scale)
             return out
         out, probs = attention_with_probs(query, self.keys, self.values, occupied, scale)
-        self.pri = torch.where(real[:, None, None], policy.update(self.pri, probs, occupied), self.pri)
+        self.pri.copy_(torch.where(real[:, None, None], policy.update(self.pri, probs, occupied), self.pri))
         return out
 
     def _advance_decode(self, key, value, p: Tensor, real: Tensor, pri_new: Tensor, policy: LayerPolicy) -> Tensor:
@@ -209,7 +217,7 @@ class KVpopLayerCache(CacheLayerMixin):
             rk = self.keys.gather(2, rslot[..., None].expand(-1, -1, -1, D))
             rv = self.values.gather(2, rslot[..., None].expand(-1, -1, -1, self.values.shape[-1]))
         state, pri = policy.advance(self.state, key, value, real[:, None], rk, rv, x.clamp(min=0)[:, None])
-        self.state = type(state)(*(t.detach() for t in state))
+        self._store_state(state)
         pri = pri.detach()  # [B, H, 1]
         if d == 0:
             return pri[..., 0]
@@ -235,12 +243,26 @@ class KVpopLayerCache(CacheLayerMixin):
         rk = cand_k.gather(2, src[..., None].expand(-1, -1, -1, D))
         rv = cand_v.gather(2, src[..., None].expand(-1, -1, -1, cand_v.shape[-1]))
         state, pri = policy.advance(self.state, key, value, valid, rk, rv, x.clamp(min=0))
-        self.state = type(state)(*(t.detach() for t in state))
+        self._store_state(state)
         # every token is read out at one step only; steps with nothing due write to a scratch column
         due = (valid & (x >= s))[:, None].expand(B, H, C)
         dst = torch.where(due, src, cand_pri.shape[-1])
         scratch = cand_pri.new_empty(B, H, 1)
         return torch.cat([cand_pri, scratch], dim=2).scatter_(2, dst, pri.detach())[..., :-1]
+
+    def _store_state(self, state: tuple[Tensor, ...]) -> None:
+        """Keep the policy's new memory: copied into the existing buffers (in place), else adopted."""
+        if self.state is None or any(old.shape != new.shape for old, new in zip(self.state, state)):
+            self.state = type(state)(*(t.detach() for t in state))
+            return
+        for old, new in zip(self.state, state):
+            old.copy_(new.detach())
+
+    def static_tensors(self) -> list[Tensor]:
+        """Every tensor a decode step updates in place (slots, counters, the policy's memory)."""
+        if not self.is_initialized:
+            return []
+        return [self.keys, self.values, self.pos, self.pri, self.seen, *(self.state or ())]
 
     def _move(self, src: Tensor, dst: Tensor, where: Tensor) -> None:
         """Copy slot `src` to slot `dst` ([B, H, 1] indices) where `where` holds."""
@@ -329,6 +351,25 @@ class KVpopCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+    @contextlib.contextmanager
+    def static_length(self) -> Iterator[None]:
+        """Within: `get_seq_length()` stays at its value on entry, so a compiled step sees a constant.
+
+        The tokens given meanwhile are counted on exit, so `generate`-style bookkeeping is right afterwards.
+        Positions inside the cache come from the `seen` tensor, which keeps counting.
+        """
+        start = [layer.seen.clone() if layer.is_initialized else None for layer in self.layers]
+        for layer in self.layers:
+            layer.frozen = True
+        try:
+            yield
+        finally:
+            for layer, before in zip(self.layers, start):
+                layer.frozen = False
+                if before is not None:
+                    # one host sync, once per generation: the tokens decoded while frozen
+                    layer.processed += int((layer.seen - before).max())
 
     def slots_used(self) -> list[Tensor]:
         """Per layer, the number of occupied slots per (batch row, KV head): int64 [B, Hkv]."""

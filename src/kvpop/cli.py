@@ -69,6 +69,8 @@ def _device(name: str | None) -> str:
     arg("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample)"),
     arg("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --do-sample)"),
     arg("--seed", type=int, default=0, help="random seed (default 0)"),
+    arg("--compile", action="store_true",
+        help="greedy decoding with a compiled one-token step (torch.compile; CUDA graphs on CUDA), no streaming"),
     DEVICE,
     DTYPE,
 ])
@@ -108,6 +110,8 @@ def generate(args: argparse.Namespace) -> int:
     n_prompt = inputs["input_ids"].shape[1]
 
     cache = kvpop.KVpopCache(model)
+    if args.compile:
+        return _generate_compiled(args, model, tokenizer, inputs["input_ids"], cache)
     sampling = {"do_sample": False}
     if args.do_sample:
         sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p}
@@ -126,6 +130,29 @@ def generate(args: argparse.Namespace) -> int:
     used = int(cache.slots_used()[0].max())
     print(f"[kvpop] {n_new} tokens in {elapsed:.2f} s ({n_new / elapsed:.1f} tokens/s, prefill included); "
           f"cache: {used} of {cache.config.budget} slots per layer and KV head used for "
+          f"{cache.get_seq_length()} tokens seen", file=sys.stderr)
+    return 0
+
+
+def _generate_compiled(args: argparse.Namespace, model, tokenizer, input_ids, cache) -> int:
+    """`generate --compile`: `kvpop.decode.Decoder`, greedy, the text printed at the end (no host sync per token)."""
+    import time
+
+    from kvpop.decode import Decoder
+
+    if args.do_sample:
+        raise ValueError("--compile decodes greedily: drop --do-sample")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"--compile takes one prompt, got a batch of {input_ids.shape[0]}")
+    decoder = Decoder(model, cache, compile=True)
+    start = time.perf_counter()
+    new = decoder.generate(input_ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
+    elapsed = time.perf_counter() - start
+    print(tokenizer.decode(new[0], skip_special_tokens=True))
+    n_new = new.shape[1]
+    used = int(cache.slots_used()[0].max())
+    print(f"[kvpop] {n_new} tokens in {elapsed:.2f} s ({n_new / elapsed:.1f} tokens/s, prefill and compilation "
+          f"included); cache: {used} of {cache.config.budget} slots per layer and KV head used for "
           f"{cache.get_seq_length()} tokens seen", file=sys.stderr)
     return 0
 

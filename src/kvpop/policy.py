@@ -72,7 +72,7 @@ def eviction_times(priority: Tensor, sink: int, window: int, topk: int) -> Tenso
     S = priority.shape[-1]
     pos = torch.arange(S, device=priority.device)
     valid = torch.ones(S, dtype=torch.bool, device=priority.device)
-    return eviction_positions(priority.float(), pos, valid, sink, window, topk).clamp(max=S)
+    return eviction_positions(priority.float(), pos, valid, sink, window, topk, ordered=True).clamp(max=S)
 
 
 class LayerPolicy(nn.Module):

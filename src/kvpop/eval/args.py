@@ -22,6 +22,11 @@ BENCH_ARGS: list[tuple[tuple[str, ...], dict]] = [
     (("--dtype",), dict(default=None, choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: bfloat16 for *-shape presets, else the model's own)")),
     (("--seed",), dict(type=int, default=0, help="seeds prompts and fresh scorers (default 0)")),
+    (("--compile",), dict(action="store_true", help="also time a compiled decode step (torch.compile; CUDA graphs on "
+                                                    "CUDA; dense on a StaticCache) beside each eager row")),
+    (("--fill",), dict(default="prefill", choices=["prefill", "random"],
+                       help="prefill: run the model over the context (default); random: fill the caches with "
+                            "random keys/values as if the context had been seen (decode latency only)")),
     (("--json-out",), dict(default=None, metavar="PATH", help="also write the JSON result to PATH")),
     (("--plot",), dict(default=None, metavar="PATH", help="write the memory/latency plot (PNG) to PATH")),
 ]

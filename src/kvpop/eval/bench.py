@@ -8,6 +8,17 @@ For each context length a seeded random prompt is prefilled (in chunks, so long 
 is reported. The dense rows run the same weights without KVpop (a `DynamicCache` and the model's
 own attention); the KVpop rows run the retrofitted model with a `KVpopCache`.
 
+`--compile` adds a compiled row beside each eager one ("compiled": true): the step runs through
+`kvpop.decode.Decoder` (`torch.compile(fullgraph=True)`, CUDA graphs on CUDA), the dense baseline
+on Hugging Face's `StaticCache` (the fair compiled comparison), with at least 3 warm-up steps; the
+first one compiles ("compile_s"). A compiled run that fails records its exception in "error".
+
+`--fill random` skips running the model over the context: each cache is filled directly with random
+keys/values as if `context` tokens had been seen (a `KVpopCache` with every slot occupied, positions
+as its slot layout places them and random priorities; dense caches up to `context`). Decode latency
+does not depend on the values, and prefilling 128k tokens of an 8B model costs minutes. "prefill_s"
+then times the fill. The JSON records which in "fill".
+
 Memory: on CUDA, the peak allocated during decoding (weights + cache + transients; the peak counter
 is reset after the prefill, whose activations are not part of generation); on the CPU, the bytes
 of the cache tensors. Every row names which in "memory_kind", and "cache_mb" is always the cache.
@@ -29,6 +40,7 @@ import shlex
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -106,52 +118,102 @@ def _new_cache(model, kind: str):
     return KVpopCache(model)
 
 
+def _compiled_cache(model, kind: str, length: int):
+    if kind == DENSE:
+        from kvpop.decode import static_cache
+
+        return static_cache(model, length)
+    return KVpopCache(model)
+
+
 @torch.no_grad()
-def _run_one(model, kind: str, ids: torch.Tensor, new_tokens: int, warmup: int, chunk: int) -> dict:
-    """Prefill `ids` [B, S], then time `new_tokens` decode steps; memory as the module docstring says."""
+def _run_one(model, kind: str, ids: torch.Tensor, new_tokens: int, warmup: int, chunk: int, compiled: bool = False,
+             fill: str = "prefill", seed: int = 0, backend: str | None = None) -> dict:
+    """Fill the cache with `ids` [B, S] (prefilled, or random), then time `new_tokens` decode steps.
+
+    Memory as the module docstring says. `compiled`: the step runs through `kvpop.decode.Decoder`
+    (a `StaticCache` for "dense"); its first warm-up step compiles, and is reported as "compile_s".
+    """
+    from kvpop.decode import Decoder, fill_random
+
     device = ids.device
-    cache = _new_cache(model, kind)
+    B, S = ids.shape
+    if compiled:
+        # CUDA graph trees need a few calls (warm-up, record) before replays
+        warmup = max(warmup, 3)
+        cache = _compiled_cache(model, kind, S + warmup + new_tokens + 1)
+        decoder = Decoder(model, cache, compile=True, backend=backend)
+    else:
+        cache, decoder = _new_cache(model, kind), None
     kw = cache_kwargs(model, cache)
     _sync(device)
     start = time.perf_counter()
-    for i in range(0, ids.shape[1], chunk):
-        logits = model(ids[:, i : i + chunk], **kw, use_cache=True, logits_to_keep=1).logits
+    if fill == "random":
+        fill_random(model, cache, B, S, seed=seed)
+        # any token will do: the values in the cache are random too
+        nxt = ids[:, -1:]
+    elif decoder is not None:
+        nxt = decoder.prefill(ids, chunk).argmax(-1, keepdim=True)
+    else:
+        for i in range(0, S, chunk):
+            logits = model(ids[:, i : i + chunk], **kw, use_cache=True, logits_to_keep=1).logits
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
     _sync(device)
     prefill_s = time.perf_counter() - start
-    nxt = logits[:, -1].argmax(-1, keepdim=True)
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(warmup):
-        nxt = model(nxt, **kw, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-    times_ms = []
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(new_tokens)]
-        for begin, end in events:
-            begin.record()
-            nxt = model(nxt, **kw, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            end.record()
-        torch.cuda.synchronize(device)
-        times_ms = [begin.elapsed_time(end) for begin, end in events]
-        peak_mb, memory_kind = torch.cuda.max_memory_allocated(device) / 2**20, "cuda peak (decode)"
-    else:
-        for _ in range(new_tokens):
+
+    with contextlib.ExitStack() as stack:
+        if decoder is None:
+            def step(tok):
+                return model(tok, **kw, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        else:
+            stack.enter_context(decoder.decoding())
+            position = torch.full((B, 1), S, dtype=torch.long, device=device)
+
+            def step(tok):
+                out = decoder.step(tok, position).argmax(-1, keepdim=True)
+                position.add_(1)
+                return out
+        compile_s = None
+        for i in range(warmup):
             t0 = time.perf_counter()
-            nxt = model(nxt, **kw, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            times_ms.append((time.perf_counter() - t0) * 1e3)
-        peak_mb, memory_kind = None, "cache tensors"
+            nxt = step(nxt)
+            if i == 0 and compiled:
+                _sync(device)
+                compile_s = time.perf_counter() - t0
+        times_ms = []
+        if device.type == "cuda":
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(new_tokens)]
+            for begin, end in events:
+                begin.record()
+                nxt = step(nxt)
+                end.record()
+            torch.cuda.synchronize(device)
+            times_ms = [begin.elapsed_time(end) for begin, end in events]
+            peak_mb, memory_kind = torch.cuda.max_memory_allocated(device) / 2**20, "cuda peak (decode)"
+        else:
+            for _ in range(new_tokens):
+                t0 = time.perf_counter()
+                nxt = step(nxt)
+                times_ms.append((time.perf_counter() - t0) * 1e3)
+            peak_mb, memory_kind = None, "cache tensors"
     cache_mb = cache_bytes(cache) / 2**20
     ms = statistics.median(times_ms)
     return {
         "ms_per_token": ms,
         "ms_min": min(times_ms),
-        "tokens_per_s": ids.shape[0] * 1e3 / ms,
+        "tokens_per_s": B * 1e3 / ms,
         "prefill_s": prefill_s,
+        "compile_s": compile_s,
+        "warmup": warmup,
         "peak_mb": cache_mb if peak_mb is None else peak_mb,
         "cache_mb": cache_mb,
         "memory_kind": memory_kind,
-        "seen": cache.get_seq_length(),
+        "seen": int(cache.get_seq_length()),
     }
 
 
@@ -166,6 +228,9 @@ def bench_decode(
     config: KVpopConfig | None = None,
     prefill_chunk: int = 2048,
     seed: int = 0,
+    compile: bool = False,
+    fill: str = "prefill",
+    compile_backend: str | None = None,
 ) -> list[dict]:
     """Per-token decode latency and memory for each cache kind at each context length.
 
@@ -181,11 +246,21 @@ def bench_decode(
         config: the `KVpopConfig` for a model that is not retrofitted.
         prefill_chunk: tokens per prefill forward.
         seed: seeds the prompts (one per context length, the same for every cache kind).
+        compile: also time each kind through `kvpop.decode.Decoder` (torch.compile, CUDA graphs on
+            CUDA): "dense" then runs on a `StaticCache`. A failure of a compiled run is recorded in
+            its row's "error" and the others go on.
+        fill: "prefill" runs the model over the context; "random" fills the caches with random
+            keys/values as if the context had been seen (`kvpop.decode.fill_random`): decode latency
+            does not depend on the values, and long prefills cost minutes.
+        compile_backend: `torch.compile` backend of the compiled rows (default "inductor").
     Returns:
-        One dict per (context, cache kind): "cache", "context", "batch", "new_tokens",
-        "ms_per_token", "ms_min", "tokens_per_s", "prefill_s", "peak_mb", "cache_mb", "memory_kind",
-        "budget" (None for dense), "vs_dense" (latency ratio), and "error" (None, or "out of memory").
+        One dict per (context, cache kind, compiled): "cache", "compiled", "fill", "context", "batch",
+        "new_tokens", "ms_per_token", "ms_min", "tokens_per_s", "prefill_s", "compile_s" (compiled rows),
+        "peak_mb", "cache_mb", "memory_kind", "budget" (None for dense), "vs_dense" (latency ratio to the
+        dense row of the same "compiled"), and "error" (None, "out of memory", or the exception).
     """
+    if fill not in ("prefill", "random"):
+        raise ValueError(f"fill={fill!r} must be 'prefill' or 'random'")
     for name, value, lo in (("new_tokens", new_tokens, 1), ("batch", batch, 1), ("warmup", warmup, 0),
                             ("prefill_chunk", prefill_chunk, 1)):
         if value < lo:
@@ -206,28 +281,48 @@ def bench_decode(
             for context in contexts:
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + context)
                 ids = torch.randint(0, vocab, (batch, context), generator=gen).to(device)
-                row = {"cache": kind, "context": context, "batch": batch, "new_tokens": new_tokens,
-                       "budget": None if cfg is None else cfg.budget, "error": None}
-                try:
-                    row.update(_run_one(model, kind, ids, new_tokens, warmup, prefill_chunk))
-                except torch.OutOfMemoryError:
-                    row.update(ms_per_token=None, peak_mb=None, cache_mb=None, error="out of memory")
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                rows.append(row)
+                for compiled in (False, True) if compile else (False,):
+                    rows.append(_row(model, kind, cfg, ids, new_tokens, warmup, prefill_chunk, compiled, fill, seed,
+                                     compile_backend))
     order = {kind: i for i, kind in enumerate(cache_kinds)}
-    rows.sort(key=lambda r: (r["context"], order[r["cache"]]))
-    dense = {r["context"]: r["ms_per_token"] for r in rows if r["cache"] == DENSE}
+    rows.sort(key=lambda r: (r["context"], order[r["cache"]], r["compiled"]))
+    dense = {(r["context"], r["compiled"]): r["ms_per_token"] for r in rows if r["cache"] == DENSE}
     for r in rows:
-        base = dense.get(r["context"])
+        base = dense.get((r["context"], r["compiled"]))
         r["vs_dense"] = r["ms_per_token"] / base if base and r["ms_per_token"] is not None else None
     return rows
 
 
+def _row(model, kind, cfg, ids, new_tokens, warmup, chunk, compiled, fill, seed, backend) -> dict:
+    """One timed run as a row; a failure becomes the row's "error" rather than ending the benchmark."""
+    B, context = ids.shape
+    row = {"cache": kind, "compiled": compiled, "fill": fill, "context": context, "batch": B,
+           "new_tokens": new_tokens, "budget": None if cfg is None else cfg.budget, "error": None}
+    failed = dict(ms_per_token=None, tokens_per_s=None, peak_mb=None, cache_mb=None)
+    if compiled:
+        # a fresh trace per run: compiled code of another cache or length would only add guards
+        torch._dynamo.reset()
+    try:
+        row.update(_run_one(model, kind, ids, new_tokens, warmup, chunk, compiled, fill, seed, backend))
+    except torch.OutOfMemoryError:
+        row.update(failed, error="out of memory")
+    except Exception as e:
+        if not compiled:
+            raise
+        # the compiled path depends on torch/transformers internals: report it and keep the eager rows
+        traceback.print_exc(file=sys.stderr)
+        row.update(failed, error=f"{type(e).__name__}: {e}"[:500])
+    if compiled:
+        torch._dynamo.reset()
+    gc.collect()
+    if ids.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
 def format_table(rows: Sequence[dict]) -> str:
     """The rows as an aligned text table for people."""
-    head = ("cache", "context", "budget", "ms/token", "vs dense", "tokens/s", "prefill s", "cache MB", "peak MB")
+    head = ("cache", "context", "budget", "mode", "ms/token", "vs dense", "tokens/s", "prefill s", "cache MB", "peak MB")
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
@@ -235,12 +330,16 @@ def format_table(rows: Sequence[dict]) -> str:
     def mb(v):
         return "-" if v is None else format(v, ".1f" if v >= 10 else ".3f")
 
+    def mode(r):
+        return "compiled" if r.get("compiled") else "eager"
+
     lines = [head]
     for r in rows:
         if r.get("error"):
-            lines.append((r["cache"], str(r["context"]), fmt(r["budget"], "d"), r["error"], "", "", "", "", ""))
+            lines.append((r["cache"], str(r["context"]), fmt(r["budget"], "d"), mode(r), r["error"].splitlines()[0][:60],
+                          "", "", "", "", ""))
             continue
-        lines.append((r["cache"], str(r["context"]), fmt(r["budget"], "d"), fmt(r["ms_per_token"], ".2f"),
+        lines.append((r["cache"], str(r["context"]), fmt(r["budget"], "d"), mode(r), fmt(r["ms_per_token"], ".2f"),
                       fmt(r["vs_dense"], ".2f"), fmt(r["tokens_per_s"], ".1f"), fmt(r["prefill_s"], ".2f"),
                       mb(r["cache_mb"]), mb(r["peak_mb"])))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -292,6 +391,8 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
 
     `command` is recorded with the result (default: `kvpop` and this process's arguments).
     """
+    import transformers
+
     from kvpop.models import is_kvpop_dir
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -308,14 +409,18 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
     print(f"# kvpop bench: {args.model} ({n_params / 1e6:.0f}M parameters, {c.num_hidden_layers} layers, "
           f"{c.num_attention_heads} query / {kv_heads} KV heads of dim {head_dim}, {str(dtype).removeprefix('torch.')}) "
           f"on {device}; batch {args.batch}, {args.new_tokens} timed steps after {args.warmup}; "
+          f"cache filled by {args.fill}{'; eager and compiled' if args.compile else ''}; "
           f"KVpop sink={rule.sink} window={rule.window} topk={rule.topk} (budget {rule.budget})")
     rows = bench_decode(model, contexts, kinds, new_tokens=args.new_tokens, batch=args.batch, warmup=args.warmup,
-                        device=device, config=config, prefill_chunk=args.prefill_chunk, seed=args.seed)
+                        device=device, config=config, prefill_chunk=args.prefill_chunk, seed=args.seed,
+                        compile=args.compile, fill=args.fill)
     print(format_table(rows))
     if args.plot:
         from kvpop.eval.plots import plot_memory_latency
 
-        path = plot_memory_latency(rows, args.plot, title=f"{args.model} on {_device_name(device)}")
+        # one line per (cache, mode)
+        lines = [{**r, "cache": r["cache"] + (" (compiled)" if r["compiled"] else "")} for r in rows]
+        path = plot_memory_latency(lines, args.plot, title=f"{args.model} on {_device_name(device)}")
         print(f"# plot: {path}")
     result = {
         "rows": rows,
@@ -327,6 +432,9 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
         "kvpop_config": {"sink": rule.sink, "window": rule.window, "topk": rule.topk, "policy": rule.policy},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "compile": args.compile,
+        "fill": args.fill,
     }
     if args.json_out:
         with open(args.json_out, "w") as f:

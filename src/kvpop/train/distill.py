@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from kvpop.attention import Capture
 from kvpop.config import KVpopConfig
@@ -328,10 +329,11 @@ class Distiller:
         with autocast:
             # scorer-only training needs no logits: the LM head runs on the last position only
             keep = {} if self.teacher is not None else {"logits_to_keep": 1}
-            logits = self.forward_model(batch, kvpop_capture=records, use_cache=False, **keep).logits
+            with record_function("kvpop.student_forward"):
+                logits = self.forward_model(batch, kvpop_capture=records, use_cache=False, **keep).logits
             loss_kl = torch.zeros((), device=self.device)
             if self.teacher is not None:
-                with torch.no_grad():
+                with torch.no_grad(), record_function("kvpop.teacher_forward"):
                     teacher_logits = self.teacher(batch, use_cache=False).logits
                 loss_kl = kl_divergence(teacher_logits, logits, t.kl_topk)
         n_layers = len(kvpop_modules(self.model).layers)
@@ -347,16 +349,18 @@ class Distiller:
             losses.append(loss)
             keep.append(extra["retention"])
         for rec in records if k.topk > 0 and k.policy != "dms" else []:
-            r_tgt = future_attention_target(
-                rec.query.detach(), rec.key.detach(), rec.lse.detach(), k.window, scale=rec.scale,
-                eps=k.target_eps, agg=k.target_agg, count_norm=k.target_count_norm,
-            )
-            pi_tgt = teacher_priority(r_tgt, rec.log_gamma, k.decay_step)
-            pairs = boundary_labels(pi_tgt, k.sink, k.window, k.topk, k.loss_query_fraction, self.sampler)
-            loss, stats = boundary_loss(
-                rec.priority, pairs, k.loss_tau, k.loss_margin_delta, k.loss_balance, k.loss_balance_clip,
-                reduce_counts=self.dist.all_sum if self.dist.world > 1 else None,
-            )
+            with record_function("kvpop.target"):
+                r_tgt = future_attention_target(
+                    rec.query.detach(), rec.key.detach(), rec.lse.detach(), k.window, scale=rec.scale,
+                    eps=k.target_eps, agg=k.target_agg, count_norm=k.target_count_norm,
+                )
+            with record_function("kvpop.boundary_loss"):
+                pi_tgt = teacher_priority(r_tgt, rec.log_gamma, k.decay_step)
+                pairs = boundary_labels(pi_tgt, k.sink, k.window, k.topk, k.loss_query_fraction, self.sampler)
+                loss, stats = boundary_loss(
+                    rec.priority, pairs, k.loss_tau, k.loss_margin_delta, k.loss_balance, k.loss_balance_clip,
+                    reduce_counts=self.dist.all_sum if self.dist.world > 1 else None,
+                )
             losses.append(loss)
             keep.append(stats["keep_rate"])
             acc.append(stats["accuracy"])
@@ -364,7 +368,8 @@ class Distiller:
         zero = torch.zeros((), device=self.device)
         loss_score = torch.stack(losses).mean() if losses else zero
         keep, acc = keep or [zero * float("nan")], acc or [zero * float("nan")]
-        ((loss_kl + loss_score) / t.grad_accum).backward()
+        with record_function("kvpop.backward"):
+            ((loss_kl + loss_score) / t.grad_accum).backward()
         return {
             "loss_kl": loss_kl.detach(),
             "loss_score": loss_score.detach(),

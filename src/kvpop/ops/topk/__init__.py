@@ -1,7 +1,8 @@
 """Running top-k of the retention rule: eviction positions and boundary tokens.
 
-`reference.py` is the dense definition; `wavelet.py` the O(S log S) form used everywhere else.
-A Triton kernel for the GPU arrives with the GPU-speed issue and will be selected here.
+`reference.py` is the dense definition; `wavelet.py` the O(S log S) form used everywhere else;
+`kernel.py` a Triton kernel that `eviction_positions` selects on CUDA for tokens stored in position
+order (`ordered=True`: the teacher-forced training path).
 """
 
 from kvpop.ops.topk.predicate import mask_from_eviction

@@ -79,6 +79,8 @@ def eviction_positions(
     sink: int,
     window: int,
     topk: int,
+    ordered: bool = False,
+    backend: str = "auto",
 ) -> Tensor:
     """Position of the first query at which each token is out of the cache (`NEVER` if it never is).
 
@@ -94,6 +96,10 @@ def eviction_positions(
         position: int64 [B, H, N], positions within the sequence (distinct among valid tokens).
         valid: bool [B, H, N], False for padding and empty slots (their result is meaningless).
         sink, window, topk: the budget split of `KVPOP.md` Sec. 1.
+        ordered: the valid tokens are stored in increasing position order (a teacher-forced
+            sequence, padding anywhere); this lets the GPU use the Triton kernel (`kernel.py`).
+        backend: "auto" (the Triton kernel for `ordered` CUDA inputs, else the wavelet matrix),
+            "wavelet", or "triton" (also on CPU under `TRITON_INTERPRET=1`; needs `ordered`).
     Returns:
         int64 [B, H, N]; sinks and invalid tokens get `NEVER`.
     """
@@ -105,6 +111,9 @@ def eviction_positions(
     ranked = eligible & (priority > float("-inf"))
     if topk == 0:
         return torch.where(eligible, position + window, NEVER)
+    if _use_kernel(priority, ordered, backend):
+        evict = _eviction_ordered_kernel(priority, position, ranked, window, topk)
+        return torch.where(eligible & ~ranked, position + window, evict)
 
     pri = priority.reshape(B * H, N)
     pos = position.reshape(B * H, N)
@@ -124,6 +133,40 @@ def eviction_positions(
     evict = torch.where(found, torch.maximum(pos, kth_pos) + window, NEVER)
     evict = torch.where(elig, evict, NEVER).reshape(B, H, N)
     return torch.where(eligible & ~ranked, position + window, evict)
+
+
+def _use_kernel(priority: Tensor, ordered: bool, backend: str) -> bool:
+    from kvpop.ops.topk import kernel
+
+    if backend == "auto":
+        return ordered and priority.is_cuda and kernel.available(priority)
+    if backend == "wavelet":
+        return False
+    if backend != "triton":
+        raise ValueError(f"backend={backend!r} must be 'auto', 'wavelet' or 'triton'")
+    if not ordered:
+        raise ValueError("backend='triton' needs ordered=True (tokens stored in position order)")
+    if not kernel.available(priority):
+        raise RuntimeError(f"the Triton top-k kernel cannot run on {priority.device} here: it needs `triton` and "
+                           "CUDA, or TRITON_INTERPRET=1 on the CPU")
+    return True
+
+
+def _eviction_ordered_kernel(priority: Tensor, position: Tensor, ranked: Tensor, window: int, topk: int) -> Tensor:
+    """`eviction_positions` for tokens in position order: one sort, then the Triton kernel."""
+    from kvpop.ops.topk.kernel import kth_beater
+
+    B, H, N = priority.shape
+    ranked = ranked.reshape(B * H, N)
+    # best first, ties to the newer token: a stable descending sort of the row read back to front
+    key = torch.where(ranked, priority.reshape(B * H, N).float(), float("-inf")).flip(-1)
+    order = (N - 1) - torch.argsort(key, dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=priority.device).expand(B * H, N))
+    kth = kth_beater(rank, ranked, topk).long()  # [B * H, N], -1 if fewer than k outrank the token
+    pos = position.reshape(B * H, N)
+    kth_pos = pos.gather(-1, kth.clamp(min=0))
+    evict = torch.where((kth >= 0) & ranked, torch.maximum(pos, kth_pos) + window, NEVER)
+    return evict.reshape(B, H, N)
 
 
 def boundary_tokens(priority: Tensor, sink: int, window: int, topk: int) -> Tensor:

@@ -1,0 +1,157 @@
+"""Training attention on the GPU: KVpop's pieces against dense SDPA, side by side in one run.
+
+    python bench/bench_train_attention.py --lengths 4096,16384 --budget 2048
+
+Qwen3-4B's attention shape by default (32 query heads, 8 KV heads, head dim 128, bf16, batch 1).
+Per sequence length it times, with CUDA events (`triton.testing.do_bench`, median):
+
+- `cutoffs`: the eviction positions of every key (`eviction_positions`, the training path's call:
+  the Triton kernel on CUDA) and, beside it, the wavelet form it replaces;
+- `block_mask`: FlexAttention's `BlockMask` built from the eviction positions (`sparse_block_mask`)
+  and, for scale, `create_block_mask` evaluating the same `mask_mod` at every point (optional);
+- `sparse_fwd`, `sparse_fwd_bwd`: compiled FlexAttention with that block mask (mask prebuilt);
+- `target`: the scorers' label, the transposed future-attention pass (`future_attention_target`);
+- `dense_fwd`, `dense_fwd_bwd`: causal `scaled_dot_product_attention` (flash) on the same tensors.
+
+Targets of the GPU-speed issue, reported as ratios: (cutoffs + block mask) / sparse forward <= 0.10,
+and (sparse forward + backward + target) / dense forward + backward <= 2.5.
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def _bench(fn, reps: int) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, rep=reps, return_mode="median"))
+
+
+def run(S: int, args) -> dict:
+    from kvpop.config import KVpopConfig
+    from kvpop.ops.attention.block_mask import retention_mask_mod, sparse_block_mask
+    from kvpop.ops.attention.flex import _flex_for
+    from kvpop.ops.target import future_attention_target
+    from kvpop.ops.topk import eviction_positions
+
+    cfg = KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window)
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    B, Hq, Hkv, D = 1, args.q_heads, args.kv_heads, args.head_dim
+    dtype = torch.bfloat16
+    q = torch.randn(B, Hq, S, D, device=dev, dtype=dtype, generator=g, requires_grad=True)
+    k = torch.randn(B, Hkv, S, D, device=dev, dtype=dtype, generator=g, requires_grad=True)
+    v = torch.randn(B, Hkv, S, D, device=dev, dtype=dtype, generator=g, requires_grad=True)
+    pri = torch.randn(B, Hkv, S, device=dev, generator=g)
+    pos = torch.arange(S, device=dev)[None].expand(B, S)
+    valid = torch.ones(B, S, dtype=torch.bool, device=dev)
+    scale = D**-0.5
+    s, w, topk = cfg.sink, cfg.window, cfg.topk
+    row = {"S": S, "sink": s, "window": w, "topk": topk, "budget": cfg.budget, "q_heads": Hq, "kv_heads": Hkv,
+           "head_dim": D}
+
+    def cutoffs(backend="auto"):
+        return eviction_positions(pri, pos[:, None], valid[:, None], s, w, topk, ordered=True, backend=backend)
+
+    evict = cutoffs()
+    row["cutoffs_equal_wavelet"] = bool(torch.equal(evict, cutoffs("wavelet")))
+    row["cutoffs_ms"] = _bench(cutoffs, args.rep)
+    row["cutoffs_wavelet_ms"] = _bench(lambda: cutoffs("wavelet"), args.rep)
+
+    def build():
+        return sparse_block_mask(pos, valid, pos, valid, evict, s, w, Hq)
+
+    bm = build()
+    row["block_mask_ms"] = _bench(build, args.rep)
+    if args.naive_mask:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        mod = retention_mask_mod(pos, valid, pos, valid, evict, s, w, Hq // Hkv)
+        row["create_block_mask_ms"] = _bench(lambda: create_block_mask(mod, B, Hq, S, S, device=dev), args.rep)
+    row["tiles_kept"] = float(bm.sparsity()) if hasattr(bm, "sparsity") else None
+
+    flex = _flex_for(dev)
+
+    def sparse_fwd():
+        return flex(q, k, v, block_mask=bm, scale=scale, enable_gqa=True, return_lse=True)
+
+    with torch.no_grad():
+        sparse_fwd()
+        row["sparse_fwd_ms"] = _bench(sparse_fwd, args.rep)
+    out, lse = sparse_fwd()
+    grad = torch.randn_like(out)
+
+    def sparse_fwd_bwd():
+        o, _ = sparse_fwd()
+        o.backward(grad)
+
+    sparse_fwd_bwd()
+    row["sparse_fwd_bwd_ms"] = _bench(sparse_fwd_bwd, args.rep)
+
+    qd, kd, lsed = q.detach(), k.detach(), lse.detach()
+
+    def target():
+        return future_attention_target(qd, kd, lsed, w, scale=scale, backend="flex")
+
+    target()
+    row["target_ms"] = _bench(target, args.rep)
+
+    def dense_fwd():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+    with torch.no_grad():
+        row["dense_fwd_ms"] = _bench(dense_fwd, args.rep)
+
+    def dense_fwd_bwd():
+        dense_fwd().backward(grad)
+
+    dense_fwd_bwd()
+    row["dense_fwd_bwd_ms"] = _bench(dense_fwd_bwd, args.rep)
+    row["mask_share_of_sparse_fwd"] = (row["cutoffs_ms"] + row["block_mask_ms"]) / row["sparse_fwd_ms"]
+    row["train_vs_dense"] = (row["sparse_fwd_bwd_ms"] + row["target_ms"]) / row["dense_fwd_bwd_ms"]
+    row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="4096,16384")
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--window", type=int, default=None, help="default: a quarter of the budget (KVpopConfig.for_budget)")
+    p.add_argument("--q-heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rep", type=int, default=200, help="do_bench's target milliseconds per measurement")
+    p.add_argument("--naive-mask", action="store_true", help="also time create_block_mask over every point")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_train_attention needs CUDA", file=sys.stderr)
+        return 2
+    rows = [run(int(S), args) for S in args.lengths.split(",")]
+    cols = ("S", "cutoffs_ms", "cutoffs_wavelet_ms", "block_mask_ms", "sparse_fwd_ms", "sparse_fwd_bwd_ms",
+            "target_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "mask_share_of_sparse_fwd", "train_vs_dense")
+    print("  ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print("  ".join(f"{r[c]:>14.3f}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in cols))
+    result = {"rows": rows, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": "python bench/bench_train_attention.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

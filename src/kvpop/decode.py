@@ -1,0 +1,202 @@
+"""Compiled decoding: one token per step through a fixed cache, captured once as a CUDA graph.
+
+Why this exists: a decode step of a small batch is a few hundred tiny kernels, so eager PyTorch is
+bound by Python and launch overhead, not by the cache. `KVpopCache` keeps static shapes and updates
+its buffers in place (`cache.py`), which is what `torch.compile(mode="reduce-overhead",
+fullgraph=True)` needs to trace a step once and replay it as a CUDA graph: no host sync, no
+allocation, no recompilation per step. The same `Decoder` runs the dense baseline on Hugging
+Face's `StaticCache`, so the compiled comparison is fair.
+
+    kvpop generate --model tiny-random-qwen3 --prompt "Once upon a time" --compile
+    kvpop bench --model qwen3-8b-shape --device cuda --contexts 4096,131072 --compile --fill random
+
+The prefill runs eagerly in chunks; only the one-token step is compiled. Tokens stay on the device
+during generation (an EOS stop is checked every `check_every` steps, one host sync each).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+from torch import Tensor
+
+from kvpop.cache import KVpopCache, cache_kwargs
+
+DEFAULT_BACKEND = "inductor"
+
+
+def _forward_accepts(model, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+def static_cache(model, max_cache_len: int):
+    """Hugging Face's `StaticCache` for `model` (keyword arguments: the signature of transformers 5.17 and 5.24)."""
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def cache_tensors(cache) -> list[Tensor]:
+    """The tensors a decode step updates in place: `KVpopCache` slots and counters, or dense keys/values."""
+    out = []
+    for layer in cache.layers:
+        if hasattr(layer, "static_tensors"):
+            out += layer.static_tensors()
+            continue
+        for name in ("keys", "values", "cumulative_length"):
+            t = getattr(layer, name, None)
+            if isinstance(t, Tensor):
+                out.append(t)
+    return out
+
+
+class Decoder:
+    """Prefill eagerly, then decode one token per step with a compiled (CUDA-graph) step on one fixed cache.
+
+    Args:
+        model: a causal LM; retrofitted (with a `KVpopCache`) or plain (with a `StaticCache`).
+        cache: the cache every call uses; it must not be replaced while the decoder lives.
+        compile: False runs the same step eagerly (the reference the tests compare against).
+        backend: `torch.compile` backend (default `DEFAULT_BACKEND`, "inductor"); "aot_eager" traces
+            without code generation (the CPU tests use it).
+        mode: `torch.compile` mode (default "reduce-overhead", i.e. CUDA graphs, on CUDA; none on CPU).
+    """
+
+    def __init__(self, model, cache, *, compile: bool = True, backend: str | None = None, mode: str | None = None):
+        self.model, self.cache = model, cache
+        self.kw = cache_kwargs(model, cache)
+        # transformers 5.17 still takes `cache_position` (and `StaticCache` writes where it says); 5.24 dropped it
+        self._cache_position = _forward_accepts(model, "cache_position")
+        self.compiled = compile
+        self.step_fn = self._step
+        if compile:
+            device = next(model.parameters()).device
+            if mode is None and device.type == "cuda":
+                mode = "reduce-overhead"
+            # dynamic=False: shapes never change during decoding, and a symbolic shape would only cost guards
+            self.step_fn = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend or DEFAULT_BACKEND,
+                                         mode=mode)
+
+    def _step(self, input_ids: Tensor, position_ids: Tensor, cache_position: Tensor) -> Tensor:
+        extra = {"cache_position": cache_position} if self._cache_position else {}
+        out = self.model(input_ids=input_ids, position_ids=position_ids, **self.kw, **extra, use_cache=True)
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor, chunk: int = 2048) -> Tensor:
+        """Run the prompt [B, S] through the cache eagerly, `chunk` tokens per forward; returns the last logits [B, V]."""
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be [batch, tokens] with tokens >= 1, got shape {tuple(input_ids.shape)}")
+        if chunk < 1:
+            raise ValueError(f"chunk={chunk} must be >= 1")
+        S = input_ids.shape[1]
+        for i in range(0, S, chunk):
+            ids = input_ids[:, i : i + chunk]
+            pos = torch.arange(i, i + ids.shape[1], device=ids.device)
+            extra = {"cache_position": pos} if self._cache_position else {}
+            logits = self.model(input_ids=ids, position_ids=pos[None].expand(ids.shape[0], -1), **self.kw, **extra,
+                                use_cache=True, logits_to_keep=1).logits
+        return logits[:, -1]
+
+    @contextlib.contextmanager
+    def decoding(self) -> contextlib.AbstractContextManager[None]:
+        """The state every `step` needs: buffers at fixed addresses, and the cache length frozen for the trace."""
+        for t in cache_tensors(self.cache):
+            # a static address lets CUDA graphs keep the in-place updates instead of copying the inputs
+            torch._dynamo.mark_static_address(t)
+        frozen = self.cache.static_length() if isinstance(self.cache, KVpopCache) else contextlib.nullcontext()
+        with frozen:
+            yield
+
+    def step(self, input_ids: Tensor, position: Tensor) -> Tensor:
+        """One token per row: `input_ids` [B, 1], `position` int64 [B, 1]; returns logits [B, V].
+
+        Call inside `with decoder.decoding():`. The logits of a CUDA-graph step live in the graph's
+        memory: use them (argmax, copy) before the next step.
+        """
+        if self.compiled and input_ids.is_cuda:
+            # a new replay begins: the previous step's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.step_fn(input_ids, position, position[0])
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, max_new_tokens: int, *, eos_token_id: int | None = None,
+                 check_every: int = 16, chunk: int = 2048) -> Tensor:
+        """Greedy generation: the new tokens [B, n] (n <= max_new_tokens; trimmed after the first EOS of every row)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        B, S = input_ids.shape
+        nxt = self.prefill(input_ids, chunk).argmax(-1, keepdim=True)  # [B, 1]
+        out = torch.empty(B, max_new_tokens, dtype=torch.long, device=input_ids.device)
+        out[:, :1] = nxt
+        position = torch.full((B, 1), S, dtype=torch.long, device=input_ids.device)
+        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        n = 1
+        with self.decoding():
+            while n < max_new_tokens:
+                if eos_token_id is not None:
+                    done |= nxt[:, 0] == eos_token_id
+                    if n % check_every == 0 and bool(done.all()):
+                        break
+                nxt = self.step(nxt, position).argmax(-1, keepdim=True)
+                out[:, n : n + 1] = nxt
+                position += 1
+                n += 1
+        out = out[:, :n]
+        if eos_token_id is not None:
+            hit = out == eos_token_id
+            if bool(hit.any(-1).all()):
+                out = out[:, : int(hit.float().argmax(-1).max()) + 1]
+        return out
+
+
+@torch.no_grad()
+def fill_random(model, cache, batch: int, context: int, *, seed: int = 0) -> None:
+    """Fill `cache` as if `context` tokens had been seen, with random keys/values, without running the model.
+
+    Decode latency does not depend on the values, and a 128k-token prefill of an 8B model costs minutes.
+    `KVpopCache`: every slot the rule would hold after `context` tokens is occupied (sinks, the window
+    ring, then top-k positions drawn at random from the older tokens), with random priorities; `seen`
+    and `processed` = context; a stateful policy starts from its empty memory. Dense caches
+    (`DynamicCache`, `StaticCache`): random keys/values at positions `[0, context)`.
+    """
+    if context < 1 or batch < 1:
+        raise ValueError(f"fill_random needs context >= 1 and batch >= 1, got context={context}, batch={batch}")
+    c = model.config
+    H = c.num_key_value_heads or c.num_attention_heads
+    D = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+    if not isinstance(cache, KVpopCache):
+        pos = torch.arange(context, device=device)
+        for i in range(len(cache.layers)):
+            cache.update(rand(batch, H, context, D), rand(batch, H, context, D), i, {"cache_position": pos})
+        return
+    policies = model.kvpop.layers
+    for layer, policy in zip(cache.layers, policies):
+        s, w, k = layer.sink, layer.window, layer.topk
+        layer.lazy_initialization(rand(batch, H, 1, D), rand(batch, H, 1, D))
+        sinks = torch.arange(min(s, context))
+        window = torch.arange(max(s, context - w), context)
+        older = context - w - s  # tokens past the sinks that left the window: the top-k candidates
+        top = torch.randperm(max(older, 0), generator=torch.Generator().manual_seed(seed))[:k].sort().values + s
+        slot = torch.cat([sinks, s + (window - s) % w, s + w + torch.arange(len(top))])
+        kept = torch.cat([sinks, window, top]).to(device)
+        slot = slot.to(device)
+        layer.keys.copy_(rand(*layer.keys.shape))
+        layer.values.copy_(rand(*layer.values.shape))
+        layer.pos.fill_(-1)
+        layer.pos[:, :, slot] = kept
+        pri = torch.rand(layer.pri.shape, generator=gen, device=device)
+        layer.pri.copy_(torch.where(layer.pos >= 0, pri, float("-inf")))
+        layer.seen.fill_(context)
+        layer.processed = context
+        if policy.stateful:
+            layer.state = policy.init_state(batch, device)

@@ -1,0 +1,188 @@
+"""`kvpop.decode`: the compiled one-token step equals eager decoding, traces as one graph, and never recompiles."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import kvpop
+from helpers import assert_close, quiet, retrofitted, tiny_model
+from kvpop.decode import Decoder, fill_random, static_cache
+from kvpop.eval.bench import bench_decode
+
+# the CPU tests trace with aot_eager: the same graph capture as inductor, without minutes of C++ compilation
+BACKEND = "aot_eager"
+STEPS = 10
+LOGIT_ATOL = 1e-4
+
+CONFIGS = {
+    "kvpop": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16),
+    "mlstm": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="mlstm", mlstm_hidden=16),
+    "tova": kvpop.KVpopConfig(sink=2, window=3, topk=9, policy="tova"),
+}
+
+
+@contextlib.contextmanager
+def strict_dynamo():
+    """Fail on any recompilation; start from an empty compile cache."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield
+    torch._dynamo.reset()
+
+
+def _model(name: str):
+    return tiny_model("qwen3") if name == "dense" else retrofitted("qwen3", CONFIGS[name])
+
+
+def _cache(model, name: str, length: int):
+    return static_cache(model, length) if name == "dense" else kvpop.KVpopCache(model)
+
+
+@torch.no_grad()
+def _decode(model, name: str, ids: torch.Tensor, compile: bool, backend: str | None = BACKEND):
+    """Prefill `ids`, then STEPS greedy steps: (tokens [B, STEPS + 1], logits [B, STEPS, V], cache)."""
+    cache = _cache(model, name, ids.shape[1] + STEPS + 1)
+    decoder = Decoder(model, cache, compile=compile, backend=backend)
+    with quiet():
+        nxt = decoder.prefill(ids, chunk=8).argmax(-1, keepdim=True)
+        tokens, logits = [nxt], []
+        position = torch.full((ids.shape[0], 1), ids.shape[1], device=ids.device)
+        with decoder.decoding():
+            for _ in range(STEPS):
+                out = decoder.step(nxt, position).clone()
+                nxt = out.argmax(-1, keepdim=True)
+                tokens.append(nxt)
+                logits.append(out)
+                position += 1
+    return torch.cat(tokens, 1), torch.stack(logits, 1), cache
+
+
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "dense"])
+def test_compiled_step_equals_eager(name):
+    model = _model(name)
+    # long enough that the window and top-k slots fill and evict during the decode steps
+    ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(0))
+    eager_tokens, eager_logits, eager_cache = _decode(model, name, ids, compile=False)
+    with strict_dynamo():
+        tokens, logits, cache = _decode(model, name, ids, compile=True)
+    assert torch.equal(tokens, eager_tokens)
+    assert_close(logits, eager_logits, LOGIT_ATOL, f"{name}: compiled vs eager logits")
+    assert int(cache.get_seq_length()) == int(eager_cache.get_seq_length()) == ids.shape[1] + STEPS
+    if name != "dense":
+        for a, b in zip(cache.layers, eager_cache.layers):
+            assert torch.equal(a.pos, b.pos) and torch.equal(a.seen, b.seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "dense"])
+def test_cuda_graph_step_equals_eager(name):
+    """On CUDA: inductor + CUDA graphs (mode "reduce-overhead"), captured once, no step skipped out of the graph."""
+    from torch._dynamo.utils import counters
+
+    model = _model(name).cuda()
+    ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(0)).cuda()
+    eager_tokens, eager_logits, _ = _decode(model, name, ids, compile=False)
+    with strict_dynamo():
+        counters.clear()
+        tokens, logits, _ = _decode(model, name, ids, compile=True, backend="inductor")
+        skips = dict(counters["inductor"])
+    assert torch.equal(tokens, eager_tokens)
+    assert_close(logits, eager_logits, 1e-3, f"{name}: cuda graph vs eager logits")
+    assert not skips.get("cudagraph_skips"), skips
+
+
+def test_decoder_matches_hf_dynamic_cache():
+    """The eager step on a StaticCache is the dense model's own greedy decoding (a DynamicCache)."""
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    with quiet(), torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[:, 12:]
+        got = Decoder(model, static_cache(model, 20), compile=False).generate(ids, 6)
+    assert torch.equal(got, want)
+
+
+def test_compiled_step_is_one_graph_without_recompiles():
+    """fullgraph=True raises on a graph break; the counters show one frame compiled for all steps."""
+    from torch._dynamo.utils import counters
+
+    model = _model("kvpop")
+    ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    with strict_dynamo():
+        counters.clear()
+        _decode(model, "kvpop", ids, compile=True)
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_eager_processed_is_counted_after_static_length():
+    model = _model("kvpop")
+    ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(3))
+    _, _, cache = _decode(model, "kvpop", ids, compile=False)
+    assert cache.get_seq_length() == 9 + STEPS
+    assert all(not layer.frozen for layer in cache.layers)
+
+
+@pytest.mark.parametrize("name,context", [("kvpop", 40), ("mlstm", 40), ("kvpop", 9), ("dense", 40)])
+def test_fill_random(name, context):
+    model = _model(name)
+    cache = _cache(model, name, context + 4)
+    fill_random(model, cache, 2, context, seed=0)
+    if name != "dense":
+        cfg = CONFIGS[name]
+        want = min(context, cfg.budget)
+        assert all(bool((used == want).all()) for used in cache.slots_used())
+        for layer in cache.layers:
+            pos = layer.pos[0, 0]
+            assert torch.equal(pos[: cfg.sink], torch.arange(cfg.sink))
+            # the window ring holds the last `window` positions, each in its own ring slot
+            ring = pos[cfg.sink : cfg.sink + cfg.window]
+            if context >= cfg.sink + cfg.window:
+                assert sorted(ring.tolist()) == list(range(context - cfg.window, context))
+                assert torch.equal(cfg.sink + (ring - cfg.sink) % cfg.window,
+                                   torch.arange(cfg.sink, cfg.sink + cfg.window))
+            assert bool((layer.seen == context).all()) and layer.processed == context
+    assert int(cache.get_seq_length()) == context
+    # and decoding runs from it, eager and compiled alike
+    decoder = Decoder(model, cache, compile=True, backend=BACKEND)
+    position = torch.full((2, 1), context)
+    with strict_dynamo(), quiet(), torch.no_grad(), decoder.decoding():
+        for _ in range(3):
+            logits = decoder.step(torch.ones(2, 1, dtype=torch.long), position)
+            position += 1
+    assert logits.shape == (2, model.config.vocab_size) and torch.isfinite(logits).all()
+    assert int(cache.get_seq_length()) == context + 3
+
+
+def test_bench_compiled_rows_and_random_fill():
+    cfg = kvpop.KVpopConfig(sink=2, window=4, topk=6, scorer_hidden=16)
+    model = tiny_model("qwen3")
+    with quiet():
+        rows = bench_decode(model, (32,), new_tokens=2, warmup=1, device="cpu", config=cfg, compile=True,
+                            fill="random", compile_backend=BACKEND)
+    assert [(r["cache"], r["compiled"]) for r in rows] == [("dense", False), ("dense", True), ("kvpop", False),
+                                                           ("kvpop", True)]
+    for r in rows:
+        assert r["error"] is None, r["error"]
+        assert r["fill"] == "random" and r["ms_per_token"] > 0
+        # compiled runs take at least 3 warm-up steps (CUDA graph trees record on the second call)
+        assert r["seen"] == 32 + (3 if r["compiled"] else 1) + 2
+        assert (r["compile_s"] is not None) == r["compiled"]
+    assert rows[1]["vs_dense"] == 1.0
+
+
+def test_bench_compiled_failure_is_a_row_error(monkeypatch):
+    import kvpop.decode
+
+    def broken(self, *args):
+        raise RuntimeError("no graph today")
+
+    monkeypatch.setattr(kvpop.decode.Decoder, "step", broken)
+    cfg = kvpop.KVpopConfig(sink=2, window=4, topk=6, scorer_hidden=16)
+    with quiet():
+        rows = bench_decode(tiny_model("qwen3"), (16,), cache_kinds=("kvpop",), new_tokens=1, warmup=0,
+                            device="cpu", config=cfg, compile=True, compile_backend=BACKEND)
+    assert rows[0]["error"] is None and rows[0]["ms_per_token"] > 0
+    assert "no graph today" in rows[1]["error"] and rows[1]["ms_per_token"] is None
