@@ -76,6 +76,7 @@ def test_compiled_step_equals_eager(name):
             assert torch.equal(a.pos, b.pos) and torch.equal(a.seen, b.seen)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["kvpop", "mlstm", "dense"])
 def test_cuda_graph_step_equals_eager(name):

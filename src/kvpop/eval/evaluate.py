@@ -83,22 +83,33 @@ class Evaluator:
     def add(self, input_ids: Tensor) -> None:
         """Evaluate every entry on one batch of unpadded sequences [B, S]."""
         ids = input_ids.to(self.device)
+        dense, reference = self.reference(ids)
+        for entry in self.entries:
+            self.add_entry(entry, ids, dense, reference)
+
+    @torch.no_grad()
+    def reference(self, ids: Tensor) -> tuple[Tensor, Capture]:
+        """The dense pass every entry is compared with: float32 logits [B, S, V] and its capture."""
         model = retrofit(self.base, self._reference_cfg)
         reference = Capture()
         dense = model(ids, kvpop_dense=True, kvpop_capture=reference, use_cache=False).logits.float()
         detach(model)
-        for entry in self.entries:
-            model = self._model(entry)
-            try:
-                logits, recall = self._run(entry, model, ids, reference)
-            finally:
-                self._release(entry, model)
-            entry.stats.update(dense, logits, ids, start=entry.budget)
-            if recall is not None:
-                if entry.recall is None:
-                    c = entry.cfg
-                    entry.recall = RetentionRecall(c.sink, c.window, c.topk)
-                entry.recall.update(*recall)
+        return dense, reference
+
+    @torch.no_grad()
+    def add_entry(self, entry: Entry, ids: Tensor, dense: Tensor, reference: Capture) -> None:
+        """One entry on one batch, against the dense pass of `reference`."""
+        model = self._model(entry)
+        try:
+            logits, recall = self._run(entry, model, ids, reference)
+        finally:
+            self._release(entry, model)
+        entry.stats.update(dense, logits, ids, start=entry.budget)
+        if recall is not None:
+            if entry.recall is None:
+                c = entry.cfg
+                entry.recall = RetentionRecall(c.sink, c.window, c.topk)
+            entry.recall.update(*recall)
 
     def _run(self, entry: Entry, model: nn.Module, ids: Tensor, reference: Capture) -> tuple[Tensor, tuple | None]:
         cfg = kvpop_modules(model).config
