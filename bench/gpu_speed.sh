@@ -20,9 +20,20 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.log,
   echo "=== $name exit ${PIPESTATUS[0]} ($(date -u +%H:%M:%S))"
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.max.sm --format=csv
-step tests "${KVPOP_TESTS_S:-170}" bash -c "python -m pytest -q -rs -m gpu tests/; python -m pytest -q tests/test_topk_kernel.py"
-step train_attention "${KVPOP_TRAIN_ATTN_S:-110}" python bench/bench_train_attention.py --lengths 4096,16384 \
-  --naive-mask --json-out "$out/train_attention.json"
-step decode "${KVPOP_DECODE_S:-270}" python -m kvpop.eval.bench --model qwen3-8b-shape --device cuda \
-  --contexts 4096,16384,65536,131072 --budget 2048 --window 256 --compile --fill random \
-  --new-tokens 32 --warmup 4 --json-out "$out/decode.json"
+step tests "${KVPOP_TESTS_S:-100}" python -m pytest -q -rs -p no:cacheprovider tests/test_topk_kernel.py \
+  tests/test_decode.py tests/test_retrofit.py::test_flex_path_on_cuda_equals_cpu_path -m "gpu or not slow" \
+  -k "kernel or cuda"
+step train_attention "${KVPOP_TRAIN_ATTN_S:-80}" python bench/bench_train_attention.py --lengths 4096,16384 \
+  --naive-mask
+# KVpopCache, eager and compiled: one compiled graph serves every context (the slots do not grow)
+step decode_kvpop "${KVPOP_DECODE_S:-170}" python -m kvpop.eval.bench --model qwen3-8b-shape --device cuda \
+  --caches kvpop --contexts 4096,16384,65536,131072 --budget 2048 --window 256 --compile --fill random \
+  --new-tokens 32 --warmup 4
+# the dense cache grows with the context: eager at every length; compiled (a StaticCache, one compile per
+# length) where the device time allows
+step decode_dense "${KVPOP_DENSE_S:-45}" python -m kvpop.eval.bench --model qwen3-8b-shape --device cuda \
+  --caches dense --contexts 4096,16384,65536,131072 --budget 2048 --window 256 --fill random \
+  --new-tokens 32 --warmup 4
+step decode_dense_compiled "${KVPOP_DENSE_COMPILED_S:-100}" python -m kvpop.eval.bench --model qwen3-8b-shape \
+  --device cuda --caches dense --contexts "${KVPOP_DENSE_COMPILED_CONTEXTS:-4096}" --budget 2048 --window 256 \
+  --compile --fill random --new-tokens 32 --warmup 4

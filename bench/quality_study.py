@@ -1,0 +1,692 @@
+"""The quality study (the paper's Table 1 in shape): every eviction policy against the dense teacher, two budgets.
+
+    # command 1: train the ten runs, five at a time on one GPU, stopped cleanly (checkpoint) at 540 s
+    python bench/quality_study.py --phase train --out $HOME/study --deadline-s 540
+    # command 2: resume what is left (runs with a final/ are skipped), then evaluate in the last 300 s;
+    # OUT gets results.json, table.md, eviction_pattern.png and recall_per_layer.png
+    python bench/quality_study.py --phase all --out $HOME/study --deadline-s 540 --eval-reserve-s 300
+
+Defaults: smollm2-135m, champ, S = 8192, sink 4, window 256, budgets 2048,1024 (CR 75 %, 88 %),
+150 steps per run, 8 held-out sequences. A tiny CPU run (the test's): `--model tiny-random-qwen3
+--data notes.jsonl --seq-len 128 --budgets 48,32 --window 16 --steps 2 --concurrency 2
+--eval-sequences 1 --min-start-s 0`.
+
+Rows, per budget B (CR = 1 - B / S): dense teacher; streaming_llm, tova, h2o (training-free);
+streaming_llm_plus (base distilled, topk 0), dms, kvpop-mlp, kvpop-mlstm (delay = window,
+--match-mlp-memory) and kvpop-mlstm-delay0 (the ablation, same memory), each trained by full
+distillation on champ; the oracle. Columns: relative next-token accuracy, top-1 agreement, KL,
+perplexity ratio and the top-k retention recall against the oracle (static scorers), all
+teacher-forced on the same held-out sequences (`kvpop.eval.evaluate`).
+
+Training runs are `python -m kvpop.cli train ...` subprocesses, `--concurrency` at a time, each in
+OUT/runs/<name>/ with its log. A run whose `final/` exists is skipped; one with a checkpoint is
+resumed; near the deadline the running ones get SIGTERM (kvpop train then writes its checkpoint),
+and the evaluation uses the final weights or else the latest checkpoint, and says which. A run
+that fails out of GPU memory is retried once with one run fewer in parallel. The evaluation runs
+one worker process per group (the fast rows per budget; TOVA and H2O per budget, whose
+teacher-forced pass is a token-by-token decode loop), each writing its rows after every
+sequence, so a deadline leaves the sequences done; the number of sequences is in every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRAINING_FREE = ("streaming_llm", "tova", "h2o", "oracle")
+DYNAMIC = ("tova", "h2o")
+ROW_ORDER = ("dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "dms", "kvpop-mlp", "kvpop-mlstm",
+             "kvpop-mlstm-delay0", "oracle")
+LEARNED = ("kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0")
+START = time.time()
+
+
+def log(msg: str) -> None:
+    stamp = datetime.datetime.now().strftime("%H:%M:%S")
+    print(f"[{stamp} +{time.time() - START:6.0f}s] {msg}", flush=True)
+
+
+def finite(obj):
+    """NaN and infinities as null: strict JSON readers (jq, browsers) refuse them."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj) -> None:
+    """Atomic: a reader (or a kill) never sees half a file."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(finite(obj), indent=2, default=str))
+    os.replace(tmp, path)
+
+
+# --- the plan ---
+
+
+@dataclass
+class Run:
+    name: str
+    row: str
+    budget: int
+    args: list[str]
+    out: Path
+    status: dict = field(default_factory=dict)
+    retries: int = 0
+
+    @property
+    def final(self) -> Path:
+        return self.out / "final"
+
+    def done(self) -> bool:
+        # kvpop.save writes kvpop_config.json after the weights: its presence means a complete directory
+        return (self.final / "kvpop_config.json").exists()
+
+    def last_log(self) -> dict:
+        path = self.out / "train_log.jsonl"
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+        try:
+            return json.loads(lines[-1]) if lines else {}
+        except ValueError:
+            return {}
+
+    def steps_done(self) -> int:
+        return int(self.last_log().get("step", 0))
+
+    def progress(self, steps: int) -> str:
+        row = self.last_log()
+        return f"{row.get('step', 0)}/{steps}" + (f" ({row['step_time_s']:.2f} s/step)" if "step_time_s" in row else "")
+
+
+def row_args(row: str, window: int) -> list[str]:
+    w = ["--window", str(window)]
+    return {
+        # window = B - sink, topk 0 (KVpopConfig.for_budget)
+        "streaming_llm_plus": ["--policy", "streaming_llm_plus"],
+        "dms": ["--policy", "dms", *w],
+        "kvpop-mlp": ["--scorer", "mlp", *w],
+        "kvpop-mlstm": ["--scorer", "mlstm", "--match-mlp-memory", *w],
+        "kvpop-mlstm-delay0": ["--scorer", "mlstm", "--match-mlp-memory", "--delay", "0", *w],
+    }[row]
+
+
+def plan_runs(args) -> list[Run]:
+    runs = []
+    for budget in args.budgets:
+        for row in ("streaming_llm_plus", "dms", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0"):
+            name = f"{row}_b{budget}"
+            out = args.out / "runs" / name
+            cmd = ["train", "--model", args.model, "--data", args.data, "--seq-len", str(args.seq_len),
+                   "--sink", str(args.sink), "--budget", str(budget), *row_args(row, args.window),
+                   "--steps", str(args.steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(args.seed),
+                   "--save-every", str(args.save_every or max(1, args.steps // 2)), "--out", str(out),
+                   "--no-progress"]
+            runs.append(Run(name, row, budget, cmd, out))
+    return runs
+
+
+def child_env(threads: int) -> dict:
+    import kvpop
+
+    env = dict(os.environ)
+    src = str(Path(kvpop.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env["OMP_NUM_THREADS"] = str(threads)
+    # parallel runs compile at once: one inductor worker pool of cpu_count processes each is too many
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def stop(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM (kvpop train checkpoints on it), then SIGKILL of its process group after `grace` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    end = time.time() + grace
+    while proc.poll() is None and time.time() < end:
+        time.sleep(0.5)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def tail(path: Path, n: int = 6) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+# --- phase train ---
+
+
+def train_phase(args, runs: list[Run], deadline: float) -> None:
+    pending = []
+    for run in runs:
+        if run.done():
+            log(f"skip {run.name}: {run.final} exists")
+            run.status = {"status": "final", "steps_done": run.steps_done(), "skipped": True}
+        else:
+            pending.append(run)
+    # runs with no weights yet first (a row at all beats more steps for another), then the main rows,
+    # so that a short phase still trains what matters most
+    priority = {row: i for i, row in enumerate(("kvpop-mlstm", "kvpop-mlp", "dms", "streaming_llm_plus",
+                                                 "kvpop-mlstm-delay0"))}
+    pending.sort(key=lambda r: ((r.out / "checkpoint.pt").exists(), priority[r.row], -r.budget))
+    limit = args.concurrency
+    waves = -(-len(pending) // max(1, limit))
+    # each run gets an equal share of the phase: waves of `limit` runs; one past its share is stopped
+    # (checkpointed) so that the later waves get their turn, and resumes in the next command
+    share = (deadline - time.time()) / max(1, waves)
+    threads = max(1, (os.cpu_count() or 1) // max(1, min(limit, len(pending) or 1)))
+    env = child_env(threads)
+    running: dict[str, tuple[subprocess.Popen, Run, float]] = {}
+    caps: dict[str, float] = {}
+    last_report = time.time()
+    log(f"train: {len(pending)} runs to go, {limit} at a time, deadline in {deadline - time.time():.0f} s")
+    while pending or running:
+        now = time.time()
+        while pending and len(running) < limit and deadline - now > args.min_start_s:
+            run = pending.pop(0)
+            run.out.mkdir(parents=True, exist_ok=True)
+            cmd = [sys.executable, "-m", "kvpop.cli", *run.args]
+            if (run.out / "checkpoint.pt").exists():
+                cmd.append("--resume")
+            with open(run.out / "study_train.log", "a") as f:
+                f.write(f"\n# {datetime.datetime.now().isoformat()} {' '.join(cmd)}\n")
+                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            running[run.name] = (proc, run, now)
+            # the last wave may use all the time left
+            caps[run.name] = min(deadline, now + share) if args.fair_share and pending else deadline
+            run.status = {"command": " ".join(cmd), "status": "running"}
+            log(f"start {run.name} (pid {proc.pid}){' --resume from step ' + str(run.steps_done()) if '--resume' in cmd else ''}")
+        for name, (proc, run, started) in list(running.items()):
+            rc = proc.poll()
+            if rc is None:
+                continue
+            del running[name]
+            finish(run, rc, now - started)
+            if run.status["status"] == "failed" and "out of memory" in tail(run.out / "study_train.log", 40).lower() \
+                    and run.retries < 1:
+                run.retries += 1
+                limit = max(1, len(running))
+                pending.insert(0, run)
+                log(f"{run.name}: CUDA out of memory; retrying with at most {limit} runs in parallel")
+        if pending and not running and deadline - now <= args.min_start_s:
+            for run in pending:
+                run.status = {"status": "not started", "reason": "too close to the deadline"}
+                log(f"not started: {run.name} (too close to the deadline)")
+            break
+        if now >= deadline - args.stop_grace_s and running:
+            log(f"deadline: stopping {', '.join(running)} (SIGTERM, checkpoint)")
+            for proc, run, _ in running.values():
+                run.status["stopping"] = True
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc, run, started in running.values():
+                stop(proc, max(1.0, deadline - time.time()))
+                finish(run, proc.returncode, time.time() - started)
+            running.clear()
+            for run in pending:
+                run.status = {"status": "not started", "reason": "deadline"}
+            break
+        for name, (proc, run, _) in running.items():
+            if now >= caps[name] and caps[name] < deadline and proc.poll() is None and not run.status.get("stopping"):
+                run.status["stopping"] = True
+                log(f"{name}: its share of the phase is used up; SIGTERM (checkpoint, resumed next time)")
+                proc.send_signal(signal.SIGTERM)
+        if now - last_report >= args.report_s and running:
+            last_report = now
+            log("progress: " + ", ".join(f"{r.name} {r.progress(args.steps)}" for _, r, _ in running.values()))
+        time.sleep(0.5)
+    for run in runs:
+        if run.out.exists():
+            write_json(run.out / "study_status.json", run.status)
+
+
+def finish(run: Run, rc: int, seconds: float) -> None:
+    steps = run.steps_done()
+    if run.done():
+        status = "final"
+    elif (run.out / "checkpoint.pt").exists():
+        status = "interrupted"
+    else:
+        status = "failed"
+    if rc not in (0, 130) and status != "final":
+        # SIGTERM before the first step (loading, packing, compiling) ends a run without a checkpoint
+        status = "stopped before its first checkpoint" if rc == -signal.SIGTERM and run.status.get("stopping") \
+            else "failed"
+    run.status.pop("stopping", None)
+    run.status.update(status=status, rc=rc, steps_done=steps, seconds=round(seconds, 1),
+                      checkpoint=(run.out / "checkpoint.pt").exists())
+    if status == "failed":
+        run.status["log_tail"] = tail(run.out / "study_train.log")
+    log(f"end {run.name}: {status}, rc {rc}, {steps} steps in {seconds:.0f} s"
+        + (f"\n    {run.status['log_tail']}" if status == "failed" else ""))
+
+
+# --- phase eval ---
+
+
+def eval_phase(args, runs: list[Run], deadline: float) -> dict:
+    import torch
+
+    from kvpop.models import load_model
+    from kvpop.train.data import load_texts, pack_sequences
+
+    eval_dir = args.out / "eval"
+    eval_dir.mkdir(parents=True, exist_ok=True)
+    _, tokenizer = load_model(args.model)
+    texts = load_texts(args.data, split="eval", tokenizer=tokenizer, seed=args.seed)
+    tokens = pack_sequences(texts, tokenizer, args.seq_len)[: args.eval_sequences]
+    torch.save(tokens, eval_dir / "tokens.pt")
+    log(f"eval: {len(tokens)} held-out sequences of {args.seq_len} tokens")
+
+    missing, trained = [], {}
+    for run in runs:
+        status = run.status or (json.loads((run.out / "study_status.json").read_text())
+                                if (run.out / "study_status.json").exists() else {})
+        if run.done():
+            trained[run.name] = {"path": str(run.final), "weights": "final", "steps_done": run.steps_done()}
+        elif (run.out / "checkpoint.pt").exists():
+            trained[run.name] = {"path": str(run.out / "checkpoint.pt"), "weights": "checkpoint",
+                                 "steps_done": run.steps_done()}
+            log(f"{run.name}: no final weights; evaluating its checkpoint (step {run.steps_done()} of {args.steps})")
+        else:
+            reason = status.get("status", "not trained") + (f": {status['log_tail']}" if "log_tail" in status else "")
+            missing.append({"policy": run.row, "budget": run.budget, "missing": reason})
+            log(f"{run.name}: missing ({reason.splitlines()[0]})")
+            continue
+        trained[run.name].update(row=run.row, budget=run.budget)
+
+    groups = []
+    for budget in args.budgets:
+        entries = [{"name": p, "budget": budget, "policy": p} for p in TRAINING_FREE if p not in DYNAMIC]
+        entries += [{"name": t["row"], "budget": budget, "trained": t["path"]} for t in trained.values()
+                    if t["budget"] == budget]
+        plot = budget == max(args.budgets)
+        groups.append({"group": f"static_b{budget}", "entries": entries, "plot": plot})
+        groups += [{"group": f"{p}_b{budget}", "entries": [{"name": p, "budget": budget, "policy": p}], "plot": False}
+                   for p in DYNAMIC]
+    procs = []
+    threads = max(1, (os.cpu_count() or 1) // len(groups))
+    for g in groups:
+        spec = {**g, "model": args.model, "seq_len": args.seq_len, "sink": args.sink, "window": args.window,
+                "tokens": str(eval_dir / "tokens.pt"), "out": str(eval_dir / f"{g['group']}.json"),
+                "plot_path": str(args.out / "eviction_pattern.png"), "deadline": deadline - 5,
+                "seed": args.seed}
+        Path(spec["out"]).unlink(missing_ok=True)
+        spec_path = eval_dir / f"{g['group']}.spec.json"
+        write_json(spec_path, spec)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", "worker", "--spec", str(spec_path)]
+        f = open(eval_dir / f"{g['group']}.log", "w")
+        procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(threads),
+                                       start_new_session=True), g, f, " ".join(cmd)))
+        log(f"eval worker {g['group']}: {', '.join(e['name'] for e in g['entries'])}")
+    last_report = time.time()
+    while any(p.poll() is None for p, *_ in procs):
+        if time.time() >= deadline:
+            log("eval deadline: stopping the workers still running (their rows so far are kept)")
+            for p, *_ in procs:
+                stop(p, 5.0)
+            break
+        if time.time() - last_report >= args.report_s:
+            last_report = time.time()
+            done = []
+            for _, g, _, _ in procs:
+                part = eval_dir / f"{g['group']}.json"
+                n = json.loads(part.read_text())["sequences"] if part.exists() else 0
+                done.append(f"{g['group']} {n}/{len(tokens)}")
+            log("eval progress: " + ", ".join(done))
+        time.sleep(1)
+    rows, commands = [], []
+    for p, g, f, cmd in procs:
+        f.close()
+        commands.append(cmd)
+        part = eval_dir / f"{g['group']}.json"
+        if not part.exists():
+            reason = f"eval worker {g['group']} finished no sequence (rc {p.returncode}): " + tail(Path(f.name), 4)
+            missing += [{"policy": e["name"], "budget": e["budget"], "missing": reason} for e in g["entries"]]
+            log(reason)
+            continue
+        result = json.loads(part.read_text())
+        rows += result["rows"]
+        missing += result["failed"]
+        log(f"eval worker {g['group']}: rc {p.returncode}, {result['sequences']} sequences")
+    for row in rows:
+        t = trained.get(f"{row['policy']}_b{row['budget']}") if row.get("trained") else None
+        if t is not None:
+            row.update(weights=t["weights"], steps_done=t["steps_done"])
+    # the dense teacher: accuracy over the same counted positions (>= budget); the ratios are 1 by definition
+    for budget in args.budgets:
+        ref = next((r for r in rows if r["budget"] == budget), None)
+        if ref is not None:
+            rows.append({"policy": "dense", "budget": budget, "cr": ref["cr"], "rel_accuracy": 1.0,
+                         "top1_agreement": 1.0, "kl": 0.0, "ppl_ratio": 1.0, "accuracy": ref["accuracy_dense"],
+                         "accuracy_dense": ref["accuracy_dense"], "positions": ref["positions"],
+                         "sequences": ref["sequences"]})
+    return {"rows": sort_rows(rows), "missing": missing, "sequences": len(tokens), "worker_commands": commands,
+            "trained": trained}
+
+
+def sort_rows(rows: list[dict]) -> list[dict]:
+    order = {name: i for i, name in enumerate(ROW_ORDER)}
+    return sorted(rows, key=lambda r: (-r["budget"], order.get(r["policy"], len(order))))
+
+
+# --- the worker: one group of rows over the held-out sequences ---
+
+
+def worker(spec_path: str) -> int:
+    import torch
+    import torch._dynamo
+
+    from kvpop.config import KVpopConfig
+    from kvpop.eval.evaluate import Entry, Evaluator, from_directory
+    from kvpop.models import load_model
+    from kvpop.retrofit import retrofit
+
+    spec = json.loads(Path(spec_path).read_text())
+    out = Path(spec["out"])
+    # one worker runs several (sink, window) splits and the dense pass through compiled FlexAttention;
+    # past dynamo's recompile limit (8) flex falls back to eager and materialises S x S scores
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(spec["seed"])
+    base, tokenizer = load_model(spec["model"], device=device)
+    tokens = torch.load(spec["tokens"])
+
+    class StudyEvaluator(Evaluator):
+        """The evaluator with checkpoint loading and per-row isolation: one failing row does not sink the group."""
+
+        def _model(self, entry):
+            if entry.trained is None or not entry.trained.endswith(".pt"):
+                return super()._model(entry)
+            if entry.trained not in self._trained:
+                import copy
+
+                state = torch.load(entry.trained, map_location="cpu", weights_only=False)
+                model = retrofit(copy.deepcopy(self.base), KVpopConfig.from_dict(state["kvpop_config"]))
+                model.load_state_dict(state["model"])
+                self._trained[entry.trained] = model.eval()
+            return self._trained[entry.trained]
+
+        @torch.no_grad()
+        def add(self, input_ids):
+            ids = input_ids.to(self.device)
+            dense, reference = self.reference(ids)
+            keep = []
+            for entry in self.entries:
+                try:
+                    self.add_entry(entry, ids, dense, reference)
+                    keep.append(entry)
+                except Exception as err:  # noqa: BLE001 - the row is reported missing with the error
+                    log(f"{entry.name} b{entry.budget} failed: {err!r}\n{traceback.format_exc()}")
+                    if counts[id(entry)]:
+                        # its earlier sequences still count; it just takes no more
+                        retired.append(entry)
+                    else:
+                        failed.append({"policy": entry.name, "budget": entry.budget,
+                                       "missing": f"eval error: {err!r}"})
+                    self._trained.pop(entry.trained, None)
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+            self.entries = keep
+            for entry in keep:
+                counts[id(entry)] += 1
+
+        def all_rows(self, seq_len: int) -> list[dict]:
+            active, self.entries = self.entries, self.entries + retired
+            try:
+                rows = self.rows(seq_len)
+                for r, entry in zip(rows, self.entries):
+                    r["sequences"] = counts[id(entry)]
+                return rows
+            finally:
+                self.entries = active
+
+    failed: list[dict] = []
+    retired: list = []
+    entries = []
+    for e in spec["entries"]:
+        if e.get("trained"):
+            path = e["trained"]
+            if path.endswith(".pt"):
+                cfg = KVpopConfig.from_dict(json.loads((Path(path).parent / "config.json").read_text())["kvpop"])
+                entry = Entry(e["name"], cfg.budget, cfg, trained=path)
+            else:
+                entry = from_directory(path, name=e["name"])
+            # the nominal budget: every row of a budget counts the same positions (>= B), also an mLSTM
+            # whose matched top-k holds B minus its state's size in KV entries
+            entry.budget = e["budget"]
+        else:
+            window = None if e["policy"] == "streaming_llm" else spec["window"]
+            cfg = KVpopConfig.for_budget(e["budget"], sink=spec["sink"], window=window, policy=e["policy"])
+            entry = Entry(e["name"], e["budget"], cfg)
+        entries.append(entry)
+    counts = {id(e): 0 for e in entries}
+    evaluator = StudyEvaluator(base, entries, device=device)
+    last = 0.0
+    for i, ids in enumerate(tokens):
+        if i and time.time() + last > spec["deadline"]:
+            log(f"{spec['group']}: stopping after {i} sequences (the next would pass the deadline)")
+            break
+        t0 = time.time()
+        try:
+            evaluator.add(ids[None])
+        except Exception as err:  # noqa: BLE001 - the dense pass itself failed: keep what is done
+            log(f"{spec['group']}: the dense reference pass failed on sequence {i + 1}: {err!r}\n"
+                f"{traceback.format_exc()}")
+            break
+        if device == "cuda":
+            # workers share the GPU: give back what this sequence's activations held
+            torch.cuda.empty_cache()
+        last = time.time() - t0
+        write_json(out, {"rows": evaluator.all_rows(spec["seq_len"]), "failed": failed, "sequences": i + 1,
+                         "group": spec["group"]})
+        log(f"{spec['group']}: sequence {i + 1}/{len(tokens)} in {last:.1f} s")
+        if i == 0 and spec["plot"]:
+            eviction_plot(evaluator, tokenizer, ids, spec)
+    if not out.exists():
+        write_json(out, {"rows": [], "failed": failed, "sequences": 0, "group": spec["group"]})
+    return 0
+
+
+def eviction_plot(evaluator, tokenizer, ids, spec) -> None:
+    """Fig. 6 for the main trained KVpop (mLSTM, delay = window; else the MLP) on the first held-out sequence."""
+    from kvpop.eval import plots
+
+    by_name = {e.name: e for e in evaluator.entries if e.trained}
+    entry = by_name.get("kvpop-mlstm") or by_name.get("kvpop-mlp")
+    if entry is None:
+        log("eviction plot: no trained KVpop row to plot")
+        return
+    try:
+        model = evaluator._model(entry)
+        counts, positions = plots.eviction_counts(model, ids[None].to(evaluator.device), last=112)
+        labels = plots.token_labels(tokenizer, ids[positions].tolist())
+        cfg = entry.cfg
+        path = plots.plot_eviction_pattern(
+            counts.numpy(), labels, model.config.num_key_value_heads, spec["plot_path"], positions=positions,
+            title=f"{entry.name}, B = {entry.budget} (sink {cfg.sink}, window {cfg.window}, topk {cfg.topk}"
+                  f"{' + mLSTM state' if cfg.scorer == 'mlstm' else ''}): KV heads retaining each token")
+        log(f"eviction plot: {path}")
+    except Exception as err:  # noqa: BLE001 - a plot must not cost the table
+        log(f"eviction plot failed: {err!r}\n{traceback.format_exc()}")
+
+
+# --- outputs ---
+
+
+def recall_plot(rows: list[dict], seq_len: int, path: Path) -> Path | None:
+    """Recall per layer of every learned scorer, one panel per budget."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    budgets = sorted({r["budget"] for r in rows if r.get("recall_per_layer")}, reverse=True)
+    if not budgets:
+        return None
+    fig = Figure(figsize=(6.0 * len(budgets), 3.6))
+    axes = fig.subplots(1, len(budgets), squeeze=False)[0]
+    for ax, budget in zip(axes, budgets):
+        for r in rows:
+            if r["budget"] == budget and r["policy"] in LEARNED and r.get("recall_per_layer"):
+                y = np.asarray(r["recall_per_layer"], dtype=float)
+                ax.plot(range(len(y)), y, marker="o", markersize=3, label=f"{r['policy']} (mean {r['recall']:.3f})")
+        ax.set_ylim(0.0, 1.02)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("top-k retention recall")
+        ax.set_title(f"B = {budget} (CR {1 - budget / seq_len:.0%}, S = {seq_len})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def table_md(result: dict) -> str:
+    lines = [f"# Quality study: {result['model']}, S = {result['seq_len']}, sink {result['sink']}, "
+             f"window {result['window']}", "",
+             f"{result['date']}, {result['device']}, torch {result['torch']}, transformers {result['transformers']}; "
+             f"{result['eval']['sequences']} held-out sequences ({result['data']}, split eval); "
+             f"{result['steps']} training steps planned per run.", ""]
+    for budget in result["budgets"]:
+        cr = 1 - budget / result["seq_len"]
+        lines += [f"## B = {budget} (CR {cr:.0%})", "",
+                  "| row | rel. acc | top-1 agr | KL | ppl ratio | recall | trained steps | seqs |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in result["rows"]:
+            if r["budget"] != budget:
+                continue
+            steps = f"{r['steps_done']}{' (ckpt)' if r.get('weights') == 'checkpoint' else ''}" if "steps_done" in r else "-"
+            lines.append(f"| {r['policy']} | {fmt(r['rel_accuracy'], '.3f')} | {fmt(r['top1_agreement'], '.3f')} | "
+                         f"{fmt(r['kl'], '.4f')} | {fmt(r['ppl_ratio'], '.3f')} | {fmt(r.get('recall'), '.3f')} | "
+                         f"{steps} | {r.get('sequences', '-')} |")
+        for m in result["missing"]:
+            if m["budget"] == budget:
+                lines.append(f"| {m['policy']} | missing: {m['missing'].splitlines()[0][:120]} |||||||")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or 'cpu'})"
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "device": device,
+            "python": platform.python_version(), "host": platform.node()}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    default_out = Path(os.environ["HOME"]) / "study" if os.environ.get("HOME") else Path("runs/study")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--phase", default="all", choices=["train", "eval", "all", "worker"])
+    p.add_argument("--out", type=Path, default=default_out, help=f"output directory (default {default_out})")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--data", default="champ", help="training data; the eval phase uses its held-out split")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--budgets", default="2048,1024")
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--steps", type=int, default=150, help="optimizer steps per training run (default 150)")
+    p.add_argument("--lr-scorer", type=float, default=3e-3, help="peak scorer lr (default 3e-3, kvpop demo's)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default half the steps)")
+    p.add_argument("--concurrency", type=int, default=5, help="training runs at once on the one GPU (default 5)")
+    p.add_argument("--deadline-s", type=float, default=540, help="wall seconds for this command (default 540)")
+    p.add_argument("--eval-reserve-s", type=float, default=300,
+                   help="--phase all: seconds of the deadline kept for the evaluation (default 300)")
+    p.add_argument("--stop-grace-s", type=float, default=60,
+                   help="seconds before a deadline at which runs get SIGTERM to checkpoint (default 60)")
+    p.add_argument("--no-fair-share", dest="fair_share", action="store_false",
+                   help="let every run go on to --steps or the deadline instead of an equal share of the phase")
+    p.add_argument("--min-start-s", type=float, default=150,
+                   help="no training run starts with fewer seconds than this left (default 150)")
+    p.add_argument("--eval-sequences", type=int, default=8)
+    p.add_argument("--report-s", type=float, default=30, help="seconds between progress lines (default 30)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.budgets = sorted((int(b) for b in str(args.budgets).split(",") if b), reverse=True)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.phase == "worker":
+        return worker(args.spec)
+    args.out.mkdir(parents=True, exist_ok=True)
+    end = START + args.deadline_s
+    log(f"quality study: phase {args.phase}, out {args.out}, {args.model}, S {args.seq_len}, budgets {args.budgets}, "
+        f"steps {args.steps}, concurrency {args.concurrency}, deadline in {args.deadline_s:.0f} s")
+    for b in args.budgets:
+        if not args.sink + args.window < b < args.seq_len:
+            raise SystemExit(f"budget {b} must lie between sink + window = {args.sink + args.window} and --seq-len")
+    runs = plan_runs(args)
+    if args.phase in ("train", "all"):
+        # convert / load the model once here, so that the parallel runs find it ready
+        from kvpop.models import load_model
+
+        load_model(args.model)
+        train_end = end - args.eval_reserve_s if args.phase == "all" else end
+        train_phase(args, runs, train_end)
+    if args.phase == "train":
+        summary = {r.name: r.status for r in runs}
+        write_json(args.out / "train_status.json", summary)
+        done = sum(r.done() for r in runs)
+        log(f"train phase over: {done} of {len(runs)} runs final; statuses in {args.out / 'train_status.json'}")
+        return 0
+    ev = eval_phase(args, runs, end - 15)
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **versions(),
+        "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["quality_study.py", *argv]),
+        "model": args.model, "data": args.data, "seq_len": args.seq_len, "budgets": args.budgets, "sink": args.sink,
+        "window": args.window, "steps": args.steps, "seed": args.seed, "lr_scorer": args.lr_scorer,
+        "rows": ev["rows"], "missing": ev["missing"],
+        "columns": ["rel_accuracy", "top1_agreement", "kl", "ppl_ratio", "recall"],
+        "eval": {"sequences": ev["sequences"], "worker_commands": ev["worker_commands"]},
+        "train": {r.name: {**(json.loads((r.out / "study_status.json").read_text())
+                              if (r.out / "study_status.json").exists() else r.status),
+                           "args": " ".join(r.args), "steps_done": r.steps_done(), "final": r.done()}
+                  for r in runs},
+        "seconds": round(time.time() - START, 1),
+    }
+    write_json(args.out / "results.json", result)
+    (args.out / "table.md").write_text(table_md(result))
+    try:
+        recall_plot(result["rows"], args.seq_len, args.out / "recall_per_layer.png")
+    except Exception as err:  # noqa: BLE001 - a plot must not cost the table
+        log(f"recall plot failed: {err!r}")
+    print(table_md(result), flush=True)
+    print(json.dumps({"rows": [{k: r.get(k) for k in ("policy", "budget", "rel_accuracy", "top1_agreement", "kl",
+                                                       "ppl_ratio", "recall")} for r in result["rows"]],
+                      "missing": [(m["policy"], m["budget"]) for m in result["missing"]]}), flush=True)
+    log(f"done: {args.out / 'results.json'}, table.md, recall_per_layer.png, eviction_pattern.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
