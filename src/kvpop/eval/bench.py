@@ -277,6 +277,10 @@ def bench_decode(
     vocab = model.config.vocab_size
     rows = []
     for kind in cache_kinds:
+        if compile:
+            # compiled code of another cache kind would only add guards; within a kind it is reused:
+            # KVpopCache's step has the same shapes at every context, so only its first row compiles
+            torch._dynamo.reset()
         with _prepared(model, kind, config, seed) as cfg:
             for context in contexts:
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + context)
@@ -284,6 +288,10 @@ def bench_decode(
                 for compiled in (False, True) if compile else (False,):
                     rows.append(_row(model, kind, cfg, ids, new_tokens, warmup, prefill_chunk, compiled, fill, seed,
                                      compile_backend))
+                    # a long run killed at a time limit still leaves the rows done so far
+                    print(f"# row {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+        if compile:
+            torch._dynamo.reset()
     order = {kind: i for i, kind in enumerate(cache_kinds)}
     rows.sort(key=lambda r: (r["context"], order[r["cache"]], r["compiled"]))
     dense = {(r["context"], r["compiled"]): r["ms_per_token"] for r in rows if r["cache"] == DENSE}
@@ -299,9 +307,6 @@ def _row(model, kind, cfg, ids, new_tokens, warmup, chunk, compiled, fill, seed,
     row = {"cache": kind, "compiled": compiled, "fill": fill, "context": context, "batch": B,
            "new_tokens": new_tokens, "budget": None if cfg is None else cfg.budget, "error": None}
     failed = dict(ms_per_token=None, tokens_per_s=None, peak_mb=None, cache_mb=None)
-    if compiled:
-        # a fresh trace per run: compiled code of another cache or length would only add guards
-        torch._dynamo.reset()
     try:
         row.update(_run_one(model, kind, ids, new_tokens, warmup, chunk, compiled, fill, seed, backend))
     except torch.OutOfMemoryError:
@@ -312,8 +317,6 @@ def _row(model, kind, cfg, ids, new_tokens, warmup, chunk, compiled, fill, seed,
         # the compiled path depends on torch/transformers internals: report it and keep the eager rows
         traceback.print_exc(file=sys.stderr)
         row.update(failed, error=f"{type(e).__name__}: {e}"[:500])
-    if compiled:
-        torch._dynamo.reset()
     gc.collect()
     if ids.device.type == "cuda":
         torch.cuda.empty_cache()
