@@ -1,6 +1,9 @@
 """Training attention on the GPU: KVpop's pieces against dense SDPA, side by side in one run.
 
-    python bench/bench_train_attention.py --lengths 4096,16384 --budget 2048
+    python bench/bench_train_attention.py --lengths 16384 --budget 2048
+
+The first length compiles FlexAttention's forward, backward and the target pass (about a minute on
+an H200); each measurement is printed as it lands.
 
 Qwen3-4B's attention shape by default (32 query heads, 8 KV heads, head dim 128, bf16, batch 1).
 Per sequence length it times, with CUDA events (`triton.testing.do_bench`, median):
@@ -35,6 +38,11 @@ def _bench(fn, reps: int) -> float:
     return float(do_bench(fn, rep=reps, return_mode="median"))
 
 
+def _note(row: dict, key: str) -> None:
+    """One line per measurement as it lands: a run stopped at a time limit keeps what it measured."""
+    print(f"# S={row['S']} {key} = {row[key]}", flush=True)
+
+
 def run(S: int, args) -> dict:
     from kvpop.config import KVpopConfig
     from kvpop.ops.attention.block_mask import retention_mask_mod, sparse_block_mask
@@ -63,14 +71,18 @@ def run(S: int, args) -> dict:
 
     evict = cutoffs()
     row["cutoffs_equal_wavelet"] = bool(torch.equal(evict, cutoffs("wavelet")))
+    _note(row, "cutoffs_equal_wavelet")
     row["cutoffs_ms"] = _bench(cutoffs, args.rep)
+    _note(row, "cutoffs_ms")
     row["cutoffs_wavelet_ms"] = _bench(lambda: cutoffs("wavelet"), args.rep)
+    _note(row, "cutoffs_wavelet_ms")
 
     def build():
         return sparse_block_mask(pos, valid, pos, valid, evict, s, w, Hq)
 
     bm = build()
     row["block_mask_ms"] = _bench(build, args.rep)
+    _note(row, "block_mask_ms")
     if args.naive_mask:
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -91,6 +103,7 @@ def run(S: int, args) -> dict:
     with torch.no_grad():
         sparse_fwd()
         row["sparse_fwd_ms"] = _bench(sparse_fwd, args.rep)
+        _note(row, "sparse_fwd_ms")
     out, lse = sparse_fwd()
     grad = torch.randn_like(out)
 
@@ -100,6 +113,7 @@ def run(S: int, args) -> dict:
 
     sparse_fwd_bwd()
     row["sparse_fwd_bwd_ms"] = _bench(sparse_fwd_bwd, args.rep)
+    _note(row, "sparse_fwd_bwd_ms")
 
     qd, kd, lsed = q.detach(), k.detach(), lse.detach()
 
@@ -108,18 +122,21 @@ def run(S: int, args) -> dict:
 
     target()
     row["target_ms"] = _bench(target, args.rep)
+    _note(row, "target_ms")
 
     def dense_fwd():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
     with torch.no_grad():
         row["dense_fwd_ms"] = _bench(dense_fwd, args.rep)
+        _note(row, "dense_fwd_ms")
 
     def dense_fwd_bwd():
         dense_fwd().backward(grad)
 
     dense_fwd_bwd()
     row["dense_fwd_bwd_ms"] = _bench(dense_fwd_bwd, args.rep)
+    _note(row, "dense_fwd_bwd_ms")
     row["mask_share_of_sparse_fwd"] = (row["cutoffs_ms"] + row["block_mask_ms"]) / row["sparse_fwd_ms"]
     row["train_vs_dense"] = (row["sparse_fwd_bwd_ms"] + row["target_ms"]) / row["dense_fwd_bwd_ms"]
     row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
@@ -128,7 +145,7 @@ def run(S: int, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", default="4096,16384")
+    p.add_argument("--lengths", default="16384")
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=None, help="default: a quarter of the budget (KVpopConfig.for_budget)")

@@ -5,6 +5,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -184,17 +185,23 @@ def _torchrun(args, n):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("ranks", [2, 1])
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
-def test_two_gloo_ranks_match_one_process(text_file, tmp_path, sharding):
+def test_gloo_ranks_match_one_process(text_file, tmp_path, sharding, ranks):
+    # one rank under torchrun still builds the process group and wraps the model: the multi-GPU code path
     args = ["--model", "tiny-random-qwen3", "--data", str(text_file), "--seq-len", "128", "--window", "8", "--topk",
             "16", "--steps", "3", "--batch-size", "2", "--no-progress", "--max-tokens", str(128 * 8)]
     assert main(args[:0] + ["train", *args, "--out", str(tmp_path / "one")]) == 0
-    _torchrun([*args, "--out", str(tmp_path / "two"), *(["--fsdp"] if sharding == "fsdp" else [])], 2)
+    _torchrun([*args, "--out", str(tmp_path / "two"), *(["--fsdp"] if sharding == "fsdp" else [])], ranks)
     one, two = _log(tmp_path / "one"), _log(tmp_path / "two")
     for a, b in zip(one, two, strict=True):
         assert a["loss_score"] == pytest.approx(b["loss_score"], abs=1e-5)
         assert a["loss_kl"] == pytest.approx(b["loss_kl"], abs=1e-5)
     assert (tmp_path / "two" / "final" / "kvpop_config.json").exists()
+    run = json.loads((tmp_path / "two" / "config.json").read_text())
+    assert (run["world_size"], run["parallel"], run["backend"]) == (ranks, "fsdp2" if sharding == "fsdp" else "ddp",
+                                                                     "gloo")
+    assert json.loads((tmp_path / "one" / "config.json").read_text())["parallel"] is None
 
 
 @pytest.mark.parametrize("delay", [None, 0], ids=["delay=window", "delay=0"])
@@ -224,3 +231,26 @@ def test_cli_trains_the_mlstm_scorer_and_reports_the_effective_topk(text_file, t
     assert json.loads((out / "config.json").read_text())["kvpop"]["topk"] == 7
     assert main(common + ["--scorer", "mlp"]) == 1
     assert "need --scorer mlstm" in capsys.readouterr().err
+
+
+def test_step_ranges_are_timed_and_nest(text_file, tmp_path):
+    from kvpop.timing import RangeTimer
+
+    d = distill.Distiller(_cfg(text_file, tmp_path, steps=2), kvpop.KVpopConfig(sink=2, window=8, topk=8))
+    stream = d.batches()
+    start = time.perf_counter()
+    with RangeTimer("cpu") as timer:
+        d.train_step(next(stream))
+    wall_ms = (time.perf_counter() - start) * 1e3
+    ms = timer.totals()
+    expected = {"kvpop.teacher_forward", "kvpop.student_forward", "kvpop.scorer", "kvpop.rule",
+                "kvpop.sparse_attention", "kvpop.kl", "kvpop.target", "kvpop.boundary_loss", "kvpop.backward",
+                "kvpop.optimizer"}
+    assert set(ms) == expected and all(v > 0 for v in ms.values())
+    # the per-layer ranges run inside the student's forward; the top-level ranges fit in the step
+    assert ms["kvpop.scorer"] + ms["kvpop.rule"] + ms["kvpop.sparse_attention"] < ms["kvpop.student_forward"]
+    top = expected - {"kvpop.scorer", "kvpop.rule", "kvpop.sparse_attention"}
+    assert sum(ms[n] for n in top) <= wall_ms
+    # outside a timer the ranges record nothing
+    d.train_step(next(stream))
+    assert timer.totals() == ms

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.profiler import record_function
 
 from kvpop.ops.attention import sparse_attention
 from kvpop.ops.topk import NEVER, eviction_positions
+from kvpop.timing import timed
 
 ATTENTION_NAME = "kvpop"
 
@@ -146,13 +146,13 @@ def kvpop_attention(
         priority = None
         sink, window = Q, Q  # everything is a sink: causal attention over real tokens
     else:
-        with record_function("kvpop.scorer"):
+        with timed("kvpop.scorer"):
             priority = override[module.layer_idx] if override is not None else policy.priority(key, value, position)
-        with record_function("kvpop.rule"):
+        with timed("kvpop.rule"):
             evict = eviction_positions(priority.detach(), position[:, None], valid[:, None], cfg.sink, cfg.window,
                                        cfg.topk, ordered=True)
         sink, window = cfg.sink, cfg.window
-    with record_function("kvpop.sparse_attention"):
+    with timed("kvpop.sparse_attention"):
         out, lse = sparse_attention(
             query, key, value, position, valid, position, valid, evict, sink, window, scale,
             return_lse=capture is not None, backend=kwargs.get("kvpop_backend", "auto"),

@@ -24,6 +24,9 @@ BENCH_ARGS: list[tuple[tuple[str, ...], dict]] = [
     (("--seed",), dict(type=int, default=0, help="seeds prompts and fresh scorers (default 0)")),
     (("--compile",), dict(action="store_true", help="also time a compiled decode step (torch.compile; CUDA graphs on "
                                                     "CUDA; dense on a StaticCache) beside each eager row")),
+    (("--compile-backend",), dict(default=None, choices=["cudagraph", "inductor", "aot_eager"],
+                                  help="with --compile: cudagraph (the eager step captured as a CUDA graph; the "
+                                       "default on CUDA) or a torch.compile backend (inductor, the CPU default)")),
     (("--fill",), dict(default="prefill", choices=["prefill", "random"],
                        help="prefill: run the model over the context (default); random: fill the caches with "
                             "random keys/values as if the context had been seen (decode latency only)")),

@@ -252,7 +252,9 @@ def bench_decode(
         fill: "prefill" runs the model over the context; "random" fills the caches with random
             keys/values as if the context had been seen (`kvpop.decode.fill_random`): decode latency
             does not depend on the values, and long prefills cost minutes.
-        compile_backend: `torch.compile` backend of the compiled rows (default "inductor").
+        compile_backend: how compiled rows run the step (`kvpop.decode.Decoder`): "cudagraph" (the
+            eager step captured as a CUDA graph, the default on CUDA) or a `torch.compile` backend
+            ("inductor", the default elsewhere).
     Returns:
         One dict per (context, cache kind, compiled): "cache", "compiled", "fill", "context", "batch",
         "new_tokens", "ms_per_token", "ms_min", "tokens_per_s", "prefill_s", "compile_s" (compiled rows),
@@ -416,7 +418,7 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
           f"KVpop sink={rule.sink} window={rule.window} topk={rule.topk} (budget {rule.budget})")
     rows = bench_decode(model, contexts, kinds, new_tokens=args.new_tokens, batch=args.batch, warmup=args.warmup,
                         device=device, config=config, prefill_chunk=args.prefill_chunk, seed=args.seed,
-                        compile=args.compile, fill=args.fill)
+                        compile=args.compile, fill=args.fill, compile_backend=args.compile_backend)
     print(format_table(rows))
     if args.plot:
         from kvpop.eval.plots import plot_memory_latency
@@ -437,6 +439,8 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "compile": args.compile,
+        "compile_backend": (args.compile_backend or ("cudagraph" if str(device).startswith("cuda") else "inductor"))
+        if args.compile else None,
         "fill": args.fill,
     }
     if args.json_out:

@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.profiler import record_function
 
 from kvpop.attention import Capture
 from kvpop.config import KVpopConfig
 from kvpop.ops.target import future_attention_target
 from kvpop.retrofit import kvpop_modules, model_head_dim, resolve_config, retrofit, save
+from kvpop.timing import timed
 from kvpop.train.data import DataError, batches, load_texts, pack_sequences
 from kvpop.train.loss import boundary_labels, boundary_loss, teacher_priority
 
@@ -156,23 +156,29 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    distributed: bool = False
+    """Launched by torchrun: a process group exists and the model is wrapped (DDP / FSDP2), even on one rank."""
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
     def all_sum(self, x: Tensor) -> Tensor:
-        if self.world > 1:
+        if self.distributed:
             x = x.clone()
             dist.all_reduce(x)
         return x
 
 
 def init_distributed(device: str) -> Dist:
-    """torchrun's environment -> a process group (NCCL on GPUs, gloo on CPUs); single process otherwise."""
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    """torchrun's environment -> a process group (NCCL on GPUs, gloo on CPUs); single process otherwise.
+
+    Under torchrun a single rank still gets its process group and wrapped model, so that
+    `torchrun --nproc-per-node 1` runs the same code (collectives, DDP / FSDP2) as a multi-GPU run.
+    """
+    if "RANK" not in os.environ:
         return Dist()
-    d = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")))
+    d = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")), True)
     if not dist.is_initialized():
         use_cuda = device != "cpu" and torch.cuda.is_available()
         if use_cuda:
@@ -287,7 +293,7 @@ class Distiller:
             )
 
     def _wrap(self, model: nn.Module) -> nn.Module:
-        if self.dist.world == 1:
+        if not self.dist.distributed:
             return model
         if self.tcfg.fsdp:
             from torch.distributed.fsdp import fully_shard
@@ -329,13 +335,14 @@ class Distiller:
         with autocast:
             # scorer-only training needs no logits: the LM head runs on the last position only
             keep = {} if self.teacher is not None else {"logits_to_keep": 1}
-            with record_function("kvpop.student_forward"):
+            with timed("kvpop.student_forward"):
                 logits = self.forward_model(batch, kvpop_capture=records, use_cache=False, **keep).logits
             loss_kl = torch.zeros((), device=self.device)
             if self.teacher is not None:
-                with torch.no_grad(), record_function("kvpop.teacher_forward"):
+                with torch.no_grad(), timed("kvpop.teacher_forward"):
                     teacher_logits = self.teacher(batch, use_cache=False).logits
-                loss_kl = kl_divergence(teacher_logits, logits, t.kl_topk)
+                with timed("kvpop.kl"):
+                    loss_kl = kl_divergence(teacher_logits, logits, t.kl_topk)
         n_layers = len(kvpop_modules(self.model).layers)
         if len(records) != n_layers:
             raise TrainingError(f"captured {len(records)} of {n_layers} layers: a wrapper dropped the kvpop_capture kwarg")
@@ -349,17 +356,17 @@ class Distiller:
             losses.append(loss)
             keep.append(extra["retention"])
         for rec in records if k.topk > 0 and k.policy != "dms" else []:
-            with record_function("kvpop.target"):
+            with timed("kvpop.target"):
                 r_tgt = future_attention_target(
                     rec.query.detach(), rec.key.detach(), rec.lse.detach(), k.window, scale=rec.scale,
                     eps=k.target_eps, agg=k.target_agg, count_norm=k.target_count_norm,
                 )
-            with record_function("kvpop.boundary_loss"):
+            with timed("kvpop.boundary_loss"):
                 pi_tgt = teacher_priority(r_tgt, rec.log_gamma, k.decay_step)
                 pairs = boundary_labels(pi_tgt, k.sink, k.window, k.topk, k.loss_query_fraction, self.sampler)
                 loss, stats = boundary_loss(
                     rec.priority, pairs, k.loss_tau, k.loss_margin_delta, k.loss_balance, k.loss_balance_clip,
-                    reduce_counts=self.dist.all_sum if self.dist.world > 1 else None,
+                    reduce_counts=self.dist.all_sum if self.dist.distributed else None,
                 )
             losses.append(loss)
             keep.append(stats["keep_rate"])
@@ -368,7 +375,7 @@ class Distiller:
         zero = torch.zeros((), device=self.device)
         loss_score = torch.stack(losses).mean() if losses else zero
         keep, acc = keep or [zero * float("nan")], acc or [zero * float("nan")]
-        with record_function("kvpop.backward"):
+        with timed("kvpop.backward"):
             ((loss_kl + loss_score) / t.grad_accum).backward()
         return {
             "loss_kl": loss_kl.detach(),
@@ -401,11 +408,12 @@ class Distiller:
         # each group is clipped on its own: the two losses train disjoint parameters, and a large KL
         # gradient must not shrink the scorer's steps
         norms = {}
-        for group in self.optimizer.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params and t.grad_clip > 0:
-                norms[group["name"]] = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
-        self.optimizer.step()
+        with timed("kvpop.optimizer"):
+            for group in self.optimizer.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                if params and t.grad_clip > 0:
+                    norms[group["name"]] = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
+            self.optimizer.step()
         lrs = {g["name"]: g["lr"] for g in self.optimizer.param_groups}
         self.scheduler.step()
         self.step += 1
@@ -501,14 +509,14 @@ class Distiller:
         return {k: v.detach().cpu().clone() for k, v in state.items()}
 
     def _full_state_dict(self) -> dict[str, Tensor]:
-        if self.dist.world > 1 and self.tcfg.fsdp:
+        if self.dist.distributed and self.tcfg.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return self.model.state_dict()
 
     def _optimizer_state(self) -> dict[str, Any]:
-        if self.dist.world > 1 and self.tcfg.fsdp:
+        if self.dist.distributed and self.tcfg.fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
             return get_optimizer_state_dict(
@@ -518,7 +526,7 @@ class Distiller:
 
     def _save_final(self, path: Path) -> None:
         """`kvpop.save` of the trained model (every rank takes part in gathering FSDP2 shards)."""
-        if self.dist.world > 1 and self.tcfg.fsdp:
+        if self.dist.distributed and self.tcfg.fsdp:
             from kvpop.models import load_model
 
             state = self._full_state_dict()
@@ -583,6 +591,9 @@ class Distiller:
             "kvpop": self.kcfg.to_dict(),
             "command": self.argv if self.argv is not None else sys.argv,
             "world_size": self.dist.world,
+            # how the model was wrapped: None (one process), "ddp" or "fsdp2" (torchrun, any number of ranks)
+            "parallel": ("fsdp2" if self.tcfg.fsdp else "ddp") if self.dist.distributed else None,
+            "backend": dist.get_backend() if self.dist.distributed else None,
             "torch": torch.__version__,
         }
         (self.out / "config.json").write_text(json.dumps(resolved, indent=2))
@@ -603,7 +614,7 @@ class Distiller:
         return tqdm(total=self.tcfg.steps, initial=self.step, desc="kvpop train", unit="step", dynamic_ncols=True)
 
     def _barrier(self) -> None:
-        if self.dist.world > 1:
+        if self.dist.distributed:
             dist.barrier()
 
     @staticmethod
