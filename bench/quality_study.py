@@ -133,7 +133,7 @@ def plan_runs(args) -> list[Run]:
             cmd = ["train", "--model", args.model, "--data", args.data, "--seq-len", str(args.seq_len),
                    "--sink", str(args.sink), "--budget", str(budget), *row_args(row, args.window),
                    "--steps", str(args.steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(args.seed),
-                   "--save-every", str(args.save_every or max(1, args.steps // 2)), "--out", str(out),
+                   "--save-every", str(args.save_every or max(1, min(20, args.steps // 2))), "--out", str(out),
                    "--no-progress"]
             runs.append(Run(name, row, budget, cmd, out))
     return runs
@@ -154,9 +154,9 @@ def child_env(threads: int) -> dict:
     return env
 
 
-def stop(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM (kvpop train checkpoints on it), then SIGKILL of its process group after `grace` seconds."""
-    if proc.poll() is None:
+def stop(proc: subprocess.Popen, grace: float, signalled: bool = False) -> None:
+    """SIGTERM (kvpop train checkpoints on it) unless `signalled`, then SIGKILL of its process group after `grace` s."""
+    if proc.poll() is None and not signalled:
         proc.send_signal(signal.SIGTERM)
     end = time.time() + grace
     while proc.poll() is None and time.time() < end:
@@ -240,7 +240,7 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
             for proc, run, started in running.values():
-                stop(proc, max(1.0, deadline - time.time()))
+                stop(proc, max(1.0, deadline - time.time()), signalled=True)
                 finish(run, proc.returncode, time.time() - started)
             running.clear()
             for run in pending:
@@ -613,7 +613,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per training run (default 150)")
     p.add_argument("--lr-scorer", type=float, default=3e-3, help="peak scorer lr (default 3e-3, kvpop demo's)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default half the steps)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default min(20, half the steps): a run killed "
+                        "outright keeps its last 20 steps at most)")
     p.add_argument("--concurrency", type=int, default=5, help="training runs at once on the one GPU (default 5)")
     p.add_argument("--deadline-s", type=float, default=540, help="wall seconds for this command (default 540)")
     p.add_argument("--eval-reserve-s", type=float, default=300,

@@ -211,3 +211,28 @@ def test_bench_compiled_failure_is_a_row_error(monkeypatch):
                             device="cpu", config=cfg, compile=True, compile_backend=BACKEND)
     assert rows[0]["error"] is None and rows[0]["ms_per_token"] > 0
     assert "no graph today" in rows[1]["error"] and rows[1]["ms_per_token"] is None
+
+
+@pytest.mark.parametrize("policy", ["tova", "h2o", "kvpop"])
+def test_stepwise_logits_equal_the_teacher_forced_pass(policy):
+    from kvpop.decode import stepwise_logits
+
+    model = retrofitted("qwen3", kvpop.KVpopConfig(sink=2, window=4, topk=5, policy=policy))
+    ids = torch.randint(3, 300, (2, 23), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), quiet():
+        expected = model(ids, use_cache=False).logits.float()
+        got = stepwise_logits(model, ids, compile=False)
+    assert_close(got, expected, 1e-4, f"{policy}: stepwise vs teacher-forced logits")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_stepwise_logits_on_cuda_graphs_equal_the_teacher_forced_pass():
+    from kvpop.decode import stepwise_logits
+
+    model = retrofitted("qwen3", kvpop.KVpopConfig(sink=2, window=4, topk=5, policy="tova")).cuda()
+    ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits.float()
+        got = stepwise_logits(model, ids)
+    assert_close(got, expected, 1e-3, "tova: CUDA-graph steps vs teacher-forced logits")

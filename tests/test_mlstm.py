@@ -112,6 +112,20 @@ def test_chunkwise_matches_quadratic(chunk_size, delay):
         _assert_close(s(key, value, chunk_size=chunk_size), ref, f"chunk {chunk_size}, delay {delay}")
 
 
+def test_long_sequences_pick_a_larger_chunk_and_match_quadratic(monkeypatch):
+    S = 3000  # S // 32 = 93 > the scorer's 16: the default path takes chunks of 93 steps
+    s = _scorer(5, seed=3)
+    key, value = _inputs(S, seed=3)
+    seen = []
+    real = M.mlstm_delayed_chunkwise
+    monkeypatch.setattr(M, "mlstm_delayed_chunkwise", lambda *a: seen.append(a[6]) or real(*a))
+    with torch.no_grad():
+        got = s(key, value)
+        ref = s(key, value, backend="quadratic")
+    assert seen == [S // 32]
+    _assert_close(got, ref, "auto chunk")
+
+
 def test_tokens_past_the_end_use_the_last_memory():
     S, delay = 30, 12
     s = _scorer(delay)

@@ -262,3 +262,29 @@ def fill_random(model, cache, batch: int, context: int, *, seed: int = 0) -> Non
         layer.processed = context
         if policy.stateful:
             layer.state = policy.init_state(batch, device)
+
+
+@torch.no_grad()
+def stepwise_logits(model, input_ids: Tensor, *, compile: bool | None = None, backend: str | None = None) -> Tensor:
+    """Teacher-forced logits [B, S, V] (float32) of `input_ids` fed one token per step through a `KVpopCache`.
+
+    The same numbers as `model(input_ids).logits` for a retrofitted model (the tests check that the
+    decode path equals the teacher-forced one for every policy), but for the *dynamic* policies
+    (TOVA, H2O), whose teacher-forced pass is itself a token-by-token loop per layer, this runs each
+    step as one replayed CUDA graph: on an H200 that is about ten times faster at S = 8192.
+    `compile` defaults to "on CUDA"; rows must be unpadded.
+    """
+    B, S = input_ids.shape
+    if compile is None:
+        compile = input_ids.is_cuda
+    cache = KVpopCache(model)
+    decoder = Decoder(model, cache, compile=compile, backend=backend)
+    first = decoder.prefill(input_ids[:, :1], chunk=1)  # [B, V]
+    out = torch.empty(B, S, first.shape[-1], dtype=torch.float32, device=input_ids.device)
+    out[:, 0] = first.float()
+    position = torch.ones(B, 1, dtype=torch.long, device=input_ids.device)
+    with decoder.decoding():
+        for t in range(1, S):
+            out[:, t] = decoder.step(input_ids[:, t : t + 1], position).float()
+            position.add_(1)
+    return out

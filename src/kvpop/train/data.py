@@ -33,7 +33,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
-import importlib.resources
+import importlib.util
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -325,11 +325,11 @@ def _champ_held_out(eval_fraction: float, seed: int) -> frozenset[str]:
 @functools.lru_cache(maxsize=1)
 def _champ_data() -> tuple[dict[str, Any], ...]:
     """Parse `champ_dataset/dataset_files/v0.json` (72 MB, ~1 s) into one flat dict per problem."""
-    try:
-        root = importlib.resources.files("champ_dataset")
-    except ModuleNotFoundError as e:
-        raise DataError(f"--data champ needs the champ-dataset package: {CHAMP_INSTALL}") from e
-    path = root / "dataset_files" / "v0.json"
+    # locate the package without importing it: its __init__ needs `natsort`, which kvpop does not use
+    spec = importlib.util.find_spec("champ_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"--data champ needs the champ-dataset package: {CHAMP_INSTALL}")
+    path = Path(next(iter(spec.submodule_search_locations))) / "dataset_files" / "v0.json"
     if not path.is_file():
         raise DataError(f"champ-dataset is installed but has no {path}; reinstall it: {CHAMP_INSTALL}")
     raw = json.loads(path.read_text(encoding="utf-8"))

@@ -450,39 +450,52 @@ class Distiller:
             self._write_config()
             self._trim_log()
         interrupted = False
+        stop_requested = []
 
         def on_sigterm(*_):
-            raise KeyboardInterrupt
+            # finish the step in flight, then checkpoint: a checkpoint never holds half an optimizer step,
+            # and a second SIGTERM (schedulers repeat it) cannot kill the run while it saves
+            stop_requested.append(True)
 
         old = signal.signal(signal.SIGTERM, on_sigterm) if self._main_thread() else None
         bar = self._progress(progress)
         try:
-            for micro in self.batches():
-                if self.step >= t.steps:
-                    break
-                row = self.train_step(micro)
-                if self.dist.main:
-                    with open(self.out / LOG, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(score=f"{row['loss_score']:.4f}", kl=f"{row['loss_kl']:.4f}",
-                                        acc=f"{row['accuracy']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
-                    self.save_checkpoint()
-        except KeyboardInterrupt:
-            interrupted = True
+            try:
+                for micro in self.batches():
+                    if self.step >= t.steps or self._agreed(bool(stop_requested)):
+                        break
+                    row = self.train_step(micro)
+                    if self.dist.main:
+                        with open(self.out / LOG, "a") as f:
+                            f.write(json.dumps(row) + "\n")
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix(score=f"{row['loss_score']:.4f}", kl=f"{row['loss_kl']:.4f}",
+                                            acc=f"{row['accuracy']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                    if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
+                        self.save_checkpoint()
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                if bar is not None:
+                    bar.close()
+            interrupted = interrupted or bool(stop_requested)
+            self.save_checkpoint()
         finally:
-            if bar is not None:
-                bar.close()
             if old is not None:
                 signal.signal(signal.SIGTERM, old)
-        self.save_checkpoint()
         if interrupted:
             raise KeyboardInterrupt(f"interrupted at step {self.step}; resume with --resume (checkpoint saved)")
         final = self.out / "final"
         self._save_final(final)
         return final
+
+    def _agreed(self, stop: bool) -> bool:
+        """Whether any rank was asked to stop: all ranks must leave the loop at the same step."""
+        if not self.dist.distributed:
+            return stop
+        flag = torch.tensor([float(stop)], device=self.device)
+        return bool(self.dist.all_sum(flag).item() > 0)
 
     # --- persistence ---
     def _state(self) -> dict[str, Any]:
