@@ -124,17 +124,30 @@ def row_args(row: str, window: int) -> list[str]:
     }[row]
 
 
+TRAINED = ("streaming_llm_plus", "dms", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0")
+
+
+def trained_rows(args) -> list[str]:
+    """The trained rows of this study: `--rows` (default all), without StreamingLLM+ when the base is frozen."""
+    rows = [r for r in (args.rows.split(",") if args.rows else TRAINED) if r]
+    unknown = sorted(set(rows) - set(TRAINED))
+    if unknown:
+        raise SystemExit(f"--rows: unknown {unknown}; choose from {', '.join(TRAINED)}")
+    # StreamingLLM+ trains only the base: with it frozen it is StreamingLLM, already a row
+    return [r for r in rows if not (args.freeze_base and r == "streaming_llm_plus")]
+
+
 def plan_runs(args) -> list[Run]:
     runs = []
     for budget in args.budgets:
-        for row in ("streaming_llm_plus", "dms", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0"):
+        for row in trained_rows(args):
             name = f"{row}_b{budget}"
             out = args.out / "runs" / name
             cmd = ["train", "--model", args.model, "--data", args.data, "--seq-len", str(args.seq_len),
                    "--sink", str(args.sink), "--budget", str(budget), *row_args(row, args.window),
                    "--steps", str(args.steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(args.seed),
                    "--save-every", str(args.save_every or max(1, min(20, args.steps // 2))), "--out", str(out),
-                   "--no-progress"]
+                   "--no-progress", *(["--freeze-base"] if args.freeze_base else [])]
             runs.append(Run(name, row, budget, cmd, out))
     return runs
 
@@ -571,7 +584,8 @@ def table_md(result: dict) -> str:
              f"window {result['window']}", "",
              f"{result['date']}, {result['device']}, torch {result['torch']}, transformers {result['transformers']}; "
              f"{result['eval']['sequences']} held-out sequences ({result['data']}, split eval); "
-             f"{result['steps']} training steps planned per run.", ""]
+             f"{result['steps']} training steps planned per run, "
+             f"{'scorers only (base frozen)' if result.get('freeze_base') else 'full distillation'}.", ""]
     for budget in result["budgets"]:
         cr = 1 - budget / result["seq_len"]
         lines += [f"## B = {budget} (CR {cr:.0%})", "",
@@ -613,8 +627,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--steps", type=int, default=150, help="optimizer steps per training run (default 150)")
     p.add_argument("--lr-scorer", type=float, default=3e-3, help="peak scorer lr (default 3e-3, kvpop demo's)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (default min(20, half the steps): a run killed "
-                        "outright keeps its last 20 steps at most)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="checkpoint every N steps (default min(20, half the steps): a run killed outright loses "
+                        "at most that many)")
     p.add_argument("--concurrency", type=int, default=5, help="training runs at once on the one GPU (default 5)")
     p.add_argument("--deadline-s", type=float, default=540, help="wall seconds for this command (default 540)")
     p.add_argument("--eval-reserve-s", type=float, default=300,
@@ -628,6 +643,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-sequences", type=int, default=8)
     p.add_argument("--report-s", type=float, default=30, help="seconds between progress lines (default 30)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--freeze-base", action="store_true",
+                   help="train the scorers (DMS: its gates) only, every row on the same base weights; no "
+                        "StreamingLLM+ row (it trains nothing else)")
+    p.add_argument("--rows", default="", help=f"comma-separated trained rows (default all: {','.join(TRAINED)})")
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.budgets = sorted((int(b) for b in str(args.budgets).split(",") if b), reverse=True)
@@ -666,6 +685,7 @@ def main(argv=None) -> int:
         "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["quality_study.py", *argv]),
         "model": args.model, "data": args.data, "seq_len": args.seq_len, "budgets": args.budgets, "sink": args.sink,
         "window": args.window, "steps": args.steps, "seed": args.seed, "lr_scorer": args.lr_scorer,
+        "freeze_base": args.freeze_base,
         "rows": ev["rows"], "missing": ev["missing"],
         "columns": ["rel_accuracy", "top1_agreement", "kl", "ppl_ratio", "recall"],
         "eval": {"sequences": ev["sequences"], "worker_commands": ev["worker_commands"]},

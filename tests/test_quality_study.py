@@ -66,3 +66,14 @@ def test_the_study_trains_and_evaluates_every_row(data_file, tmp_path, capsys):
     # a second command skips the finished runs
     assert study.main([*args, "--phase", "train"]) == 0
     assert "skip kvpop-mlp_b48" in capsys.readouterr().out
+
+
+def test_frozen_base_plan_trains_scorers_only_and_drops_streaming_llm_plus(tmp_path):
+    study = _study()
+    parser_args = ["--out", str(tmp_path), "--budgets", "2048,1024", "--freeze-base",
+                   "--rows", "streaming_llm_plus,kvpop-mlp,dms"]
+    runs = study.plan_runs(study.parse(parser_args))
+    assert [r.name for r in runs] == ["kvpop-mlp_b2048", "dms_b2048", "kvpop-mlp_b1024", "dms_b1024"]
+    assert all("--freeze-base" in r.args for r in runs), [r.args for r in runs]
+    with pytest.raises(SystemExit, match="unknown"):
+        study.plan_runs(study.parse(["--out", str(tmp_path), "--rows", "bogus"]))
