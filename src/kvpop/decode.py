@@ -178,8 +178,8 @@ class CudaGraphStep:
     capture needs one real warm-up run on a side stream (library handles, allocator), which inserts
     a token: `KVpopCache`'s buffers are saved before it and restored after, so the first replay
     inserts the token once. A `StaticCache` step writes the same keys and values at the same
-    `cache_position` again, so it needs no restore. Inputs are copied into fixed buffers per call;
-    the returned logits live in the graph's memory until the next replay.
+    `cache_position` again, so only its other tensors (counters) are restored. Inputs are copied
+    into fixed buffers per call; the returned logits live in the graph's memory until the next replay.
     """
 
     def __init__(self, fn, cache):
@@ -199,7 +199,13 @@ class CudaGraphStep:
 
     def _capture(self, args: tuple[Tensor, ...]) -> None:
         self.inputs = [a.clone() for a in args]
-        state = cache_tensors(self.cache) if isinstance(self.cache, KVpopCache) else []
+        if isinstance(self.cache, KVpopCache):
+            state = cache_tensors(self.cache)
+        else:
+            # dense keys/values are rewritten in place at the same position; only counters (a sliding
+            # layer's `cumulative_length`) would count the warm-up token twice
+            state = [t for layer in self.cache.layers for name, t in vars(layer).items()
+                     if isinstance(t, Tensor) and name not in ("keys", "values")]
         saved = [t.clone() for t in state]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
