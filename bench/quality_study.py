@@ -147,7 +147,8 @@ def plan_runs(args) -> list[Run]:
                    "--sink", str(args.sink), "--budget", str(budget), *row_args(row, args.window),
                    "--steps", str(args.steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(args.seed),
                    "--save-every", str(args.save_every or max(1, min(20, args.steps // 2))), "--out", str(out),
-                   "--no-progress", *(["--freeze-base"] if args.freeze_base else [])]
+                   "--no-progress", *(["--freeze-base"] if args.freeze_base else []),
+                   *(["--lr-base", str(args.lr_base)] if args.lr_base is not None else [])]
             runs.append(Run(name, row, budget, cmd, out))
     return runs
 
@@ -646,6 +647,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--freeze-base", action="store_true",
                    help="train the scorers (DMS: its gates) only, every row on the same base weights; no "
                         "StreamingLLM+ row (it trains nothing else)")
+    p.add_argument("--lr-base", type=float, default=None,
+                   help="base learning rate of the full-distillation runs (default: kvpop train's)")
     p.add_argument("--rows", default="", help=f"comma-separated trained rows (default all: {','.join(TRAINED)})")
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -685,7 +688,7 @@ def main(argv=None) -> int:
         "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["quality_study.py", *argv]),
         "model": args.model, "data": args.data, "seq_len": args.seq_len, "budgets": args.budgets, "sink": args.sink,
         "window": args.window, "steps": args.steps, "seed": args.seed, "lr_scorer": args.lr_scorer,
-        "freeze_base": args.freeze_base,
+        "freeze_base": args.freeze_base, "lr_base": args.lr_base,
         "rows": ev["rows"], "missing": ev["missing"],
         "columns": ["rel_accuracy", "top1_agreement", "kl", "ppl_ratio", "recall"],
         "eval": {"sequences": ev["sequences"], "worker_commands": ev["worker_commands"]},
