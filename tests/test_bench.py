@@ -58,7 +58,8 @@ def test_cache_bytes_counts_every_slot():
         model(torch.randint(3, 300, (2, 20)), **cache_kwargs(cache))
     c = model.config
     per_slot = 2 * 16 * 4 + 8 + 4  # float32 key and value of dim 16, int64 position, float32 priority
-    want = c.num_hidden_layers * (2 * c.num_key_value_heads * CFG.budget * per_slot + 2 * 8)  # + `seen`, int64 [B]
+    # budget + 1 slots: the decode step's scratch slot is memory too; + `seen`, int64 [B]
+    want = c.num_hidden_layers * (2 * c.num_key_value_heads * (CFG.budget + 1) * per_slot + 2 * 8)
     assert cache_bytes(cache) == want
 
 

@@ -9,6 +9,7 @@ import torch
 
 import kvpop
 from helpers import assert_close, quiet, retrofitted, tiny_model
+from kvpop.cache import cache_kwargs
 from kvpop.decode import Decoder, fill_random, static_cache
 from kvpop.eval.bench import bench_decode
 
@@ -236,3 +237,31 @@ def test_stepwise_logits_on_cuda_graphs_equal_the_teacher_forced_pass():
         expected = model(ids, use_cache=False).logits.float()
         got = stepwise_logits(model, ids)
     assert_close(got, expected, 1e-3, "tova: CUDA-graph steps vs teacher-forced logits")
+
+
+@pytest.mark.parametrize("policy", ["kvpop", "tova", "dms"])
+def test_fused_layer_step_equals_the_eager_step(policy):
+    """`KVpopCache.fuse`: the per-layer decode step compiled once (here traced with aot_eager) changes nothing."""
+    cfg = kvpop.KVpopConfig(sink=2, window=4, topk=5, policy=policy)
+    if policy == "kvpop":
+        cfg = kvpop.KVpopConfig(sink=2, window=4, topk=5, scorer="mlstm", mlstm_dim=8)
+    model = retrofitted("qwen3", cfg)
+    ids = torch.randint(3, 300, (2, 15), generator=torch.Generator().manual_seed(5))
+
+    def run(fuse: bool):
+        cache = kvpop.KVpopCache(model)
+        if fuse:
+            cache.fuse("aot_eager")
+        kw = cache_kwargs(model, cache)
+        with torch.no_grad(), quiet():
+            logits = [model(ids[:, :6], **kw, use_cache=True).logits[:, -1]]
+            for t in range(6, ids.shape[1]):
+                logits.append(model(ids[:, t : t + 1], **kw, use_cache=True).logits[:, -1])
+        return torch.stack(logits, 1), cache
+
+    eager, eager_cache = run(False)
+    fused, cache = run(True)
+    assert all(layer.fused is not None for layer in cache.layers)
+    assert_close(fused, eager, 1e-5, f"{policy}: fused vs eager decode")
+    for a, b in zip(cache.layers, eager_cache.layers):
+        assert torch.equal(a.pos, b.pos) and torch.equal(a.pri, b.pri)

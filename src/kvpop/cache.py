@@ -61,18 +61,30 @@ class KVpopLayerCache(CacheLayerMixin):
         # while True, `update` leaves `processed` alone: a compiled step would otherwise specialise on
         # (and recompile for) every value of this Python int; `KVpopCache.static_length` sets it
         self.frozen = False
+        # the compiled `decode_step` this layer decodes with (`KVpopCache.fuse`), or None: eager
+        self.fused = None
 
     # --- transformers' Cache protocol ---
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         B, H, _, D = key_states.shape
         kw = dict(device=key_states.device)
-        self.keys = torch.zeros(B, H, self.slots, D, dtype=key_states.dtype, **kw)
-        self.values = torch.zeros(B, H, self.slots, value_states.shape[-1], dtype=value_states.dtype, **kw)
-        self.pos = torch.full((B, H, self.slots), -1, dtype=torch.long, **kw)
-        self.pri = torch.full((B, H, self.slots), float("-inf"), dtype=torch.float32, **kw)
+        # one slot more than the budget: a scratch slot that a masked write of the decode step targets
+        # instead of reading the old value back (a gather and a where per buffer saved, every layer
+        # and token); `keys`, `values`, `pos`, `pri` are views without it
+        n = self.slots + 1
+        self.buffers = (
+            torch.zeros(B, H, n, D, dtype=key_states.dtype, **kw),
+            torch.zeros(B, H, n, value_states.shape[-1], dtype=value_states.dtype, **kw),
+            torch.full((B, H, n), -1, dtype=torch.long, **kw),
+            torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),
+        )
+        self._views()
         self.seen = torch.zeros(B, dtype=torch.long, **kw)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+
+    def _views(self) -> None:
+        self.keys, self.values, self.pos, self.pri = (b[:, :, : self.slots] for b in self.buffers)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         # the real work needs priorities and padding, which only the attention call has: see `attend`
@@ -106,8 +118,9 @@ class KVpopLayerCache(CacheLayerMixin):
     def _map_rows(self, fn) -> None:
         """Apply `fn` to every per-row buffer (batch dim 0), the stateful policy's memory included."""
         if self.is_initialized:
-            for name in ("keys", "values", "pos", "pri", "seen"):
-                setattr(self, name, fn(getattr(self, name)))
+            self.buffers = tuple(fn(b) for b in self.buffers)
+            self._views()
+            self.seen = fn(self.seen)
         if self.state is not None:
             self.state = type(self.state)(*(fn(t) for t in self.state))
 
@@ -163,38 +176,16 @@ class KVpopLayerCache(CacheLayerMixin):
 
     def _decode(self, query, key, value, p: Tensor, real: Tensor, pri_new: Tensor, scale: float,
                 policy: LayerPolicy) -> Tensor:
-        """One token per row (`p`: [B] its position): Sec. 7's step with static shapes."""
-        s, w, k = self.sink, self.window, self.topk
-        B, H, _, D = self.keys.shape
-        # a padding step (p = -1) writes nothing; any in-range slot will do for its index
-        slot = torch.where(p < s, p.clamp(min=0), s + (p - s).clamp(min=0) % w)  # [B]
-        idx = slot[:, None, None].expand(B, H, 1)
+        """One token per row (`p`: [B] its position): Sec. 7's step with static shapes (`decode_step`)."""
         if policy.stateful:
             # before the leaving token is compared: with delay == window it is the one read out now
             pri_new = self._advance_decode(key, value, p, real, pri_new, policy)
-        if k > 0:
-            # the token leaving the window (position p - w) becomes eligible: keep it if it beats the weakest top-k slot
-            leave_pos, leave_pri = self.pos.gather(2, idx), self.pri.gather(2, idx)
-            leaving = (real & (p >= s + w))[:, None, None]
-            top_pos, top_pri = self.pos[..., s + w :], self.pri[..., s + w :]
-            weakest_pri = top_pri.amin(-1, keepdim=True)
-            # among equal weakest priorities the older token is weaker; empty slots (-inf, -1) go first
-            oldest = torch.where(top_pri == weakest_pri, top_pos, torch.iinfo(torch.long).max)
-            widx = oldest.argmin(-1, keepdim=True)  # [B, H, 1]
-            weakest_pos = top_pos.gather(2, widx)
-            beats = (leave_pri > weakest_pri) | ((leave_pri == weakest_pri) & (leave_pos > weakest_pos))
-            # a -inf token (DMS's "evict") never takes a long-range slot, not even an empty one
-            promote = leaving & beats & (leave_pri > float("-inf"))
-            dst = widx + s + w
-            self._move(idx, dst, promote)
-        new = real[:, None, None].expand(B, H, 1)
-        self._write(idx, new, key, value, p[:, None, None].expand(B, H, 1), pri_new[..., None])
-        occupied = self.pos >= 0
-        if not policy.dynamic:
-            out, _ = masked_attention(query, self.keys, self.values, occupied[:, :, None, :], scale)
-            return out
-        out, probs = attention_with_probs(query, self.keys, self.values, occupied, scale)
-        self.pri.copy_(torch.where(real[:, None, None], policy.update(self.pri, probs, occupied), self.pri))
+        step = self.fused or decode_step
+        out, probs = step(self.buffers, query, key, value, p, real, pri_new, self.sink, self.window, self.topk,
+                          scale, policy.dynamic)
+        if policy.dynamic:
+            occupied = self.pos >= 0
+            self.pri.copy_(torch.where(real[:, None, None], policy.update(self.pri, probs, occupied), self.pri))
         return out
 
     def _advance_decode(self, key, value, p: Tensor, real: Tensor, pri_new: Tensor, policy: LayerPolicy) -> Tensor:
@@ -221,9 +212,9 @@ class KVpopLayerCache(CacheLayerMixin):
         pri = pri.detach()  # [B, H, 1]
         if d == 0:
             return pri[..., 0]
-        # sinks are never ranked, and nothing is read out before the first token
-        due = (real & (x >= s))[:, None, None].expand(B, H, 1)
-        self.pri.scatter_(2, rslot, torch.where(due, pri, self.pri.gather(2, rslot)))
+        # sinks are never ranked, and nothing is read out before the first token (then: the scratch slot)
+        due = (real & (x >= s))[:, None, None]
+        self.buffers[3].scatter_(2, torch.where(due, rslot, self.slots), pri)
         return pri_new
 
     def _advance_chunk(self, key, value, position: Tensor, valid: Tensor, cand_k: Tensor, cand_v: Tensor,
@@ -262,26 +253,7 @@ class KVpopLayerCache(CacheLayerMixin):
         """Every tensor a decode step updates in place (slots, counters, the policy's memory)."""
         if not self.is_initialized:
             return []
-        return [self.keys, self.values, self.pos, self.pri, self.seen, *(self.state or ())]
-
-    def _move(self, src: Tensor, dst: Tensor, where: Tensor) -> None:
-        """Copy slot `src` to slot `dst` ([B, H, 1] indices) where `where` holds."""
-        for name in ("keys", "values", "pos", "pri"):
-            buf = getattr(self, name)
-            if buf.dim() == 4:
-                s4, d4 = (i[..., None].expand(-1, -1, -1, buf.shape[-1]) for i in (src, dst))
-                buf.scatter_(2, d4, torch.where(where[..., None], buf.gather(2, s4), buf.gather(2, d4)))
-            else:
-                buf.scatter_(2, dst, torch.where(where, buf.gather(2, src), buf.gather(2, dst)))
-
-    def _write(self, idx: Tensor, where: Tensor, key: Tensor, value: Tensor, pos: Tensor, pri: Tensor) -> None:
-        """Write one new token per (b, h) into slot `idx` ([B, H, 1]) where `where` holds."""
-        for buf, new in ((self.keys, key), (self.values, value), (self.pos, pos), (self.pri, pri)):
-            if buf.dim() == 4:
-                i4 = idx[..., None].expand(-1, -1, -1, buf.shape[-1])
-                buf.scatter_(2, i4, torch.where(where[..., None], new.to(buf.dtype), buf.gather(2, i4)))
-            else:
-                buf.scatter_(2, idx, torch.where(where, new.to(buf.dtype), buf.gather(2, idx)))
+        return [*self.buffers, self.seen, *(self.state or ())]
 
     def _chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float,
                policy: LayerPolicy) -> Tensor:
@@ -326,6 +298,86 @@ class KVpopLayerCache(CacheLayerMixin):
         return out
 
 
+def decode_step(
+    buffers: tuple[Tensor, Tensor, Tensor, Tensor],
+    query: Tensor,  # [B, Hq, 1, D]
+    key: Tensor,  # [B, H, 1, D]
+    value: Tensor,  # [B, H, 1, D]
+    p: Tensor,  # [B] position of the new token (-1: a padding step)
+    real: Tensor,  # [B] bool
+    pri_new: Tensor,  # [B, H] its static priority
+    sink: int,
+    window: int,
+    topk: int,
+    scale: float,
+    with_probs: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """One decode step on a layer's slot buffers (keys, values, pos, pri; each with a scratch slot last).
+
+    The token leaving the window (position `p - window`) replaces the weakest top-k slot if it beats
+    it; the new token takes its sink or window-ring slot; then the query attends the occupied slots.
+    A function of tensors and ints only, so that `torch.compile` traces it once for every layer
+    (`fuse_decode_step`). Masked writes go to the scratch slot instead of reading the old value back.
+
+    Returns:
+        the attention output [B, Hq, 1, D], and its probabilities over the slots if `with_probs`.
+    """
+    kbuf = buffers[0]
+    slots = kbuf.shape[2] - 1
+    keys, values, pos, pri = (b[:, :, :slots] for b in buffers)
+    s, w, k = sink, window, topk
+    B, H = kbuf.shape[:2]
+    # a padding step (p = -1) writes nothing; any in-range slot will do for its index
+    slot = torch.where(p < s, p.clamp(min=0), s + (p - s).clamp(min=0) % w)  # [B]
+    idx = slot[:, None, None].expand(B, H, 1)
+    if k > 0:
+        # the token leaving the window (position p - w) becomes eligible: keep it if it beats the weakest top-k slot
+        leave_pos, leave_pri = pos.gather(2, idx), pri.gather(2, idx)
+        leaving = (real & (p >= s + w))[:, None, None]
+        top_pos, top_pri = pos[..., s + w :], pri[..., s + w :]
+        weakest_pri = top_pri.amin(-1, keepdim=True)
+        # among equal weakest priorities the older token is weaker; empty slots (-inf, -1) go first
+        oldest = torch.where(top_pri == weakest_pri, top_pos, torch.iinfo(torch.long).max)
+        widx = oldest.argmin(-1, keepdim=True)  # [B, H, 1]
+        weakest_pos = top_pos.gather(2, widx)
+        beats = (leave_pri > weakest_pri) | ((leave_pri == weakest_pri) & (leave_pos > weakest_pos))
+        # a -inf token (DMS's "evict") never takes a long-range slot, not even an empty one
+        promote = leaving & beats & (leave_pri > float("-inf"))
+        dst = torch.where(promote, widx + s + w, slots)
+        for buf in buffers:  # copy slot idx to dst (the scratch slot unless promoted)
+            if buf.dim() == 4:
+                s4, d4 = (i[..., None].expand(-1, -1, -1, buf.shape[-1]) for i in (idx, dst))
+                buf.scatter_(2, d4, buf.gather(2, s4))
+            else:
+                buf.scatter_(2, dst, buf.gather(2, idx))
+    dst = torch.where(real[:, None, None], idx, slots)
+    new_pos = p[:, None, None].expand(B, H, 1)
+    for buf, new in zip(buffers, (key, value, new_pos, pri_new[..., None])):
+        d = dst[..., None].expand(-1, -1, -1, buf.shape[-1]) if buf.dim() == 4 else dst
+        buf.scatter_(2, d, new.to(buf.dtype))
+    occupied = pos >= 0
+    if not with_probs:
+        out, _ = masked_attention(query, keys, values, occupied[:, :, None, :], scale)
+        return out, None
+    return attention_with_probs(query, keys, values, occupied, scale)
+
+
+_FUSED: dict[str, object] = {}
+
+
+def fused_decode_step(backend: str = "inductor"):
+    """`decode_step` compiled once per backend, shared by every layer and cache (`KVpopCache.fuse`).
+
+    A decode step is ~70 small kernels per layer beyond the dense model's (counted on the CPU with a
+    dispatch mode); compiled, they fuse into a few, which matters once Python is gone: a captured
+    CUDA graph still launches every kernel. One small function compiles in seconds, where the
+    whole 36-layer model step took inductor more than 150 s.
+    """
+    if backend not in _FUSED:
+        _FUSED[backend] = torch.compile(decode_step, fullgraph=True, dynamic=False, backend=backend)
+    return _FUSED[backend]
+
+
 class KVpopCache(Cache):
     """The bounded cache for a model prepared by `kvpop.retrofit`; pass it as `past_key_values=`.
 
@@ -351,6 +403,15 @@ class KVpopCache(Cache):
     @property
     def is_compileable(self) -> bool:
         return False
+
+    def fuse(self, backend: str | None = "inductor") -> None:
+        """Decode every layer with `decode_step` compiled (`fused_decode_step`); `None` goes back to eager.
+
+        The first decode step compiles (seconds); prefill chunks are not affected.
+        """
+        step = None if backend is None else fused_decode_step(backend)
+        for layer in self.layers:
+            layer.fused = step
 
     @contextlib.contextmanager
     def static_length(self) -> Iterator[None]:

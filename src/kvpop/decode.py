@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 from torch import Tensor
@@ -72,9 +73,13 @@ class Decoder:
             `torch.compile` backend ("inductor", the default elsewhere; "aot_eager" traces without
             code generation, which the CPU tests use).
         mode: `torch.compile` mode (default "reduce-overhead", i.e. CUDA graphs, on CUDA; none on CPU).
+        fuse: with "cudagraph", also compile a `KVpopCache`'s per-layer step (`KVpopCache.fuse`, one small
+            inductor compile shared by all layers) so the captured graph holds fewer kernels; default:
+            on for a `KVpopCache`. If that compile fails, the eager step is captured (with a warning).
     """
 
-    def __init__(self, model, cache, *, compile: bool = True, backend: str | None = None, mode: str | None = None):
+    def __init__(self, model, cache, *, compile: bool = True, backend: str | None = None, mode: str | None = None,
+                 fuse: bool | None = None):
         self.model, self.cache = model, cache
         self.kw = cache_kwargs(model, cache)
         # transformers 5.17 still takes `cache_position` (and `StaticCache` writes where it says); 5.24 dropped it
@@ -90,6 +95,11 @@ class Decoder:
                 if device.type != "cuda":
                     raise ValueError(f"backend={CUDA_GRAPH!r} needs a CUDA model, got one on {device}; use a "
                                      "torch.compile backend such as 'inductor' or 'aot_eager'")
+                if fuse is None:
+                    fuse = isinstance(cache, KVpopCache)
+                if fuse:
+                    # the cache's per-layer step compiled once (seconds), inside the captured graph
+                    cache.fuse("inductor")
                 self.step_fn = CudaGraphStep(self._step, cache)
             else:
                 if mode is None and device.type == "cuda":
@@ -210,7 +220,17 @@ class CudaGraphStep:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.fn(*self.inputs)
+            try:
+                self.fn(*self.inputs)
+            except Exception as err:  # noqa: BLE001 - the compiled layer step is an optimisation only
+                if not (isinstance(self.cache, KVpopCache) and any(layer.fused for layer in self.cache.layers)):
+                    raise
+                warnings.warn(f"the compiled KVpop decode step failed ({type(err).__name__}: {err}); "
+                              "capturing the eager step instead", stacklevel=2)
+                self.cache.fuse(None)
+                for t, old in zip(state, saved):
+                    t.copy_(old)
+                self.fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
         for t, old in zip(state, saved):
             t.copy_(old)

@@ -57,7 +57,11 @@ def cache_bytes(cache) -> int:
     """Bytes held by a cache's tensors: keys and values, plus KVpopCache's positions, priorities and counters."""
     total = 0
     for layer in cache.layers:
-        for name in ("keys", "values", "pos", "pri", "seen"):
+        # a KVpopLayerCache holds its slots (plus one scratch slot) in `buffers`; keys/values/pos/pri are views
+        for t in getattr(layer, "buffers", None) or ():
+            total += t.numel() * t.element_size()
+        names = ("seen",) if getattr(layer, "buffers", None) else ("keys", "values", "pos", "pri", "seen")
+        for name in names:
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
@@ -210,6 +214,8 @@ def _run_one(model, kind: str, ids: torch.Tensor, new_tokens: int, warmup: int, 
         "prefill_s": prefill_s,
         "compile_s": compile_s,
         "warmup": warmup,
+        # compiled KVpop rows: whether the per-layer step ran compiled inside the graph (`KVpopCache.fuse`)
+        "fused": bool(isinstance(cache, KVpopCache) and any(layer.fused for layer in cache.layers)),
         "peak_mb": cache_mb if peak_mb is None else peak_mb,
         "cache_mb": cache_mb,
         "memory_kind": memory_kind,
