@@ -153,6 +153,19 @@ def plan_runs(args) -> list[Run]:
     return runs
 
 
+def visible_gpus() -> list[str]:
+    """The GPU ids the training runs are spread over: CUDA_VISIBLE_DEVICES if set, else every device."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # noqa: BLE001 - no CUDA: the runs go wherever kvpop train puts them
+        return []
+
+
 def child_env(threads: int) -> dict:
     import kvpop
 
@@ -210,6 +223,8 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
     share = (deadline - time.time()) / max(1, waves)
     threads = max(1, (os.cpu_count() or 1) // max(1, min(limit, len(pending) or 1)))
     env = child_env(threads)
+    gpus = visible_gpus()
+    gpu_of: dict[str, str] = {}
     running: dict[str, tuple[subprocess.Popen, Run, float]] = {}
     caps: dict[str, float] = {}
     last_report = time.time()
@@ -222,14 +237,22 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
             cmd = [sys.executable, "-m", "kvpop.cli", *run.args]
             if (run.out / "checkpoint.pt").exists():
                 cmd.append("--resume")
+            run_env = env
+            if len(gpus) > 1:
+                # spread the runs over the host's GPUs: the least loaded one takes the next run
+                load = {g: sum(1 for n in running if gpu_of.get(n) == g) for g in gpus}
+                gpu_of[run.name] = min(gpus, key=lambda g: load[g])
+                run_env = {**env, "CUDA_VISIBLE_DEVICES": gpu_of[run.name]}
             with open(run.out / "study_train.log", "a") as f:
                 f.write(f"\n# {datetime.datetime.now().isoformat()} {' '.join(cmd)}\n")
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
             running[run.name] = (proc, run, now)
             # the last wave may use all the time left
             caps[run.name] = min(deadline, now + share) if args.fair_share and pending else deadline
             run.status = {"command": " ".join(cmd), "status": "running"}
-            log(f"start {run.name} (pid {proc.pid}){' --resume from step ' + str(run.steps_done()) if '--resume' in cmd else ''}")
+            where = f" on GPU {gpu_of[run.name]}" if run.name in gpu_of else ""
+            log(f"start {run.name} (pid {proc.pid}){where}"
+                f"{' --resume from step ' + str(run.steps_done()) if '--resume' in cmd else ''}")
         for name, (proc, run, started) in list(running.items()):
             rc = proc.poll()
             if rc is None:
@@ -631,7 +654,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0,
                    help="checkpoint every N steps (default min(20, half the steps): a run killed outright loses "
                         "at most that many)")
-    p.add_argument("--concurrency", type=int, default=5, help="training runs at once on the one GPU (default 5)")
+    p.add_argument("--concurrency", type=int, default=5,
+                   help="training runs at once, over all GPUs of the host (default 5; spread evenly)")
     p.add_argument("--deadline-s", type=float, default=540, help="wall seconds for this command (default 540)")
     p.add_argument("--eval-reserve-s", type=float, default=300,
                    help="--phase all: seconds of the deadline kept for the evaluation (default 300)")

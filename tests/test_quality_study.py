@@ -77,3 +77,11 @@ def test_frozen_base_plan_trains_scorers_only_and_drops_streaming_llm_plus(tmp_p
     assert all("--freeze-base" in r.args for r in runs), [r.args for r in runs]
     with pytest.raises(SystemExit, match="unknown"):
         study.plan_runs(study.parse(["--out", str(tmp_path), "--rows", "bogus"]))
+
+
+def test_runs_are_spread_over_the_visible_gpus(monkeypatch):
+    study = _study()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0, 1")
+    assert study.visible_gpus() == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert study.visible_gpus() == []
