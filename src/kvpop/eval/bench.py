@@ -9,9 +9,11 @@ is reported. The dense rows run the same weights without KVpop (a `DynamicCache`
 own attention); the KVpop rows run the retrofitted model with a `KVpopCache`.
 
 `--compile` adds a compiled row beside each eager one ("compiled": true): the step runs through
-`kvpop.decode.Decoder` (`torch.compile(fullgraph=True)`, CUDA graphs on CUDA), the dense baseline
-on Hugging Face's `StaticCache` (the fair compiled comparison), with at least 3 warm-up steps; the
-first one compiles ("compile_s"). A compiled run that fails records its exception in "error".
+`kvpop.decode.Decoder` - on CUDA the eager step captured once as a CUDA graph, with KVpop's
+per-layer step compiled inside it ("fused"); elsewhere, or with `--compile-backend inductor`,
+`torch.compile(fullgraph=True)` - and the dense baseline on Hugging Face's `StaticCache` (the fair
+comparison), with at least 3 warm-up steps; the first one captures or compiles ("compile_s"). A
+compiled run that fails records its exception in "error".
 
 `--fill random` skips running the model over the context: each cache is filled directly with random
 keys/values as if `context` tokens had been seen (a `KVpopCache` with every slot occupied, positions
