@@ -64,11 +64,15 @@ if triton is not None:
             r_u = tl.load(rank_ptr + base + u, mask=u_in, other=S)
             ok_u = tl.load(ranked_ptr + base + u, mask=u_in, other=0) != 0
             beats = (r_u[None, :] < r_t[:, None]) & ok_u[None, :]  # [BLOCK_T, BLOCK_U]
-            running = tl.cumsum(beats.to(tl.int32), axis=1) + count[:, None]
-            # the count passes k exactly once per token; the tile where it does holds P_k(t)
-            hit = beats & (running == topk)
-            kth = tl.minimum(kth, tl.min(tl.where(hit, u[None, :], FAR), axis=1))
-            count += tl.sum(beats.to(tl.int32), axis=1)
+            in_tile = tl.sum(beats.to(tl.int32), axis=1)
+            # the count passes k exactly once per token; only the tile where it does needs the prefix
+            # sum that finds P_k(t) (most tiles skip it)
+            crossing = todo & (count + in_tile >= topk)
+            if tl.max(crossing.to(tl.int32), axis=0) > 0:
+                running = tl.cumsum(beats.to(tl.int32), axis=1) + count[:, None]
+                hit = beats & (running == topk) & crossing[:, None]
+                kth = tl.minimum(kth, tl.min(tl.where(hit, u[None, :], FAR), axis=1))
+            count += in_tile
             todo = todo & (count < topk)
             u0 += BLOCK_U
         tl.store(out_ptr + base + t, tl.where(kth < FAR, kth, -1), mask=t_in)
