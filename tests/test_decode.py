@@ -265,3 +265,30 @@ def test_fused_layer_step_equals_the_eager_step(policy):
     assert_close(fused, eager, 1e-5, f"{policy}: fused vs eager decode")
     for a, b in zip(cache.layers, eager_cache.layers):
         assert torch.equal(a.pos, b.pos) and torch.equal(a.pri, b.pri)
+
+
+def test_fused_blocks_share_one_graph_per_shape_and_change_nothing():
+    """`fuse_blocks`: every RMSNorm / MLP compiled in place; identical blocks reuse one graph; restored after."""
+    from torch._dynamo.utils import counters
+
+    from kvpop.decode import fuse_blocks
+
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(ids).logits
+        torch._dynamo.reset()
+        counters.clear()
+        restore = fuse_blocks(model, backend="aot_eager")
+        patched = [m for m in model.modules() if "forward" in vars(m)]
+        got = model(ids).logits
+        graphs = counters["stats"]["unique_graphs"]
+        restore()
+    n_layers = model.config.num_hidden_layers
+    assert len(patched) == 5 * n_layers + 1  # 4 norms and an MLP per layer, and the final norm
+    # one graph per input shape, whatever the number of layers: hidden-size norms, q_norm and k_norm
+    # (their head counts differ), MLPs; a recompile per layer would give twice as many here
+    assert graphs <= 4, graphs
+    assert_close(got, expected, 1e-5, "fused blocks vs eager")
+    assert not any("forward" in vars(m) for m in model.modules())
+    torch._dynamo.reset()

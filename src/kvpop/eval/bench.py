@@ -216,8 +216,9 @@ def _run_one(model, kind: str, ids: torch.Tensor, new_tokens: int, warmup: int, 
         "prefill_s": prefill_s,
         "compile_s": compile_s,
         "warmup": warmup,
-        # compiled KVpop rows: whether the per-layer step ran compiled inside the graph (`KVpopCache.fuse`)
-        "fused": bool(isinstance(cache, KVpopCache) and any(layer.fused for layer in cache.layers)),
+        # compiled rows: whether norms, MLPs (and KVpop's layer step) ran compiled inside the graph
+        "fused": bool(decoder is not None and decoder.fuse and (not isinstance(cache, KVpopCache)
+                                                                 or any(layer.fused for layer in cache.layers))),
         "peak_mb": cache_mb if peak_mb is None else peak_mb,
         "cache_mb": cache_mb,
         "memory_kind": memory_kind,
