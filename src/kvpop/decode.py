@@ -144,15 +144,16 @@ class Decoder:
                 yield
         finally:
             # the model goes back to its own modules (a captured graph keeps what it recorded)
-            if self._restore_blocks is not None:
-                self._restore_blocks()
-                self._restore_blocks = None
+            self._put_blocks_back()
 
-    def _unfuse(self) -> None:
-        """Back to the eager blocks and cache step (a compile failed inside the capture's warm-up run)."""
+    def _put_blocks_back(self) -> None:
         if self._restore_blocks is not None:
             self._restore_blocks()
             self._restore_blocks = None
+
+    def _unfuse(self) -> None:
+        """Back to the eager blocks and cache step (a compile failed inside the capture's warm-up run)."""
+        self._put_blocks_back()
         if isinstance(self.cache, KVpopCache):
             self.cache.fuse(None)
         self.fuse = False

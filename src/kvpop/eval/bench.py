@@ -116,20 +116,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _new_cache(model, kind: str):
-    if kind == DENSE:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=model.config)
-    return KVpopCache(model)
-
-
-def _compiled_cache(model, kind: str, length: int):
-    if kind == DENSE:
+def _new_cache(model, kind: str, static_length: int | None = None):
+    """A fresh cache of `kind`; the dense one is a `StaticCache` of `static_length` when given (compiled rows)."""
+    if kind != DENSE:
+        return KVpopCache(model)
+    if static_length is not None:
         from kvpop.decode import static_cache
 
-        return static_cache(model, length)
-    return KVpopCache(model)
+        return static_cache(model, static_length)
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
 
 
 @torch.no_grad()
@@ -147,7 +144,7 @@ def _run_one(model, kind: str, ids: torch.Tensor, new_tokens: int, warmup: int, 
     if compiled:
         # CUDA graph trees need a few calls (warm-up, record) before replays
         warmup = max(warmup, 3)
-        cache = _compiled_cache(model, kind, S + warmup + new_tokens + 1)
+        cache = _new_cache(model, kind, static_length=S + warmup + new_tokens + 1)
         decoder = Decoder(model, cache, compile=True, backend=backend)
     else:
         cache, decoder = _new_cache(model, kind), None

@@ -270,6 +270,9 @@ class Distiller:
         self.sampler = torch.Generator(device="cpu").manual_seed(tcfg.seed + 1)
         self.step = 0
         self.last_saved: int | None = None
+        # SIGTERM on this rank, and on any rank as of the last step's all-reduce (ranks must stop together)
+        self.stop_requested = False
+        self.stop_agreed = False
         if resume:
             self._load_checkpoint()
         self.tokens = self._training_tokens()
@@ -396,9 +399,12 @@ class Distiller:
             rows = mb[self.dist.rank * share : (self.dist.rank + 1) * share]
             for name, v in self._micro_step(rows).items():
                 sums[name] = sums.get(name, 0) + v / t.grad_accum
-        stats = torch.stack([sums["loss_kl"], sums["loss_score"], sums["keep_rate"], sums["accuracy"]])
+        # a stop request (SIGTERM on any rank) rides on the step's one all-reduce: every rank stops after this step
+        stop = torch.tensor(float(self.stop_requested), device=self.device)
+        stats = torch.stack([sums["loss_kl"], sums["loss_score"], sums["keep_rate"], sums["accuracy"], stop])
         stats = self.dist.all_sum(stats) / self.dist.world
-        loss_kl, loss_score, keep_rate, accuracy = stats.tolist()
+        loss_kl, loss_score, keep_rate, accuracy, stop = stats.tolist()
+        self.stop_agreed = stop > 0
         if not all(math.isfinite(x) for x in (loss_kl, loss_score)):
             where = f"{self.out / CHECKPOINT} (step {self.last_saved})" if self.last_saved is not None else "none yet"
             raise TrainingError(
@@ -450,19 +456,18 @@ class Distiller:
             self._write_config()
             self._trim_log()
         interrupted = False
-        stop_requested = []
 
         def on_sigterm(*_):
             # finish the step in flight, then checkpoint: a checkpoint never holds half an optimizer step,
             # and a second SIGTERM (schedulers repeat it) cannot kill the run while it saves
-            stop_requested.append(True)
+            self.stop_requested = True
 
         old = signal.signal(signal.SIGTERM, on_sigterm) if self._main_thread() else None
         bar = self._progress(progress)
         try:
             try:
                 for micro in self.batches():
-                    if self.step >= t.steps or self._agreed(bool(stop_requested)):
+                    if self.step >= t.steps or self.stop_agreed or (self.stop_requested and not self.dist.distributed):
                         break
                     row = self.train_step(micro)
                     if self.dist.main:
@@ -479,7 +484,7 @@ class Distiller:
             finally:
                 if bar is not None:
                     bar.close()
-            interrupted = interrupted or bool(stop_requested)
+            interrupted = interrupted or self.stop_requested or self.stop_agreed
             self.save_checkpoint()
         finally:
             if old is not None:
@@ -489,13 +494,6 @@ class Distiller:
         final = self.out / "final"
         self._save_final(final)
         return final
-
-    def _agreed(self, stop: bool) -> bool:
-        """Whether any rank was asked to stop: all ranks must leave the loop at the same step."""
-        if not self.dist.distributed:
-            return stop
-        flag = torch.tensor([float(stop)], device=self.device)
-        return bool(self.dist.all_sum(flag).item() > 0)
 
     # --- persistence ---
     def _state(self) -> dict[str, Any]:
