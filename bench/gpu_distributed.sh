@@ -4,8 +4,9 @@
 #   bash bench/gpu_distributed.sh OUT_DIR [STEPS]
 #
 # Runs `kvpop train` on SmolLM2-135M at S = 8192 (B = 2048, w = 256) with a global batch of 2 sequences:
-# torchrun on 1 GPU (DDP wrap, NCCL), then on 2 GPUs with DDP and with FSDP2. Prints per-step
-# (loss_kl, loss_score) of each run side by side and the median tokens/s after the first step.
+# plain (no torchrun), torchrun on 1 GPU with DDP and with FSDP2 (NCCL), then, where the host has
+# two GPUs, torchrun on 2 GPUs with DDP and with FSDP2. Prints per-step (loss_kl, loss_score) of each
+# run side by side and the median tokens/s after the first step.
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the device notes require.
 set -uo pipefail
 out=${1:?usage: bench/gpu_distributed.sh OUT_DIR [STEPS]}
@@ -14,17 +15,29 @@ mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 common=(--model smollm2-135m --data champ --seq-len 8192 --budget 2048 --window 256 --steps "$steps"
         --batch-size 2 --save-every 0 --no-progress)
-run() {  # run NAME NPROC EXTRA...
+limit=${KVPOP_DIST_S:-240}
+run() {  # run NAME NPROC EXTRA...  (NPROC 0: plain python, no torchrun)
   local name=$1 n=$2; shift 2
-  echo "=== $name ($(date -u +%H:%M:%S)): torchrun --nproc-per-node $n ... $*"
-  timeout --signal=INT 240 torchrun --nproc-per-node "$n" -m kvpop.cli train "${common[@]}" \
-    --out "$HOME/dist/$name" "$@" > "$out/$name.log" 2>&1
+  local launch=(torchrun --nproc-per-node "$n" -m)
+  [ "$n" = 0 ] && launch=(python -m)
+  echo "=== $name ($(date -u +%H:%M:%S)): ${launch[*]} kvpop.cli train ... $*"
+  rm -rf "$HOME/dist/$name"
+  timeout --signal=INT "$limit" "${launch[@]}" kvpop.cli train "${common[@]}" --out "$HOME/dist/$name" "$@" \
+    > "$out/$name.log" 2>&1
   echo "=== $name exit $? ($(date -u +%H:%M:%S))"
+  grep -h '"parallel"\|"backend"\|"world' "$HOME/dist/$name/config.json" 2>/dev/null | tr -d ' \n'; echo
   cp "$HOME/dist/$name/train_log.jsonl" "$out/$name.jsonl" 2>/dev/null
 }
+gpus=$(nvidia-smi -L | wc -l)
+run plain 0
 run gpu1_ddp 1
-run gpu2_ddp 2
-run gpu2_fsdp 2 --fsdp
+run gpu1_fsdp 1 --fsdp
+if [ "$gpus" -ge 2 ]; then
+  run gpu2_ddp 2
+  run gpu2_fsdp 2 --fsdp
+else
+  echo "=== one GPU here: the 2-GPU runs need a multi-GPU machine"
+fi
 python3 - "$out" <<'EOF'
 import json, statistics, sys
 from pathlib import Path

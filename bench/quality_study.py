@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -198,6 +199,53 @@ def tail(path: Path, n: int = 6) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:
         return ""
+
+
+def start_mps(out: Path):
+    """Start NVIDIA's MPS daemon, so the parallel runs' kernels share the GPU at once.
+
+    Without it the driver time-slices processes: five launch-bound training steps sharing an H200
+    each ran 3.4x slower than alone (the second session), i.e. the GPU sat mostly idle. Returns the
+    function that stops the daemon again, or None (daemon missing, or a CUDA probe through it
+    failed: then the runs time-slice as before). Call before anything in this process touches CUDA.
+    """
+    exe = shutil.which("nvidia-cuda-mps-control")
+    if exe is None:
+        log("MPS: nvidia-cuda-mps-control not found; the runs time-slice the GPU")
+        return None
+    pipe, logs = out / "mps" / "pipe", out / "mps" / "log"
+    pipe.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+
+    def stop_mps() -> None:
+        try:
+            subprocess.run([exe], input="quit\n", env=env, text=True, capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as err:
+            log(f"MPS: quit failed: {err!r}")
+
+    try:
+        started = subprocess.run([exe, "-d"], env=env, text=True, capture_output=True, timeout=30,
+                                 stdin=subprocess.DEVNULL)
+        if started.returncode != 0:
+            log(f"MPS: the daemon did not start (rc {started.returncode}: {started.stderr.strip()[:200]})")
+            return None
+        # the probe allocates as the runs do (expandable segments: the driver's virtual-memory calls)
+        code = ("import torch; x = torch.ones(4096, 8192, device='cuda', dtype=torch.bfloat16); "
+                "print(float((x @ x[:256].T).float().mean()))")
+        probe = subprocess.run([sys.executable, "-c", code], text=True, capture_output=True, timeout=120,
+                               env={**env, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+        ok = probe.returncode == 0 and probe.stdout.strip().endswith("8192.0")
+    except (OSError, subprocess.SubprocessError) as err:
+        ok, probe = False, err
+    if not ok:
+        log(f"MPS: a CUDA probe through the daemon failed ({str(getattr(probe, 'stderr', probe)).strip()[-300:]}); "
+            "stopped it, the runs time-slice the GPU")
+        stop_mps()
+        return None
+    os.environ.update(CUDA_MPS_PIPE_DIRECTORY=str(pipe), CUDA_MPS_LOG_DIRECTORY=str(logs))
+    log(f"MPS: on (pipe {pipe})")
+    return stop_mps
 
 
 # --- phase train ---
@@ -673,6 +721,9 @@ def parse(argv=None) -> argparse.Namespace:
                         "StreamingLLM+ row (it trains nothing else)")
     p.add_argument("--lr-base", type=float, default=None,
                    help="base learning rate of the full-distillation runs (default: kvpop train's)")
+    p.add_argument("--mps", action="store_true",
+                   help="run the parallel processes under NVIDIA MPS (started here, stopped at the end; "
+                        "falls back to time-slicing if it cannot start)")
     p.add_argument("--rows", default="", help=f"comma-separated trained rows (default all: {','.join(TRAINED)})")
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -692,6 +743,15 @@ def main(argv=None) -> int:
         if not args.sink + args.window < b < args.seq_len:
             raise SystemExit(f"budget {b} must lie between sink + window = {args.sink + args.window} and --seq-len")
     runs = plan_runs(args)
+    stop_mps = start_mps(args.out) if args.mps else None
+    try:
+        return run_phases(args, runs, end, mps=stop_mps is not None, argv=argv)
+    finally:
+        if stop_mps is not None:
+            stop_mps()
+
+
+def run_phases(args, runs: list[Run], end: float, mps: bool, argv=None) -> int:
     if args.phase in ("train", "all"):
         # convert / load the model once here, so that the parallel runs find it ready
         from kvpop.models import load_model
@@ -700,7 +760,7 @@ def main(argv=None) -> int:
         train_end = end - args.eval_reserve_s if args.phase == "all" else end
         train_phase(args, runs, train_end)
     if args.phase == "train":
-        summary = {r.name: r.status for r in runs}
+        summary = {"mps": mps, **{r.name: r.status for r in runs}}
         write_json(args.out / "train_status.json", summary)
         done = sum(r.done() for r in runs)
         log(f"train phase over: {done} of {len(runs)} runs final; statuses in {args.out / 'train_status.json'}")
@@ -712,7 +772,7 @@ def main(argv=None) -> int:
         "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["quality_study.py", *argv]),
         "model": args.model, "data": args.data, "seq_len": args.seq_len, "budgets": args.budgets, "sink": args.sink,
         "window": args.window, "steps": args.steps, "seed": args.seed, "lr_scorer": args.lr_scorer,
-        "freeze_base": args.freeze_base, "lr_base": args.lr_base,
+        "freeze_base": args.freeze_base, "lr_base": args.lr_base, "mps": mps,
         "rows": ev["rows"], "missing": ev["missing"],
         "columns": ["rel_accuracy", "top1_agreement", "kl", "ppl_ratio", "recall"],
         "eval": {"sequences": ev["sequences"], "worker_commands": ev["worker_commands"]},

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import os
 import random
 import sys
 from pathlib import Path
@@ -85,3 +86,27 @@ def test_runs_are_spread_over_the_visible_gpus(monkeypatch):
     assert study.visible_gpus() == ["0", "1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert study.visible_gpus() == []
+
+
+def test_mps_falls_back_when_its_probe_fails(tmp_path, monkeypatch):
+    # a stand-in nvidia-cuda-mps-control that logs its calls: the daemon "starts", but the CUDA probe
+    # through it cannot succeed here (no GPU), so the study must stop the daemon and time-slice instead
+    study = _study()
+    calls = tmp_path / "calls.txt"
+    exe = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    exe.parent.mkdir()
+    exe.write_text(f"#!/bin/sh\necho \"args=$* stdin=$(cat)\" >> {calls}\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{exe.parent}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr(study.sys, "executable", sys.executable)
+    assert study.start_mps(tmp_path / "out") is None
+    lines = calls.read_text().splitlines()
+    assert lines[0].startswith("args=-d") and lines[-1] == "args= stdin=quit"
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_mps_missing_is_not_an_error(tmp_path, monkeypatch):
+    study = _study()
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert study.start_mps(tmp_path / "out") is None

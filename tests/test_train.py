@@ -171,6 +171,22 @@ def test_kl_divergence():
     assert torch.allclose(kl_divergence(t, s, topk=10), want10)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+@pytest.mark.parametrize("topk", [0, 5])
+def test_kl_divergence_chunks_equal_one_pass(chunk, topk):
+    # chunked (and recomputed in backward) gives the one-pass value and gradient, ragged last chunk included
+    torch.manual_seed(chunk + topk)
+    t = torch.randn(2, 11, 40) * 3
+    s1 = (torch.randn(2, 11, 40) * 3).requires_grad_()
+    s2 = s1.detach().clone().requires_grad_()
+    got = kl_divergence(t, s1, topk, chunk=chunk)
+    want = distill._kl_rows_sum(t, s2, topk) / 22
+    got.backward()
+    want.backward()
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(s1.grad, s2.grad, atol=1e-7, rtol=1e-5)
+
+
 def test_scorer_schedule_warms_up_then_decays():
     f = [scorer_lr_factor(s, warmup=10, total=100) for s in range(100)]
     assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from kvpop.attention import Capture
 from kvpop.config import KVpopConfig
@@ -136,19 +137,42 @@ def scorer_lr_factor(step: int, warmup: int, total: int, floor: float = 0.1) -> 
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def kl_divergence(teacher_logits: Tensor, student_logits: Tensor, topk: int = 0) -> Tensor:
-    """Mean over positions of `KL(teacher || student)` on next-token distributions, in float32.
-
-    Args:
-        teacher_logits, student_logits: [B, S, V].
-        topk: 0 for the full vocabulary, else the teacher's top-`topk` logits, both sides renormalised.
-    """
+def _kl_rows_sum(teacher_logits: Tensor, student_logits: Tensor, topk: int) -> Tensor:
+    """Sum over rows of `KL(teacher || student)`, float32 (the reference; `kl_divergence` chunks it)."""
     t, s = teacher_logits.float(), student_logits.float()
     if topk:
         idx = t.topk(topk, dim=-1).indices
         t, s = t.gather(-1, idx), s.gather(-1, idx)
     log_p, log_q = F.log_softmax(t, -1), F.log_softmax(s, -1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    return (log_p.exp() * (log_p - log_q)).sum()
+
+
+KL_CHUNK = 1024
+"""Positions per chunk of `kl_divergence`: float32 copies of 1024 x 49,152 logits are 200 MB each."""
+
+
+def kl_divergence(teacher_logits: Tensor, student_logits: Tensor, topk: int = 0, chunk: int = KL_CHUNK) -> Tensor:
+    """Mean over positions of `KL(teacher || student)` on next-token distributions, in float32.
+
+    Computed `chunk` positions at a time, each recomputed in the backward pass: the float32 softmaxes
+    of a whole 8192-token sequence over a 49k vocabulary would hold ~10 GB of activations, a chunk's
+    are 1/8 of that and freed at once. Same value and gradient as one pass (`_kl_rows_sum`).
+
+    Args:
+        teacher_logits, student_logits: [B, S, V].
+        topk: 0 for the full vocabulary, else the teacher's top-`topk` logits, both sides renormalised.
+    """
+    V = teacher_logits.shape[-1]
+    t, s = teacher_logits.reshape(-1, V), student_logits.reshape(-1, V)
+    n = t.shape[0]
+    if n <= chunk:
+        return _kl_rows_sum(t, s, topk) / n
+    total = torch.zeros((), device=s.device, dtype=torch.float32)
+    for i in range(0, n, chunk):
+        part = (t[i : i + chunk], s[i : i + chunk], topk)
+        total = total + (checkpoint(_kl_rows_sum, *part, use_reentrant=False) if s.requires_grad
+                         else _kl_rows_sum(*part))
+    return total / n
 
 
 @dataclass

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The quality study's two device calls, run back to back in one warm lease after a call that copied
+# `.stage_a` (the first half of SmolLM2) to $HOME/stage (bench/README.md has the runbook):
+#
+#   bash bench/gpu_quality.sh train OUT_DIR   # carry .stage_b: assemble the model, train the ten runs
+#   bash bench/gpu_quality.sh eval OUT_DIR    # evaluate them; then one distillation step's timing
+#                                             # (bench_distill.py) and bench/gpu_distributed.sh
+#
+# Environment knobs (seconds and sizes): STEPS (120), TRAIN_S (550), CONC (5), EVAL_S (300),
+# EVAL_SEQ (8), DIST_STEPS (3). The training runs and the evaluation workers share the GPU under
+# NVIDIA MPS where the machine has it (quality_study.py --mps falls back to time-slicing otherwise).
+set -uo pipefail
+phase=${1:?usage: bench/gpu_quality.sh train|eval OUT_DIR}
+out=${2:?usage: bench/gpu_quality.sh train|eval OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+stage=$HOME/stage
+gguf=$stage/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ "$phase" = train ]; then
+  cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
+    && python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/gguf-*.whl \
+       "$stage"/champ_dataset-*.whl || { echo "staging failed"; ls -la "$stage"; exit 1; }
+  (cd "$stage" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf; cat SHA256 2>/dev/null)
+fi
+export PYTHONPATH=$HOME/site:$PWD/src KVPOP_SMOLLM2_GGUF=$gguf
+study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --lr-base 1e-5 --mps)
+case $phase in
+train)
+  "${study[@]}" --phase train --deadline-s "${TRAIN_S:-550}" --concurrency "${CONC:-5}"
+  cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
+  ;;
+eval)
+  "${study[@]}" --phase eval --deadline-s "${EVAL_S:-300}" --eval-sequences "${EVAL_SEQ:-8}"
+  for f in results.json table.md eviction_pattern.png recall_per_layer.png; do
+    cp "$HOME/study/$f" "$out/" 2>/dev/null
+  done
+  echo "=== bench_distill ($(date -u +%H:%M:%S))"
+  timeout --signal=INT 100 python bench/bench_distill.py --warmup 2 --steps 4 --json-out "$out/distill.json"
+  echo "=== gpu_distributed ($(date -u +%H:%M:%S))"
+  KVPOP_DIST_S=70 bash bench/gpu_distributed.sh "$HOME/dist_out" "${DIST_STEPS:-3}"
+  (cd "$HOME/dist_out" && tar czf "$out/dist_logs.tgz" ./*.log ./*.jsonl 2>/dev/null)
+  ;;
+*)
+  echo "unknown phase $phase (train or eval)"; exit 2
+  ;;
+esac
