@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvpop.scorers import mlstm as M
 from kvpop.scorers.mlstm import MLSTMScorer, MLSTMState
@@ -112,8 +113,36 @@ def test_chunkwise_matches_quadratic(chunk_size, delay):
         _assert_close(s(key, value, chunk_size=chunk_size), ref, f"chunk {chunk_size}, delay {delay}")
 
 
+@pytest.mark.parametrize("padded_chunks", [0, 2])
+def test_chunk_states_in_parallel_equal_the_sequential_loop(padded_chunks):
+    # the memory after every chunk, all at once, against `mlstm_chunk_update` chunk by chunk, from a
+    # non-empty start state with a large stabiliser; whole chunks of padding (i = -inf) included
+    torch.manual_seed(padded_chunks)
+    NC, L, d = 6, 5, 4
+    k, v = torch.randn(B, H, NC, L, d), torch.randn(B, H, NC, L, d)
+    igate = 30 * torch.randn(B, H, NC, L)
+    logf = F.logsigmoid(3 * torch.randn(B, H, NC, L))
+    if padded_chunks:
+        igate[:, :, -padded_chunks:] = float("-inf")
+        logf[:, :, -padded_chunks:] = 0.0
+    start = MLSTMState(torch.randn(B, H, d, d), torch.randn(B, H, d), 40 * torch.randn(B, H))
+    rows = M._decay_rows(logf)[..., -1, :]  # [B, H, NC, L + 1]
+    want, state = [], start
+    for c in range(NC):
+        state = M.mlstm_chunk_update(state, rows[:, :, c], igate[:, :, c], k[:, :, c], v[:, :, c])
+        want.append(state)
+    got = M.mlstm_chunk_states(start, rows, igate, k, v)
+    for i, what in enumerate("Cnm"):
+        expected = torch.stack([w[i] for w in want], dim=2)
+        _assert_close(got[i], expected, f"state {what}", atol=1e-5 * expected.abs().amax().item())
+    # padding chunks leave gradients finite (no exp(-inf - -inf))
+    k.requires_grad_()
+    M.mlstm_chunk_states(start, rows, igate, k, v).C.sum().backward()
+    assert torch.isfinite(k.grad).all()
+
+
 def test_long_sequences_pick_a_larger_chunk_and_match_quadratic(monkeypatch):
-    S = 3000  # S // 32 = 93 > the scorer's 16: the default path takes chunks of 93 steps
+    S = 3000  # ceil(S / 128) = 24 > the scorer's 16: the default path takes chunks of 24 steps
     s = _scorer(5, seed=3)
     key, value = _inputs(S, seed=3)
     seen = []
@@ -122,7 +151,7 @@ def test_long_sequences_pick_a_larger_chunk_and_match_quadratic(monkeypatch):
     with torch.no_grad():
         got = s(key, value)
         ref = s(key, value, backend="quadratic")
-    assert seen == [S // 32]
+    assert seen == [-(-S // M.AUTO_CHUNKS)]
     _assert_close(got, ref, "auto chunk")
 
 

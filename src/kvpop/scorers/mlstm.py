@@ -27,6 +27,8 @@ from torch import Tensor, nn
 _TINY = torch.finfo(torch.float32).tiny
 MAX_AUTO_CHUNK = 512
 """Largest chunk `forward` picks by itself for long sequences (see its `chunk_size`)."""
+AUTO_CHUNKS = 128
+"""`forward` raises its chunk size so that a sequence has at most this many chunks (up to `MAX_AUTO_CHUNK`)."""
 
 
 class MLSTMState(NamedTuple):
@@ -126,6 +128,38 @@ def mlstm_chunk_update(state: MLSTMState, last_row: Tensor, igate: Tensor, k: Te
     return MLSTMState(C_new, n_new, m_new)
 
 
+def mlstm_chunk_states(state: MLSTMState, last_rows: Tensor, igate: Tensor, k: Tensor, v: Tensor) -> MLSTMState:
+    """The memory after every chunk at once: the parallel form of `mlstm_chunk_update` in a loop over chunks.
+
+    Each chunk's own contribution is summed first, stabilised by its own max `mu_c`; the memory after
+    chunk c is then the start state and the chunks `j <= c`, each decayed by the forget gates of the
+    chunks after it (`_decay_rows` over the chunks' total log decays, so each decay is summed on its
+    own segment). A handful of kernels, where the loop took a dozen per chunk and left a GPU
+    launch-bound. `m` is the sequential loop's (the max over the same log weights).
+
+    Args:
+        state: the memory before the first chunk, leading dims `[B, H]`.
+        last_rows: [B, H, NC, L + 1] the last `_decay_rows` row of each chunk (column 0: the chunk's total).
+        igate: [B, H, NC, L]; k, v: [B, H, NC, L, d].
+    Returns:
+        the memory after each chunk, leading dims `[B, H, NC]`.
+    """
+    C0, n0, m0 = state
+    b = last_rows[..., 1:] + igate  # token s's log weight at its chunk's end
+    mu = b.amax(-1).detach()  # [B, H, NC]; -inf for a chunk of padding steps only
+    w = torch.exp(b - torch.where(torch.isfinite(mu), mu, 0.0)[..., None])
+    kw = k * w[..., None]
+    K = kw.transpose(-1, -2) @ v  # [B, H, NC, d, d]
+    N = kw.sum(-2)  # [B, H, NC, d]
+    # row c: [start state, chunk 0 .. NC-1] as they stand after chunk c (-inf for chunks after c)
+    logw = _decay_rows(last_rows[..., 0]) + torch.cat([m0[..., None], mu], dim=-1)[..., None, :]
+    m = logw.amax(-1).detach()  # [B, H, NC]
+    W = torch.exp(logw - m[..., None])
+    C = W[..., 0, None, None] * C0[:, :, None] + torch.einsum("bhcj,bhjxy->bhcxy", W[..., 1:], K)
+    n = W[..., 0, None] * n0[:, :, None] + torch.einsum("bhcj,bhjx->bhcx", W[..., 1:], N)
+    return MLSTMState(C, n, m)
+
+
 def empty_state(batch: int, heads: int, d: int, device=None, dtype=torch.float32) -> MLSTMState:
     """The memory before any token: zeros, with `m = 0` (any finite m gives the same scores)."""
     return MLSTMState(
@@ -183,12 +217,10 @@ def mlstm_delayed_chunkwise(
     igate, logf = igate.reshape(B, H, NC, L), logf.reshape(B, H, NC, L)
     rows = _decay_rows(logf)  # [B, H, NC, L, L + 1]
 
-    # sequential over chunks: the memory each chunk starts from
-    starts = [state]
-    for c in range(NC):
-        starts.append(mlstm_chunk_update(starts[-1], rows[:, :, c, -1], igate[:, :, c], k[:, :, c], v[:, :, c]))
-    final = starts.pop()
-    start = MLSTMState(*(torch.stack(parts, dim=2) for parts in zip(*starts)))
+    # the memory each chunk starts from: the start state, then the memory after chunks 0 .. NC-2
+    after = mlstm_chunk_states(state, rows[:, :, :, -1], igate, k, v)
+    final = MLSTMState(*(t[:, :, -1] for t in after))
+    start = MLSTMState(*(torch.cat([t0[:, :, None], t[:, :, :-1]], dim=2) for t0, t in zip(state, after)))
     # parallel over chunks: every step's readout
     h = mlstm_chunk_readout(start, q_step, rows, igate, k, v).reshape(B, H, NC * L, d)
     h_tail = mlstm_readout(final, q[:, :, S - lead :])
@@ -318,10 +350,8 @@ class MLSTMScorer(nn.Module):
                 then gives every real token the score it has without the padding).
             backend: "chunkwise" (O(S L) memory) or "quadratic" (the S x S reference).
             chunk_size: L of the chunkwise form; default `self.chunk_size`, raised for long sequences to
-                `S / 32` (at most `MAX_AUTO_CHUNK`): the loop over chunks is sequential, a handful of small
-                kernels per chunk and layer, which left a GPU launch-bound at S = 8192 with L = 64
-                (mLSTM training steps took 3-4x as long as the MLP's on an H200); the parallel part
-                grows only as `S L`.
+                `S / AUTO_CHUNKS` (at most `MAX_AUTO_CHUNK`): the readouts cost `O(S L)` memory, the
+                chunks' memories `O((S / L)^2)` weights and `S / L` matrices of `d x d`.
         Returns:
             float32 [B, H, S].
         """
@@ -330,7 +360,7 @@ class MLSTMScorer(nn.Module):
             igate, logf = _mask_padding(igate, logf, valid[:, None, :])
         if backend == "chunkwise":
             S = key.shape[-2]
-            L = chunk_size or max(self.chunk_size, min(MAX_AUTO_CHUNK, S // 32))
+            L = chunk_size or max(self.chunk_size, min(MAX_AUTO_CHUNK, -(-S // AUTO_CHUNKS)))
             h, _ = mlstm_delayed_chunkwise(q, k, v, igate, logf, self.delay, L)
         elif backend == "quadratic":
             h = mlstm_delayed_quadratic(q, k, v, igate, logf, self.delay)
@@ -411,6 +441,6 @@ def _mask_padding(igate: Tensor, logf: Tensor, valid: Tensor) -> tuple[Tensor, T
 
 
 __all__ = [
-    "MLSTMScorer", "MLSTMState", "empty_state", "mlstm_chunk_readout", "mlstm_chunk_update",
+    "MLSTMScorer", "MLSTMState", "empty_state", "mlstm_chunk_readout", "mlstm_chunk_states", "mlstm_chunk_update",
     "mlstm_delayed_chunkwise", "mlstm_delayed_quadratic", "mlstm_readout", "mlstm_scan", "mlstm_step",
 ]
