@@ -110,7 +110,8 @@ def run(S: int, args) -> dict:
         except Exception as e:  # noqa: BLE001 - the comparison is optional, the rest of the row is not
             row["create_block_mask_ms"] = None
             row["create_block_mask_error"] = f"{type(e).__name__}: {e}"[:300]
-    row["tiles_kept"] = float(bm.sparsity()) if hasattr(bm, "sparsity") else None
+    # BlockMask.sparsity(): the percentage of tiles skipped (this field was "tiles_kept" before, a misnomer)
+    row["tiles_skipped_pct"] = float(bm.sparsity()) if hasattr(bm, "sparsity") else None
 
     flex = _flex_for(dev)
 

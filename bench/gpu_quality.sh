@@ -6,8 +6,9 @@
 #   bash bench/gpu_quality.sh eval OUT_DIR    # evaluate them; then one distillation step's timing
 #                                             # (bench_distill.py) and bench/gpu_distributed.sh
 #
-# Environment knobs (seconds and sizes): STEPS (120), TRAIN_S (550), CONC (5), EVAL_S (300),
-# EVAL_SEQ (8), DIST_STEPS (3). The training runs and the evaluation workers share the GPU under
+# Environment knobs (seconds and sizes): STEPS (120), TRAIN_S (550), CONC (7: seven runs at S = 8192
+# shared the H200 under MPS without running out of memory), EVAL_S (300), EVAL_SEQ (8), DIST_STEPS (3);
+# TRAIN_ARGS, extra quality_study.py arguments of the train phase. The training runs and the evaluation workers share the GPU under
 # NVIDIA MPS where the machine has it (quality_study.py --mps falls back to time-slicing otherwise).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_quality.sh train|eval OUT_DIR}
@@ -26,7 +27,8 @@ export PYTHONPATH=$HOME/site:$PWD/src KVPOP_SMOLLM2_GGUF=$gguf
 study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --lr-base 1e-5 --mps)
 case $phase in
 train)
-  "${study[@]}" --phase train --deadline-s "${TRAIN_S:-550}" --concurrency "${CONC:-5}"
+  # shellcheck disable=SC2086 # TRAIN_ARGS is a list of words
+  "${study[@]}" --phase train --deadline-s "${TRAIN_S:-550}" --concurrency "${CONC:-7}" ${TRAIN_ARGS:-}
   cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
   ;;
 eval)

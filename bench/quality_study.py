@@ -1,7 +1,8 @@
 """The quality study (the paper's Table 1 in shape): every eviction policy against the dense teacher, two budgets.
 
-    # command 1: train the ten runs, five at a time on one GPU, stopped cleanly (checkpoint) at 540 s
-    python bench/quality_study.py --phase train --out $HOME/study --deadline-s 540
+    # command 1: train the ten runs, seven at a time on one GPU under NVIDIA MPS, stopped cleanly
+    # (checkpoint) at 540 s
+    python bench/quality_study.py --phase train --out $HOME/study --deadline-s 540 --concurrency 7 --mps
     # command 2: resume what is left (runs with a final/ are skipped), then evaluate in the last 300 s;
     # OUT gets results.json, table.md, eviction_pattern.png and recall_per_layer.png
     python bench/quality_study.py --phase all --out $HOME/study --deadline-s 540 --eval-reserve-s 300
@@ -219,8 +220,11 @@ def start_mps(out: Path):
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
 
     def stop_mps() -> None:
+        # `quit` can block well past its clients' exit (30 s timed out on the H200 each time): ask, don't wait
         try:
-            subprocess.run([exe], input="quit\n", env=env, text=True, capture_output=True, timeout=30)
+            subprocess.run([exe], input="quit\n", env=env, text=True, capture_output=True, timeout=5)
+        except subprocess.TimeoutExpired:
+            log("MPS: quit asked (the daemon stops in the background)")
         except (OSError, subprocess.SubprocessError) as err:
             log(f"MPS: quit failed: {err!r}")
 
@@ -266,8 +270,10 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
     pending.sort(key=lambda r: ((r.out / "checkpoint.pt").exists(), priority[r.row], -r.budget))
     limit = args.concurrency
     waves = -(-len(pending) // max(1, limit))
-    # each run gets an equal share of the phase: waves of `limit` runs; one past its share is stopped
-    # (checkpointed) so that the later waves get their turn, and resumes in the next command
+    # --fair-share: each run gets an equal share of the phase, waves of `limit` runs; one past its share
+    # is stopped (checkpointed) so that the later waves get their turn, and resumes in the next
+    # command. Off by default: on the H200 it stopped slow runs at half time while the later wave
+    # (fast runs) left its slots idle; without it a finished run's slot goes to the next at once
     share = (deadline - time.time()) / max(1, waves)
     threads = max(1, (os.cpu_count() or 1) // max(1, min(limit, len(pending) or 1)))
     env = child_env(threads)
@@ -709,10 +715,12 @@ def parse(argv=None) -> argparse.Namespace:
                    help="--phase all: seconds of the deadline kept for the evaluation (default 300)")
     p.add_argument("--stop-grace-s", type=float, default=60,
                    help="seconds before a deadline at which runs get SIGTERM to checkpoint (default 60)")
-    p.add_argument("--no-fair-share", dest="fair_share", action="store_false",
-                   help="let every run go on to --steps or the deadline instead of an equal share of the phase")
-    p.add_argument("--min-start-s", type=float, default=150,
-                   help="no training run starts with fewer seconds than this left (default 150)")
+    p.add_argument("--fair-share", action="store_true",
+                   help="stop each run after an equal share of the phase (waves of --concurrency runs), so that "
+                        "every run starts within one command; default: every run goes on to --steps or the "
+                        "deadline, and a finished run's slot goes to the next")
+    p.add_argument("--min-start-s", type=float, default=60,
+                   help="no training run starts with fewer seconds than this left (default 60)")
     p.add_argument("--eval-sequences", type=int, default=8)
     p.add_argument("--report-s", type=float, default=30, help="seconds between progress lines (default 30)")
     p.add_argument("--seed", type=int, default=0)

@@ -108,9 +108,12 @@ def test_captured_cuda_graph_step_equals_eager(name):
     assert torch.equal(tokens, eager_tokens)
     assert_close(logits, eager_logits, 1e-3, f"{name}: captured graph vs eager logits")
     if name != "dense":
-        # the capture's warm-up run inserted a token too: it must have been undone
+        # the capture's warm-up run inserted a token too: it must have been undone. The slots and counts
+        # are exact; priorities only to rounding, since the graph runs the norms and MLPs compiled
+        # (fuse_blocks), which rounds keys, and so the scorer's inputs, differently (seen on an H200)
         for a, b in zip(cache.layers, eager_cache.layers):
-            assert torch.equal(a.pos, b.pos) and torch.equal(a.seen, b.seen) and torch.equal(a.pri, b.pri)
+            assert torch.equal(a.pos, b.pos) and torch.equal(a.seen, b.seen)
+            torch.testing.assert_close(a.pri, b.pri, rtol=1e-4, atol=1e-5)
 
 
 def test_cudagraph_backend_needs_cuda():

@@ -207,7 +207,10 @@ def init_distributed(device: str) -> Dist:
         use_cuda = device != "cpu" and torch.cuda.is_available()
         if use_cuda:
             torch.cuda.set_device(d.local_rank)
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+            # binding the group to this rank's GPU: NCCL then needs no guess at barrier() (torch warns otherwise)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", d.local_rank))
+        else:
+            dist.init_process_group("gloo")
     return d
 
 
