@@ -418,7 +418,9 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
     procs = []
     threads = max(1, (os.cpu_count() or 1) // len(groups))
     for g in groups:
-        spec = {**g, "model": args.model, "seq_len": args.seq_len, "sink": args.sink, "window": args.window,
+        dynamic = g["group"].split("_b")[0] in DYNAMIC
+        spec = {**g, "batch": args.dynamic_batch if dynamic else 1,
+                "model": args.model, "seq_len": args.seq_len, "sink": args.sink, "window": args.window,
                 "tokens": str(eval_dir / "tokens.pt"), "out": str(eval_dir / f"{g['group']}.json"),
                 "plot_path": str(args.out / "eviction_pattern.png"), "deadline": deadline - 5,
                 "seed": args.seed}
@@ -542,7 +544,7 @@ def worker(spec_path: str) -> int:
                         torch.cuda.empty_cache()
             self.entries = keep
             for entry in keep:
-                counts[id(entry)] += 1
+                counts[id(entry)] += ids.shape[0]
 
         def all_rows(self, seq_len: int) -> list[dict]:
             active, self.entries = self.entries, self.entries + retired
@@ -576,26 +578,32 @@ def worker(spec_path: str) -> int:
     counts = {id(e): 0 for e in entries}
     evaluator = StudyEvaluator(base, entries, device=device)
     last = 0.0
-    for i, ids in enumerate(tokens):
-        if i and time.time() + last > spec["deadline"]:
-            log(f"{spec['group']}: stopping after {i} sequences (the next would pass the deadline)")
+    # sequences per pass: the dynamic rows' replayed decode step costs about the same for 1 row as
+    # for 4 (it is launch-bound), so they take several at once; the static rows one at a time
+    batch = max(1, int(spec.get("batch", 1)))
+    done = 0
+    while done < len(tokens):
+        if done and time.time() + last > spec["deadline"]:
+            log(f"{spec['group']}: stopping after {done} sequences (the next pass would pass the deadline)")
             break
+        ids = tokens[done : done + batch]
         t0 = time.time()
         try:
-            evaluator.add(ids[None])
+            evaluator.add(ids)
         except Exception as err:  # noqa: BLE001 - the dense pass itself failed: keep what is done
-            log(f"{spec['group']}: the dense reference pass failed on sequence {i + 1}: {err!r}\n"
-                f"{traceback.format_exc()}")
+            log(f"{spec['group']}: the dense reference pass failed on sequences {done + 1}-{done + len(ids)}: "
+                f"{err!r}\n{traceback.format_exc()}")
             break
         if device == "cuda":
-            # workers share the GPU: give back what this sequence's activations held
+            # workers share the GPU: give back what this pass's activations held
             torch.cuda.empty_cache()
         last = time.time() - t0
-        write_json(out, {"rows": evaluator.all_rows(spec["seq_len"]), "failed": failed, "sequences": i + 1,
+        first_pass, done = done == 0, done + len(ids)
+        write_json(out, {"rows": evaluator.all_rows(spec["seq_len"]), "failed": failed, "sequences": done,
                          "group": spec["group"]})
-        log(f"{spec['group']}: sequence {i + 1}/{len(tokens)} in {last:.1f} s")
-        if i == 0 and spec["plot"]:
-            eviction_plot(evaluator, tokenizer, ids, spec)
+        log(f"{spec['group']}: sequences {done}/{len(tokens)} ({len(ids)} in {last:.1f} s)")
+        if first_pass and spec["plot"]:
+            eviction_plot(evaluator, tokenizer, ids[0], spec)
     if not out.exists():
         write_json(out, {"rows": [], "failed": failed, "sequences": 0, "group": spec["group"]})
     return 0
@@ -722,6 +730,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--min-start-s", type=float, default=60,
                    help="no training run starts with fewer seconds than this left (default 60)")
     p.add_argument("--eval-sequences", type=int, default=8)
+    p.add_argument("--dynamic-batch", type=int, default=4,
+                   help="held-out sequences per pass of the TOVA and H2O workers (default 4): their replayed "
+                        "decode step is launch-bound, so a pass of 4 costs about what a pass of 1 does; memory "
+                        "grows as 4 x S x vocab float32 logits, twice")
     p.add_argument("--report-s", type=float, default=30, help="seconds between progress lines (default 30)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--freeze-base", action="store_true",

@@ -39,14 +39,16 @@ def test_the_study_trains_and_evaluates_every_row(data_file, tmp_path, capsys):
     out = tmp_path / "study"
     args = ["--phase", "all", "--out", str(out), "--model", "tiny-random-qwen3", "--data", str(data_file),
             "--seq-len", "128", "--budgets", "48,32", "--window", "16", "--steps", "2", "--concurrency", "2",
-            "--eval-sequences", "1", "--deadline-s", "600", "--min-start-s", "0", "--report-s", "5"]
+            "--eval-sequences", "3", "--dynamic-batch", "2", "--deadline-s", "600", "--min-start-s", "0",
+            "--report-s", "5"]
     assert study.main(args) == 0
     result = json.loads((out / "results.json").read_text())
     assert result["missing"] == []
     rows = {(r["policy"], r["budget"]): r for r in result["rows"]}
     assert set(rows) == {(p, b) for p in study.ROW_ORDER for b in (48, 32)}
     for (policy, _), r in rows.items():
-        assert r["sequences"] == 1
+        # TOVA and H2O take the sequences two at a time (a pass of 2, then of 1): all 3 counted
+        assert r["sequences"] == 3
         for column in ("top1_agreement", "kl", "ppl_ratio"):
             assert math.isfinite(r[column]), (policy, column, r[column])
         # a random model's teacher may get no next token right: then the ratio is undefined (null)
