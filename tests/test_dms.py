@@ -168,6 +168,40 @@ def test_relaxed_attention_in_blocks_equals_one_block_forward_and_backward():
         assert_close(b, a, 1e-5, name)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_relaxed_attention_through_sdpa_equals_the_explicit_form(dtype, tol):
+    # the CUDA path (the soft bias as SDPA's mask, GQA written out) against the explicit float32 form:
+    # outputs and the gradients of q, k, v and the gates, with left padding and a ragged last block
+    torch.manual_seed(1)
+    B, Hkv, G, S, D = 2, 2, 3, 45, 8
+    q, k, v = torch.randn(B, Hkv * G, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    gate = 2 * torch.randn(B, Hkv, S)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, :7] = False  # row 1 left-padded by 7
+    pos = (torch.cumsum(valid.long(), -1) - 1).clamp(min=0)
+    results = []
+    for backend in ("explicit", "sdpa"):
+        x = [t.clone().to(dtype).requires_grad_() for t in (q, k, v)] + [gate.clone().requires_grad_()]
+        out, lse = relaxed_attention(x[0], x[1], x[2], pos, valid, torch.sigmoid(x[3]), 2, 5, D**-0.5,
+                                     chunk=16, backend=backend)
+        assert lse is None and out.dtype == dtype
+        (out.float().square() * valid[:, None, :, None]).sum().backward()
+        results.append([out.float(), *(t.grad.float() for t in x)])
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dgate"), *results):
+        assert torch.isfinite(b).all(), name
+        assert_close(b, a, tol * max(1.0, a.abs().max().item()), f"{dtype} {name}")
+    assert results[0][0][1, :, :7].abs().max() == 0 == results[1][0][1, :, :7].abs().max()  # padding queries
+
+
+def test_relaxed_attention_backend_errors():
+    x = torch.zeros(1, 2, 4, 8)
+    pos, valid = torch.arange(4)[None], torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="backend"):
+        relaxed_attention(x, x, x, pos, valid, torch.zeros(1, 2, 4), 1, 1, 1.0, backend="flash")
+    with pytest.raises(ValueError, match="no lse"):
+        relaxed_attention(x, x, x, pos, valid, torch.zeros(1, 2, 4), 1, 1, 1.0, return_lse=True, backend="sdpa")
+
+
 def _record(gate, sink, window):
     B, H, S = gate.shape
     pos = torch.arange(S).expand(B, S)

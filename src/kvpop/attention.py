@@ -36,7 +36,7 @@ class LayerRecord:
     layer_idx: int
     query: Tensor  # [B, Hq, S, D]
     key: Tensor  # [B, Hkv, S, D]
-    lse: Tensor  # float32 [B, Hq, S], the sparse attention's own log-normaliser
+    lse: Tensor | None  # float32 [B, Hq, S], the sparse attention's own log-normaliser (None: relaxed DMS)
     priority: Tensor  # float32 [B, Hkv, S], differentiable in the scorer
     position: Tensor  # int64 [B, S]
     valid: Tensor  # bool [B, S]
@@ -134,8 +134,8 @@ def kvpop_attention(
         from kvpop.baselines.dms import relaxed_attention
 
         logits, alpha, priority = policy.relaxed(key, value)
-        out, lse = relaxed_attention(query, key, value, position, valid, alpha, cfg.sink, cfg.window, scale,
-                                     return_lse=capture is not None)
+        # no lse: DMS trains by the KL and its compression loss, never by the future-attention target
+        out, lse = relaxed_attention(query, key, value, position, valid, alpha, cfg.sink, cfg.window, scale)
         if capture is not None:
             capture.append(LayerRecord(module.layer_idx, query, key, lse, priority, position, valid, scale,
                                        policy.log_gamma.detach(), gate=logits))
