@@ -412,15 +412,13 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
         entries += [{"name": t["row"], "budget": budget, "trained": t["path"]} for t in trained.values()
                     if t["budget"] == budget]
         plot = budget == max(args.budgets)
-        groups.append({"group": f"static_b{budget}", "entries": entries, "plot": plot})
-        groups += [{"group": f"{p}_b{budget}", "entries": [{"name": p, "budget": budget, "policy": p}], "plot": False}
-                   for p in DYNAMIC]
+        groups.append({"group": f"static_b{budget}", "entries": entries, "plot": plot, "batch": 1})
+        groups += [{"group": f"{p}_b{budget}", "entries": [{"name": p, "budget": budget, "policy": p}], "plot": False,
+                    "batch": args.dynamic_batch} for p in DYNAMIC]
     procs = []
     threads = max(1, (os.cpu_count() or 1) // len(groups))
     for g in groups:
-        dynamic = g["group"].split("_b")[0] in DYNAMIC
-        spec = {**g, "batch": args.dynamic_batch if dynamic else 1,
-                "model": args.model, "seq_len": args.seq_len, "sink": args.sink, "window": args.window,
+        spec = {**g, "model": args.model, "seq_len": args.seq_len, "sink": args.sink, "window": args.window,
                 "tokens": str(eval_dir / "tokens.pt"), "out": str(eval_dir / f"{g['group']}.json"),
                 "plot_path": str(args.out / "eviction_pattern.png"), "deadline": deadline - 5,
                 "seed": args.seed}

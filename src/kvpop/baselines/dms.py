@@ -167,7 +167,7 @@ def _relaxed_block_sdpa(query, key, value, log_keep, q_pos, q_valid, k_pos, k_va
     q = query.reshape(B, Hkv * G, Q, D)
     k, v = (t.repeat_interleave(G, dim=1) for t in (key, value))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.repeat_interleave(G, dim=1), scale=scale)
-    out = out.masked_fill(~q_valid[:, None, :, None], 0.0).float()
+    out = out.masked_fill(~q_valid[:, None, :, None], 0.0)
     return out.reshape(B, Hkv, G, Q, D), None
 
 
