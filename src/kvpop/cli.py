@@ -12,6 +12,7 @@ inside the functions, so `kvpop --help` does not pay for torch and transformers.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -294,7 +295,8 @@ def train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as err:
         print(f"kvpop train: {err or 'interrupted'}", file=sys.stderr)
         return 130
-    print(f"kvpop train: final model in {final} (load it with kvpop.load or --model {final})", file=sys.stderr)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one line for the run, not one per rank
+        print(f"kvpop train: final model in {final} (load it with kvpop.load or --model {final})", file=sys.stderr)
     return 0
 
 

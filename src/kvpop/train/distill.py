@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -665,10 +666,17 @@ class Distiller:
 def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, progress: bool = True,
           argv: list[str] | None = None) -> Path:
     """Run (or resume) a distillation and return the directory of the final model."""
+    distiller = None
     try:
-        return Distiller(tcfg, kcfg, resume=resume, argv=argv).run(progress=progress)
+        distiller = Distiller(tcfg, kcfg, resume=resume, argv=argv)
+        return distiller.run(progress=progress)
     finally:
-        # a process group left to the interpreter's exit can abort the process (SIGABRT in gloo's teardown)
+        # a process group left to the interpreter's exit can abort the process (SIGABRT in gloo's
+        # teardown). The wrapped model (DDP, FSDP2's device mesh) holds the group too, so it is freed
+        # first: then destroy_process_group is the group's last owner (a 2-rank FSDP2 run on gloo still
+        # aborted at exit, once in many, with the model left to the interpreter)
         if dist.is_initialized():
+            del distiller
+            gc.collect()
             dist.destroy_process_group()
 
