@@ -157,16 +157,16 @@ def _relaxed_block(query, key, value, log_keep, q_pos, q_valid, k_pos, k_valid, 
 
 
 def _relaxed_block_sdpa(query, key, value, log_keep, q_pos, q_valid, k_pos, k_valid, sink, window, scale):
-    """`_relaxed_block` through SDPA with the soft bias as its additive mask (no lse: returns None)."""
+    """`_relaxed_block` through SDPA with the soft bias as its additive mask (no lse: returns None).
+
+    `key`, `value` come with their heads already repeated to the query heads ([B, Hkv * G, N, D]).
+    """
     B, Hkv, G, Q, D = query.shape
     bias = soft_eviction_bias(log_keep, q_pos, q_valid, k_pos, k_valid, sink, window)  # [B, Hkv, Q, N]
     # a padding query has no key at all: give it every key (finite row), and zero its output below
     bias = bias.masked_fill(~q_valid[:, None, :, None], 0.0).to(query.dtype)
-    # GQA written out (repeat the key/value heads, G-fold bias) so that the memory-efficient kernel,
-    # which takes an arbitrary mask and returns its gradient, can run instead of the math fallback
     q = query.reshape(B, Hkv * G, Q, D)
-    k, v = (t.repeat_interleave(G, dim=1) for t in (key, value))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.repeat_interleave(G, dim=1), scale=scale)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=bias.repeat_interleave(G, dim=1), scale=scale)
     out = out.masked_fill(~q_valid[:, None, :, None], 0.0)
     return out.reshape(B, Hkv, G, Q, D), None
 
@@ -210,7 +210,13 @@ def relaxed_attention(
     Hkv = key.shape[1]
     q = query.reshape(B, Hkv, Hq // Hkv, S, D)
     log_keep = torch.log(1.0 - alpha.float() + EPS)
-    block = _relaxed_block if backend == "explicit" else _relaxed_block_sdpa
+    block = _relaxed_block
+    if backend == "sdpa":
+        # GQA written out once per layer (key/value heads repeated, the bias G-fold per block), so that
+        # the memory-efficient kernel, which takes an arbitrary mask and returns its gradient, runs
+        # instead of the math fallback
+        block = _relaxed_block_sdpa
+        key, value = (t.repeat_interleave(Hq // Hkv, dim=1) for t in (key, value))
     outs, lses = [], []
     for start in range(0, S, chunk):
         sl = slice(start, start + chunk)
