@@ -8,7 +8,8 @@
 #
 # Environment knobs (seconds and sizes): STEPS (120), TRAIN_S (550), CONC (7: seven runs at S = 8192
 # shared the H200 under MPS without running out of memory), EVAL_S (300), EVAL_SEQ (8), DIST_STEPS (3);
-# TRAIN_ARGS, extra quality_study.py arguments of the train phase. The training runs and the evaluation workers share the GPU under
+# TRAIN_ARGS, extra quality_study.py arguments of the train phase; EVAL_ARGS, of the eval phase; EXTRAS=0
+# skips the eval call's two benchmarks. The training runs and the evaluation workers share the GPU under
 # NVIDIA MPS where the machine has it (quality_study.py --mps falls back to time-slicing otherwise).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_quality.sh train|eval OUT_DIR}
@@ -32,10 +33,12 @@ train)
   cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
   ;;
 eval)
-  "${study[@]}" --phase eval --deadline-s "${EVAL_S:-300}" --eval-sequences "${EVAL_SEQ:-8}"
+  # shellcheck disable=SC2086
+  "${study[@]}" --phase eval --deadline-s "${EVAL_S:-300}" --eval-sequences "${EVAL_SEQ:-8}" ${EVAL_ARGS:-}
   for f in results.json table.md eviction_pattern.png recall_per_layer.png; do
     cp "$HOME/study/$f" "$out/" 2>/dev/null
   done
+  [ "${EXTRAS:-1}" = 0 ] && exit 0
   echo "=== bench_distill ($(date -u +%H:%M:%S))"
   timeout --signal=INT 100 python bench/bench_distill.py --warmup 2 --steps 4 --json-out "$out/distill.json"
   echo "=== gpu_distributed ($(date -u +%H:%M:%S))"

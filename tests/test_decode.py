@@ -231,15 +231,17 @@ def test_stepwise_logits_equal_the_teacher_forced_pass(policy):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_stepwise_logits_on_cuda_graphs_equal_the_teacher_forced_pass():
+@pytest.mark.parametrize("policy,batch", [("tova", 1), ("tova", 3), ("h2o", 3)])
+def test_stepwise_logits_on_cuda_graphs_equal_the_teacher_forced_pass(policy, batch):
+    # batch > 1: the quality study's TOVA and H2O workers evaluate several held-out sequences per pass
     from kvpop.decode import stepwise_logits
 
-    model = retrofitted("qwen3", kvpop.KVpopConfig(sink=2, window=4, topk=5, policy="tova")).cuda()
-    ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    model = retrofitted("qwen3", kvpop.KVpopConfig(sink=2, window=4, topk=5, policy=policy)).cuda()
+    ids = torch.randint(3, 300, (batch, 40), generator=torch.Generator().manual_seed(3)).cuda()
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits.float()
         got = stepwise_logits(model, ids)
-    assert_close(got, expected, 1e-3, "tova: CUDA-graph steps vs teacher-forced logits")
+    assert_close(got, expected, 1e-3, f"{policy} x{batch}: CUDA-graph steps vs teacher-forced logits")
 
 
 @pytest.mark.parametrize("policy", ["kvpop", "tova", "dms"])

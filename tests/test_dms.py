@@ -168,15 +168,19 @@ def test_relaxed_attention_in_blocks_equals_one_block_forward_and_backward():
         assert_close(b, a, 1e-5, name)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_relaxed_attention_through_sdpa_equals_the_explicit_form(dtype, tol):
+def test_relaxed_attention_through_sdpa_equals_the_explicit_form(dtype, tol, device):
     # the CUDA path (the soft bias as SDPA's mask, GQA written out) against the explicit float32 form:
-    # outputs and the gradients of q, k, v and the gates, with left padding and a ragged last block
+    # outputs and the gradients of q, k, v and the gates, with left padding and a ragged last block;
+    # on CUDA, SDPA picks its memory-efficient kernel for a float mask (the one training uses)
     torch.manual_seed(1)
     B, Hkv, G, S, D = 2, 2, 3, 45, 8
-    q, k, v = torch.randn(B, Hkv * G, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
-    gate = 2 * torch.randn(B, Hkv, S)
-    valid = torch.ones(B, S, dtype=torch.bool)
+    q, k, v = (torch.randn(B, Hkv * G, S, D, device=device), torch.randn(B, Hkv, S, D, device=device),
+               torch.randn(B, Hkv, S, D, device=device))
+    gate = 2 * torch.randn(B, Hkv, S, device=device)
+    valid = torch.ones(B, S, dtype=torch.bool, device=device)
     valid[1, :7] = False  # row 1 left-padded by 7
     pos = (torch.cumsum(valid.long(), -1) - 1).clamp(min=0)
     results = []
