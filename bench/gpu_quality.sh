@@ -5,6 +5,8 @@
 #   bash bench/gpu_quality.sh train OUT_DIR   # carry .stage_b: assemble the model, train the ten runs
 #   bash bench/gpu_quality.sh eval OUT_DIR    # evaluate them; then one distillation step's timing
 #                                             # (bench_distill.py) and bench/gpu_distributed.sh
+#   bash bench/gpu_quality.sh dist OUT_DIR    # carry .stage_b: assemble the model, then only
+#                                             # bench/gpu_distributed.sh (issue 9, on a 2-GPU kind)
 #
 # Environment knobs (seconds and sizes): STEPS (120), TRAIN_S (550), CONC (7: seven runs at S = 8192
 # shared the H200 under MPS without running out of memory), EVAL_S (300), EVAL_SEQ (8), DIST_STEPS (3);
@@ -12,13 +14,13 @@
 # skips the eval call's two benchmarks. The training runs and the evaluation workers share the GPU under
 # NVIDIA MPS where the machine has it (quality_study.py --mps falls back to time-slicing otherwise).
 set -uo pipefail
-phase=${1:?usage: bench/gpu_quality.sh train|eval OUT_DIR}
-out=${2:?usage: bench/gpu_quality.sh train|eval OUT_DIR}
+phase=${1:?usage: bench/gpu_quality.sh train|eval|dist OUT_DIR}
+out=${2:?usage: bench/gpu_quality.sh train|eval|dist OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 stage=$HOME/stage
 gguf=$stage/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ "$phase" = train ]; then
+if [ "$phase" = train ] || [ "$phase" = dist ]; then
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
     && python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/gguf-*.whl \
        "$stage"/champ_dataset-*.whl || { echo "staging failed"; ls -la "$stage"; exit 1; }
@@ -45,7 +47,12 @@ eval)
   KVPOP_DIST_S=70 bash bench/gpu_distributed.sh "$HOME/dist_out" "${DIST_STEPS:-3}"
   (cd "$HOME/dist_out" && tar czf "$out/dist_logs.tgz" ./*.log ./*.jsonl 2>/dev/null)
   ;;
+dist)
+  # plain, torchrun 1 GPU (DDP, FSDP2) and, on a host with two, 2 GPUs (DDP, FSDP2); per-run limit DIST_LIMIT_S
+  KVPOP_DIST_S=${DIST_LIMIT_S:-100} bash bench/gpu_distributed.sh "$HOME/dist_out" "${DIST_STEPS:-8}"
+  (cd "$HOME/dist_out" && tar czf "$out/dist_logs.tgz" ./*.log ./*.jsonl 2>/dev/null)
+  ;;
 *)
-  echo "unknown phase $phase (train or eval)"; exit 2
+  echo "unknown phase $phase (train, eval or dist)"; exit 2
   ;;
 esac

@@ -89,8 +89,15 @@ def test_resume_after_a_crash_continues_to_the_same_losses(text_file, tmp_path, 
         assert torch.equal(p, q), name
 
 
-def test_interrupt_saves_and_resume_is_exact(text_file, tmp_path, monkeypatch):
-    kcfg = kvpop.KVpopConfig(**KCFG)
+# every trained row of the quality study: a run stopped at its deadline and resumed in the next device
+# command must end where an uninterrupted one does (weights included)
+RESUMED_ROWS = {"mlp": {}, "mlstm": dict(scorer="mlstm", mlstm_dim=8), "mlstm-delay0": dict(scorer="mlstm", mlstm_dim=8,
+                delay=0), "dms": dict(policy="dms", scorer_hidden=None), "streaming_llm_plus": dict(policy="streaming_llm_plus", topk=0, scorer_hidden=None)}
+
+
+@pytest.mark.parametrize("row", RESUMED_ROWS)
+def test_interrupt_saves_and_resume_is_exact(text_file, tmp_path, monkeypatch, row):
+    kcfg = kvpop.KVpopConfig(**{k: v for k, v in {**KCFG, **RESUMED_ROWS[row]}.items() if v is not None})
     straight = tmp_path / "straight"
     distill.train(_cfg(text_file, straight, save_every=0), kcfg, progress=False)
     out = tmp_path / "interrupted"
@@ -110,6 +117,9 @@ def test_interrupt_saves_and_resume_is_exact(text_file, tmp_path, monkeypatch):
     assert [(r["loss_score"], r["loss_kl"]) for r in _log(out)] == [
         (r["loss_score"], r["loss_kl"]) for r in _log(straight)
     ]
+    a, b = kvpop.load(straight / "final"), kvpop.load(out / "final")
+    for (name, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(p, q), f"{row}: {name}"
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(text_file, tmp_path, monkeypatch):
