@@ -63,6 +63,20 @@ def test_cache_bytes_counts_every_slot():
     assert cache_bytes(cache) == want
 
 
+def test_cache_bytes_counts_the_mlstm_memory():
+    # the stateful scorer's memory is cache memory too: C (d x d), n (d) and m, float32, per row and KV head
+    cfg = kvpop.KVpopConfig(sink=2, window=4, topk=6, scorer="mlstm")
+    model = retrofitted("qwen3", cfg)
+    cache = kvpop.KVpopCache(model)
+    with quiet(), torch.no_grad():
+        model(torch.randint(3, 300, (2, 20)), **cache_kwargs(cache))
+    c, d = model.config, 16
+    per_slot = 2 * 16 * 4 + 8 + 4
+    state = (d * d + d + 1) * 4
+    want = c.num_hidden_layers * (2 * c.num_key_value_heads * ((cfg.budget + 1) * per_slot + state) + 2 * 8)
+    assert cache_bytes(cache) == want
+
+
 def test_retrofitted_model_is_restored():
     model = retrofitted("qwen3", CFG)
     before = {k: v.clone() for k, v in model.kvpop.state_dict().items()}

@@ -317,7 +317,7 @@ def decode_step(
     The token leaving the window (position `p - window`) replaces the weakest top-k slot if it beats
     it; the new token takes its sink or window-ring slot; then the query attends the occupied slots.
     A function of tensors and ints only, so that `torch.compile` traces it once for every layer
-    (`fuse_decode_step`). Masked writes go to the scratch slot instead of reading the old value back.
+    (`fused_decode_step`). Masked writes go to the scratch slot instead of reading the old value back.
 
     Returns:
         the attention output [B, Hq, 1, D], and its probabilities over the slots if `with_probs`.

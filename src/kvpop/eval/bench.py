@@ -56,18 +56,15 @@ DENSE = "dense"
 
 
 def cache_bytes(cache) -> int:
-    """Bytes held by a cache's tensors: keys and values, plus KVpopCache's positions, priorities and counters."""
-    total = 0
-    for layer in cache.layers:
-        # a KVpopLayerCache holds its slots (plus one scratch slot) in `buffers`; keys/values/pos/pri are views
-        for t in getattr(layer, "buffers", None) or ():
-            total += t.numel() * t.element_size()
-        names = ("seen",) if getattr(layer, "buffers", None) else ("keys", "values", "pos", "pri", "seen")
-        for name in names:
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    """Bytes held by a cache: every tensor its decode step updates (`kvpop.decode.cache_tensors`).
+
+    For a `KVpopCache`: the slot buffers (with the decode step's scratch slot), the counters, and a
+    stateful scorer's memory (the mLSTM's `C`, `n`, `m`, which `--match-mlp-memory` pays for in
+    top-k slots). For a dense cache: its keys and values.
+    """
+    from kvpop.decode import cache_tensors
+
+    return sum(t.numel() * t.element_size() for t in cache_tensors(cache))
 
 
 def _is_retrofitted(model) -> bool:
