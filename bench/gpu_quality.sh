@@ -50,7 +50,8 @@ eval)
 dist)
   # plain, torchrun 1 GPU (DDP, FSDP2) and, on a host with two, 2 GPUs (DDP, FSDP2); per-run limit DIST_LIMIT_S
   KVPOP_DIST_S=${DIST_LIMIT_S:-100} bash bench/gpu_distributed.sh "$HOME/dist_out" "${DIST_STEPS:-8}"
-  (cd "$HOME/dist_out" && tar czf "$out/dist_logs.tgz" ./*.log ./*.jsonl 2>/dev/null)
+  (cd "$HOME/dist_out" && tar czf "$out/dist_logs.tgz" ./*.log ./*.jsonl ./*.config.json 2>/dev/null)
+  cp "$HOME/dist_out/curves.png" "$out/" 2>/dev/null
   ;;
 *)
   echo "unknown phase $phase (train, eval or dist)"; exit 2

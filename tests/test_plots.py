@@ -14,6 +14,7 @@ from kvpop.eval.plots import (
     plot_eviction_pattern,
     plot_memory_latency,
     plot_recall_per_layer,
+    plot_training_curves,
     visible_token,
 )
 
@@ -67,6 +68,15 @@ def test_plot_memory_latency(tmp_path):
     assert_png(plot_memory_latency(rows, tmp_path / "mem.png"))
     with pytest.raises(ValueError, match="no rows"):
         plot_memory_latency(rows[-1:], tmp_path / "empty.png")
+
+
+def test_plot_training_curves(tmp_path):
+    log = lambda shift: [{"step": i + 1, "loss_kl": 0.02 + shift / (i + 1), "loss_score": 0.2 - 0.001 * i} for i in range(10)]
+    assert_png(plot_training_curves({"1 GPU": log(0.0), "2 GPUs": log(0.001)}, tmp_path / "curves.png"))
+    with pytest.raises(ValueError, match=r"'2 GPUs'.*lack \['loss_score'\]"):
+        plot_training_curves({"1 GPU": log(0.0), "2 GPUs": [{"step": 1, "loss_kl": 0.1}]}, tmp_path / "bad.png")
+    with pytest.raises(ValueError, match="at least one record"):
+        plot_training_curves({"empty": []}, tmp_path / "empty.png")
 
 
 @torch.no_grad()

@@ -36,6 +36,8 @@ class Converted:
     seconds: float
     model: object
     tokenizer: object
+    draws_after_load: torch.Tensor
+    """`torch.rand(4)` right after the converting load, the global RNG seeded with 7 before it."""
 
 
 @pytest.fixture(scope="session")
@@ -44,10 +46,12 @@ def converted(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(smollm2.CACHE_ENV, str(root))
         mp.setenv("HF_HUB_OFFLINE", "1")
+        torch.manual_seed(7)
         start = time.perf_counter()
         model, tokenizer = load_model(NAME)
         seconds = time.perf_counter() - start
-    return Converted(root, seconds, model, tokenizer)
+        draws = torch.rand(4)
+    return Converted(root, seconds, model, tokenizer, draws)
 
 
 @pytest.fixture
@@ -78,6 +82,14 @@ def test_conversion_writes_a_finished_plain_directory(converted, cache):
     assert marker["sha256"] == smollm2.GGUF_SHA256
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     print(f"conversion + first load: {converted.seconds:.1f} s")
+
+
+def test_converting_load_leaves_the_rng_as_a_cached_load_does(converted, cache):
+    # a seeded command (train, generate, eval) must not depend on whether the cache already existed:
+    # the conversion's random weight init would otherwise shift every scorer's initial weights
+    torch.manual_seed(7)
+    load_model(NAME)
+    assert torch.equal(torch.rand(4), converted.draws_after_load)
 
 
 def test_config_facts(cache):

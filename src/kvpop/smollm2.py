@@ -191,7 +191,10 @@ def ensure_converted() -> Path:
     log.warning("kvpop: converting %s once into %s (about 20 s)", gguf, final)
     work = Path(tempfile.mkdtemp(prefix=f".{CACHE_NAME}.", dir=final.parent))
     try:
-        _convert(gguf, work / "model")
+        # building the model draws random initial weights (then overwritten): on a private RNG, so that a
+        # command that converts first seeds its scorers exactly as the same command with the cache present
+        with torch.random.fork_rng(devices=[]):
+            _convert(gguf, work / "model")
         try:
             os.rename(work / "model", final)
         except OSError:

@@ -1,4 +1,5 @@
-"""The paper's figures as small PNGs: eviction pattern (Fig. 6), recall per layer (Fig. 7), memory and latency (Fig. 4).
+"""The paper's figures as small PNGs: eviction pattern (Fig. 6), recall per layer (Fig. 7), memory and latency (Fig. 4),
+and training runs' loss curves side by side (`train_log.jsonl` records, e.g. 1 GPU against 2).
 
 Each `plot_*` function takes plain arrays (numpy or torch), writes one PNG and returns its path.
 `eviction_counts` runs a retrofitted model over a text and returns what the eviction-pattern plot
@@ -196,6 +197,36 @@ def plot_memory_latency(rows: Sequence[dict], path: str | Path, title: str = "De
     ax_mem.set_title("memory")
     ax_lat.set_ylabel("ms per token (median)")
     ax_lat.set_title("decode latency")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_training_curves(
+    runs: dict[str, Sequence[dict]], path: str | Path, keys: Sequence[str] = ("loss_kl", "loss_score"),
+    title: str = "Training losses per step",
+) -> Path:
+    """One panel per logged quantity, one line per run, against the step.
+
+    Args:
+        runs: run name -> its `train_log.jsonl` records (dicts with "step" and every key in `keys`).
+        keys: the logged quantities to draw, one panel each.
+    """
+    if not runs or not all(runs.values()):
+        raise ValueError(f"every run needs at least one record; got {({n: len(r) for n, r in runs.items()})}")
+    for name, records in runs.items():
+        missing = sorted({k for k in ("step", *keys) for r in records if k not in r})
+        if missing:
+            raise ValueError(f"run {name!r}: records lack {missing}; a train_log.jsonl record has 'step', 'loss_kl', ...")
+    fig = Figure(figsize=(4.5 * len(keys), 3.4))
+    axes = np.atleast_1d(fig.subplots(1, len(keys)))
+    for ax, key in zip(axes, keys):
+        for (name, records), style in zip(runs.items(), ("-", "--", ":", "-.") * len(runs)):
+            ax.plot([r["step"] for r in records], [r[key] for r in records], style, linewidth=1.2, label=name)
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     return _save(fig, path)
