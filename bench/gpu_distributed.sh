@@ -30,7 +30,9 @@ run() {  # run NAME NPROC EXTRA...
   # a later --batch-size overrides the common one (argparse keeps the last)
   timeout --signal=INT -k 15 "$limit" "${launch[@]}" kvpop.cli train "${common[@]}" --out "$HOME/dist/$name" "$@" \
     > "$out/$name.log" 2>&1
-  echo "=== $name exit $? ($(date -u +%H:%M:%S))"
+  local rc=$?
+  echo "=== $name exit $rc ($(date -u +%H:%M:%S))"
+  [ "$rc" = 0 ] || grep -v '%|' "$out/$name.log" | tail -n 8  # why it failed (progress bars left out)
   grep -h '"parallel"\|"backend"\|"world' "$HOME/dist/$name/config.json" 2>/dev/null | tr -d ' \n'; echo
   cp "$HOME/dist/$name/train_log.jsonl" "$out/$name.jsonl" 2>/dev/null
   cp "$HOME/dist/$name/config.json" "$out/$name.config.json" 2>/dev/null

@@ -310,3 +310,18 @@ def test_sigterm_twice_stops_at_a_step_boundary_with_a_checkpoint(text_file, tmp
     steps = len(log.read_text().splitlines())
     state = torch.load(out / "checkpoint.pt", weights_only=False)
     assert state["step"] == steps
+
+
+@pytest.mark.parametrize("policy", [dict(scorer="mlp"), dict(scorer="mlstm", mlstm_hidden=16), dict(policy="dms")],
+                         ids=["mlp", "mlstm", "dms"])
+def test_deterministic_run_trains_the_same_and_restores_the_global_setting(text_file, tmp_path, policy):
+    # the CPU kernels are deterministic already: --deterministic must change no number there, and must
+    # find a deterministic kernel for every op of full distillation (one without raises)
+    kcfg = kvpop.KVpopConfig(**{**KCFG, **policy})
+    logs = []
+    for flag in (False, True):
+        distill.train(_cfg(text_file, tmp_path / str(flag), steps=2, save_every=0, deterministic=flag), kcfg,
+                      progress=False)
+        assert not torch.are_deterministic_algorithms_enabled()
+        logs.append([(r["loss_kl"], r["loss_score"], r["grad_norm_base"]) for r in _log(tmp_path / str(flag))])
+    assert logs[0] == logs[1]

@@ -254,6 +254,8 @@ def info(args: argparse.Namespace) -> int:
     arg("--seed", type=int, default=0),
     arg("--max-tokens", type=int, default=0, help="cap on training tokens packed (default: what the run uses)"),
     arg("--fsdp", action="store_true", help="under torchrun: FSDP2 sharding instead of DDP"),
+    arg("--deterministic", action="store_true",
+        help="deterministic kernels only: a run repeats bitwise on the same GPU and software (slower)"),
     arg("--device", default="auto", help="auto, cpu, cuda, ... (default auto)"),
     arg("--no-progress", action="store_true", help="no progress bar"),
 ])
@@ -288,6 +290,7 @@ def train(args: argparse.Namespace) -> int:
         lr_scorer=args.lr_scorer, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, freeze_base=args.freeze_base, kl_topk=args.kl_topk, out=args.out,
         save_every=args.save_every, seed=args.seed, device=args.device, fsdp=args.fsdp, max_tokens=args.max_tokens,
+        deterministic=args.deterministic,
     )
     try:
         final = run_training(tcfg, kcfg, resume=args.resume, progress=not args.no_progress,

@@ -101,6 +101,9 @@ class TrainConfig:
     """Share of documents (champ: problems) held out from training."""
     max_tokens: int = 0
     """Cap on the tokens packed for training (0: what the run consumes, at least 8 sequences)."""
+    deterministic: bool = False
+    """Deterministic kernels only (`torch.use_deterministic_algorithms`): the same command on the same GPU
+    and software then repeats bitwise, at some cost in speed; an op without such a kernel raises, naming it."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -667,6 +670,11 @@ def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, 
           argv: list[str] | None = None) -> Path:
     """Run (or resume) a distillation and return the directory of the final model."""
     distiller = None
+    previous = torch.are_deterministic_algorithms_enabled()
+    if tcfg.deterministic:
+        # cuBLAS reads its workspace setting when it creates a handle: before the trainer's first matmul
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     try:
         distiller = Distiller(tcfg, kcfg, resume=resume, argv=argv)
         return distiller.run(progress=progress)
@@ -679,4 +687,5 @@ def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, 
             del distiller
             gc.collect()
             dist.destroy_process_group()
+        torch.use_deterministic_algorithms(previous)
 
