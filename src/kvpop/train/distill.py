@@ -670,7 +670,7 @@ def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, 
           argv: list[str] | None = None) -> Path:
     """Run (or resume) a distillation and return the directory of the final model."""
     distiller = None
-    previous = torch.are_deterministic_algorithms_enabled()
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     if tcfg.deterministic:
         # cuBLAS reads its workspace setting when it creates a handle: before the trainer's first matmul
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -687,5 +687,5 @@ def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, 
             del distiller
             gc.collect()
             dist.destroy_process_group()
-        torch.use_deterministic_algorithms(previous)
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
