@@ -325,3 +325,21 @@ def test_deterministic_run_trains_the_same_and_restores_the_global_setting(text_
         assert not torch.are_deterministic_algorithms_enabled()
         logs.append([(r["loss_kl"], r["loss_score"], r["grad_norm_base"]) for r in _log(tmp_path / str(flag))])
     assert logs[0] == logs[1]
+
+
+def test_resume_with_more_steps_goes_on_over_the_same_documents(text_file, tmp_path):
+    # without --max-tokens the packed documents follow --steps (3 steps: 1024 tokens, 6 steps: 1536); a run
+    # extended by --resume keeps the documents, and their order, that it trained on
+    kcfg = kvpop.KVpopConfig(**KCFG)
+    rng = random.Random(1)
+    words = text_file.read_text().split()[:200]
+    records = tmp_path / "docs.jsonl"  # many short documents: the packed set grows with --steps
+    records.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=60))}) + "\n" for _ in range(300)))
+    short, longer = (_cfg(records, tmp_path / "run", steps=n, max_tokens=0, save_every=0) for n in (3, 6))
+    assert short.pool_tokens < longer.pool_tokens
+    distill.train(short, kcfg, progress=False)
+    trained_on = distill.Distiller(short, kcfg).tokens
+    resumed = distill.Distiller(longer, kcfg, resume=True)
+    assert resumed.step == 3
+    assert torch.equal(resumed.tokens, trained_on)
+    assert len(distill.Distiller(longer, kcfg).tokens) > len(trained_on)  # a fresh 6-step run packs more

@@ -100,7 +100,9 @@ class TrainConfig:
     eval_fraction: float = 0.1
     """Share of documents (champ: problems) held out from training."""
     max_tokens: int = 0
-    """Cap on the tokens packed for training (0: what the run consumes, at least 8 sequences)."""
+    """Tokens of documents packed for training (0: what the run consumes, at least 8 sequences). The packed
+    set, and so the order of the batches, follows `steps` unless this is set: runs of different lengths
+    see the same batches in the same order only with the same `max_tokens`."""
     deterministic: bool = False
     """Deterministic kernels only (`torch.use_deterministic_algorithms`): the same command on the same GPU
     and software then repeats bitwise, at some cost in speed; an op without such a kernel raises, naming it."""
@@ -124,6 +126,11 @@ class TrainConfig:
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens of training documents to pack: `max_tokens`, else what the run consumes (at least 8 sequences)."""
+        return self.max_tokens or max(self.steps * self.grad_accum * self.batch_size * self.seq_len, 8 * self.seq_len)
 
     @property
     def warmup(self) -> int:
@@ -304,6 +311,7 @@ class Distiller:
         # SIGTERM on this rank, and on any rank as of the last step's all-reduce (ranks must stop together)
         self.stop_requested = False
         self.stop_agreed = False
+        self.pool_tokens = tcfg.pool_tokens  # a resumed run keeps the one it started with
         if resume:
             self._load_checkpoint()
         self.tokens = self._training_tokens()
@@ -342,10 +350,8 @@ class Distiller:
         return DistributedDataParallel(model, device_ids=ids)
 
     def _training_tokens(self) -> Tensor:
-        """Pack just enough training documents for the run (or `max_tokens`), identically on every rank."""
-        t = self.tcfg
-        need = t.steps * t.grad_accum * t.batch_size * t.seq_len
-        budget = t.max_tokens or max(need, 8 * t.seq_len)
+        """Pack documents until `pool_tokens` are covered, identically on every rank."""
+        t, budget = self.tcfg, self.pool_tokens
         texts = load_texts(t.data, split="train", text_field=t.text_field, tokenizer=self.tokenizer,
                            eval_fraction=t.eval_fraction, seed=t.seed, chat=t.chat)
         # tokenize documents in order until the budget is covered (champ alone is ~30M tokens)
@@ -542,6 +548,7 @@ class Distiller:
             "train_config": dataclasses.asdict(self.tcfg),
             "kvpop_config": self.kcfg.to_dict(),
             "world": self.dist.world,
+            "pool_tokens": self.pool_tokens,
         }
 
     def _trained_state(self) -> dict[str, Tensor]:
@@ -626,6 +633,9 @@ class Distiller:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = self.last_saved = state["step"]
+        # the data the run has trained on: a resume with more --steps goes on over the same documents
+        # (another epoch where it runs out) rather than repacking a larger set in another order
+        self.pool_tokens = state.get("pool_tokens", saved.pool_tokens)
 
     def _write_config(self) -> None:
         resolved = {
