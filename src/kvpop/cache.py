@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import attention_with_probs, masked_attention
 from kvpop.ops.topk import eviction_positions, mask_from_eviction
 from kvpop.policy import LayerPolicy
@@ -385,8 +386,6 @@ class KVpopCache(Cache):
     """
 
     def __init__(self, model=None, *, config=None):
-        from kvpop.retrofit import kvpop_modules
-
         if config is None:
             if model is None:
                 raise ValueError("KVpopCache needs the retrofitted model (or config=KVpopConfig and num_layers)")

@@ -17,34 +17,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kvpop.attention import ATTENTION_NAME, register
-from kvpop.baselines import make_policy
 from kvpop.config import KVpopConfig
+from kvpop.modules import KVpopModules, kvpop_modules
 
 TESTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 CONFIG_FILE = "kvpop_config.json"
 SCORERS_FILE = "kvpop_scorers.safetensors"
-
-
-class KVpopModules(nn.Module):
-    """What KVpop adds to a model: one `LayerPolicy` (scorer and decay, or a baseline's) per attention layer.
-
-    `config` is the resolved config the model runs (`KVpopConfig.resolve`: the effective `topk`).
-    """
-
-    def __init__(self, cfg: KVpopConfig, num_layers: int, num_kv_heads: int, head_dim: int):
-        super().__init__()
-        self.config = cfg
-        self.layers = nn.ModuleList(make_policy(cfg, num_kv_heads, head_dim) for _ in range(num_layers))
-        self.previous_attn_implementation: str | None = None
-        self.hooks: list = []
-
-
-def kvpop_modules(model: nn.Module) -> KVpopModules:
-    """The `KVpopModules` of a retrofitted model (a clear error otherwise)."""
-    mods = getattr(model, "kvpop", None)
-    if not isinstance(mods, KVpopModules):
-        raise ValueError(f"{type(model).__name__} is not retrofitted: call kvpop.retrofit(model, cfg) first")
-    return mods
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
