@@ -170,18 +170,23 @@ float16 copy of the same model matches, another model does not (its weights diff
 
 
 def base_identity(model: nn.Module) -> dict[str, Any] | None:
-    """What identifies a model's weights, cheaply: architecture fields and a few values of 8 tensors spread
-    over the model. None for a model without weights in memory (meta tensors)."""
+    """What identifies a model's weights, cheaply: architecture fields and a few values of 8 weight matrices
+    spread over the model. None for a model without weights in memory (meta tensors)."""
     params = [(n, p) for n, p in model.named_parameters() if not n.startswith("kvpop.")]
     if not params or any(p.is_meta for _, p in params):
         return None
+    # matrices only: norms and biases often start constant (ones, zeros) and would match across models
+    params = [(n, p) for n, p in params if p.dim() >= 2]
     config = getattr(model.config, "text_config", None) or model.config
-    picked = params[:: max(1, len(params) // SAMPLED_TENSORS)][:SAMPLED_TENSORS]
+    n = min(SAMPLED_TENSORS, len(params))
+    picked = [params[i * (len(params) - 1) // max(1, n - 1)] for i in range(n)]
     sample = {}
     with torch.no_grad():
         for name, p in picked:
             flat = p.detach().reshape(-1)
-            idx = torch.linspace(0, flat.numel() - 1, min(SAMPLED_VALUES, flat.numel()), device=flat.device).long()
+            k = min(SAMPLED_VALUES, flat.numel())
+            # evenly spaced, in integers: float positions round past the end of a large tensor
+            idx = torch.tensor([i * (flat.numel() - 1) // max(1, k - 1) for i in range(k)], device=flat.device)
             values = flat[idx].float().cpu()
             sample[name] = {"values": values.tolist(), "scale": float(values.abs().mean())}
     return {"name": getattr(model.config, "_name_or_path", None) or None,
@@ -195,9 +200,9 @@ def same_base(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
     if differ:
         return "architecture: " + ", ".join(differ)
     a, b = recorded.get("weights", {}), current.get("weights", {})
-    if a.keys() != b.keys():
-        return f"weights: other parameter names ({sorted(set(a) ^ set(b))[:3]})"
-    for name in a:
+    # the tensors both sampled (all of them, unless the sampling itself changed): the same architecture
+    # has the same parameter names, so none in common means that change, not another model
+    for name in sorted(a.keys() & b.keys()):
         va, vb = a[name]["values"], b[name]["values"]
         tol = BASE_RTOL * max(a[name]["scale"], b[name]["scale"], 1e-12)
         if len(va) != len(vb) or any(not math.isclose(x, y, rel_tol=BASE_RTOL, abs_tol=tol) for x, y in zip(va, vb)):
