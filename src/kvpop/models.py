@@ -244,7 +244,7 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, dev
 def _check_not_partial_save(path: str) -> None:
     # loading it as a plain model would bring fresh random scorers and another budget, without a word
     found = [name for name in KVPOP_MARKERS if os.path.exists(os.path.join(path, name))]
-    if found:
+    if found and not is_kvpop_dir(path):
         raise FileFormatError(f"{os.path.join(path, KVPOP_CONFIG_FILE)}: missing, but {path} holds {', '.join(found)}: "
                               "it is an incomplete kvpop.save directory (a save that did not finish, or a lost file); "
                               "save the model again")
