@@ -17,6 +17,12 @@ RECENCY_POLICIES = ("streaming_llm", "streaming_llm_plus")
 SCORERS = ("mlp", "mlstm")
 AGGREGATIONS = ("max", "mean")
 
+DEFAULT_BUDGET = 512
+"""The budget every entry point starts from (`KVpopConfig()`, `for_budget`, the CLI's `--budget`): the
+CPU scale of the project (`DESIGN.md`), a quarter of a 2048-token sequence (CR 75 %); the paper's GPU
+setting is 2048 of 8192. Split as `for_budget` splits any budget: 4 sinks, a window of a quarter, the rest top-k."""
+DEFAULT_SINK = 4
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -34,11 +40,11 @@ class KVpopConfig:
     The cache keeps per (layer, KV head) `budget = sink + window + topk` entries.
     """
 
-    sink: int = 4
+    sink: int = DEFAULT_SINK
     """Number of sink tokens (positions `t < sink`), always retained. >= 0."""
-    window: int = 256
+    window: int = DEFAULT_BUDGET // 4
     """Protected window of the most recent tokens, the current one included. >= 1."""
-    topk: int = 1788
+    topk: int = DEFAULT_BUDGET - DEFAULT_SINK - DEFAULT_BUDGET // 4
     """Long-range slots filled by the learned ranking of older tokens. >= 0 (0 = StreamingLLM pattern)."""
     policy: Literal["kvpop", "streaming_llm", "streaming_llm_plus", "tova", "h2o", "oracle", "dms"] = "kvpop"
     """Eviction policy: `kvpop` (learned scorer) or a baseline (`kvpop.baselines`)."""
@@ -195,15 +201,27 @@ class KVpopConfig:
         return cls(**d)
 
     @classmethod
-    def for_budget(cls, budget: int, sink: int = 4, window: int | None = None, **kw: Any) -> KVpopConfig:
-        """A config with `sink + window + topk == budget`.
+    def for_budget(cls, budget: int | None = None, sink: int = DEFAULT_SINK, window: int | None = None,
+                   topk: int | None = None, **kw: Any) -> KVpopConfig:
+        """A config with `sink + window + topk == budget`, what is not given derived from the rest.
 
-        The window defaults to a quarter of the budget; for `streaming_llm(_plus)` it is everything
-        beyond the sinks.
+        The budget is `DEFAULT_BUDGET` unless given, or implied by a window and a top-k given together;
+        the window is a quarter of the budget (for `streaming_llm(_plus)`, whose top-k is 0, everything
+        beyond the sinks); the top-k is what is left. The CLI's `--budget/--sink/--window/--topk` come here.
         """
+        if topk is None and kw.get("policy") in RECENCY_POLICIES:
+            topk = 0
+        if budget is None:
+            budget = sink + window + topk if window is not None and topk is not None else DEFAULT_BUDGET
         if window is None:
-            window = budget - sink if kw.get("policy") in RECENCY_POLICIES else max(1, budget // 4)
-        topk = budget - sink - window
-        if topk < 0:
-            raise ValueError(f"budget={budget} is smaller than sink + window = {sink} + {window}")
+            window = budget - sink - topk if topk is not None else max(1, budget // 4)
+            if window < 1:
+                raise ValueError(f"budget={budget} leaves no window after sink + topk = {sink} + {topk}")
+        if topk is None:
+            topk = budget - sink - window
+            if topk < 0:
+                raise ValueError(f"budget={budget} is smaller than sink + window = {sink} + {window}")
+        if sink + window + topk != budget:
+            raise ValueError(f"budget={budget} is not sink + window + topk = {sink} + {window} + {topk}; "
+                             "give the budget, or the window and the top-k, not all three")
         return cls(sink=sink, window=window, topk=topk, **kw)

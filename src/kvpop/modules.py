@@ -24,6 +24,9 @@ class KVpopModules(nn.Module):
         self.layers = nn.ModuleList(make_policy(cfg, num_kv_heads, head_dim) for _ in range(num_layers))
         self.previous_attn_implementation: str | None = None
         self.hooks: list = []
+        self.base: dict | None = None
+        """What identifies the base weights the model was retrofitted on (`kvpop.retrofit.base_identity`),
+        kept through training and saved, so that a trained model is compared with its own base only."""
 
 
 def kvpop_modules(model: nn.Module) -> KVpopModules:

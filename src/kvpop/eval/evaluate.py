@@ -3,9 +3,11 @@
     kvpop eval --model smollm2-135m --data champ --seq-len 2048 --budgets 512,256 \
         --policies streaming_llm,tova,h2o,oracle --trained 512=runs/b512/final --sequences 3
 
-Every policy and budget sees the same sequences; every number is teacher-forced against the dense
-model with the same weights (`kvpop_dense=True`), counted at positions `>= budget` where eviction
-acts (`DESIGN.md`, Metrics). Static-priority policies (KVpop, the oracle) also get their top-k
+Every policy and budget sees the same sequences; every number is teacher-forced against one dense
+pass of the original base model (`--model`, run with `kvpop_dense=True`), counted at positions
+`>= budget` where eviction acts (`DESIGN.md`, Metrics). A trained directory holds its own, possibly
+distilled, base weights; it is still compared with the original base, the model it must stand in
+for, and must have been trained from it (its recorded base identity is checked). Static-priority policies (KVpop, the oracle) also get their top-k
 retention recall against the oracle of the evaluated model, per layer and head (paper Fig. 7).
 DMS rows also get `avg_cache_fraction`: the entries its heads really hold / budget, averaged over
 layers, KV heads and queries `>= budget` (its per-head retention is ragged inside the fixed buffer).
@@ -23,7 +25,7 @@ from torch import Tensor, nn
 from kvpop.attention import Capture
 from kvpop.config import KVpopConfig
 from kvpop.eval.metrics import RetentionRecall, TeacherForcedStats, priorities_from_records
-from kvpop.retrofit import detach, kvpop_modules, load, retrofit
+from kvpop.retrofit import base_identity, detach, kvpop_modules, load, read_base, read_config, retrofit, same_base
 
 
 @dataclass
@@ -51,11 +53,23 @@ def training_free(policy: str, budget: int, sink: int = 4) -> Entry:
 
 def from_directory(path: str, name: str | None = None) -> Entry:
     """A trained directory, labelled `name` or else by its policy (`kvpop`, `dms`, `streaming_llm_plus`)."""
-    import json
-    from pathlib import Path
-
-    cfg = KVpopConfig.from_dict(json.loads((Path(path) / "kvpop_config.json").read_text()))
+    cfg = read_config(path)
     return Entry(name or cfg.policy, cfg.budget, cfg, trained=str(path))
+
+
+def check_base(path: str, base: nn.Module) -> bool:
+    """Refuse a trained directory whose recorded base is not `base`: its numbers against `base` would mean
+    nothing. False when the directory records no base (written by an older kvpop), True when it matches."""
+    recorded = read_base(path)
+    if recorded is None:
+        return False
+    current = base_identity(base)
+    why = None if current is None else same_base(recorded, current)
+    if why is not None:
+        name = recorded.get("name")
+        raise ValueError(f"{path} was trained from another base model than the one given ({why}); evaluate it "
+                         f"against the model it was trained from{f' ({name})' if name else ''}")
+    return True
 
 
 class Evaluator:
@@ -63,6 +77,9 @@ class Evaluator:
 
     def __init__(self, base: nn.Module, entries: Sequence[Entry], device: torch.device | str = "cpu"):
         self.base, self.entries, self.device = base, list(entries), torch.device(device)
+        for entry in self.entries:
+            if entry.trained is not None:
+                check_base(entry.trained, base)
         self._trained: dict[str, nn.Module] = {}
         # the dense reference: the base run with kvpop_dense=True; attached as the oracle, its capture
         # carries the oracle's decay, so training-free oracle rows reuse this pass instead of their own
@@ -80,12 +97,19 @@ class Evaluator:
             detach(model)
 
     @torch.no_grad()
-    def add(self, input_ids: Tensor) -> None:
-        """Evaluate every entry on one batch of unpadded sequences [B, S]."""
+    def add(self, input_ids: Tensor, progress=None) -> None:
+        """Evaluate every entry on one batch of unpadded sequences [B, S].
+
+        `progress`: a tqdm bar, advanced by one after the dense pass and after each entry.
+        """
         ids = input_ids.to(self.device)
         dense, reference = self.reference(ids)
+        if progress is not None:
+            progress.update(1)
         for entry in self.entries:
             self.add_entry(entry, ids, dense, reference)
+            if progress is not None:
+                progress.update(1)
 
     @torch.no_grad()
     def reference(self, ids: Tensor) -> tuple[Tensor, Capture]:
