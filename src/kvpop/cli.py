@@ -238,6 +238,8 @@ def info(args: argparse.Namespace) -> int:
     arg("--match-mlp-memory", action="store_true",
         help="mlstm: reduce topk by the state's size in KV entries, the MLP variant's total memory"),
     arg("--query-fraction", type=float, default=1.0, help="share of boundary queries used per sequence (default 1)"),
+    arg("--layer-budgets", default=None, metavar="FILE",
+        help="per-layer budgets at the same total memory, from `kvpop budgets` (its budget must equal --budget)"),
     arg("--steps", type=int, default=100, help="optimizer steps (default 100)"),
     arg("--batch-size", type=int, default=1, help="sequences per micro-batch over all ranks (default 1)"),
     arg("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)"),
@@ -285,6 +287,10 @@ def train(args: argparse.Namespace) -> int:
             window = 256 if args.window is None else args.window
             topk = (0 if args.policy == "streaming_llm_plus" else 64) if args.topk is None else args.topk
             kcfg = kvpop.KVpopConfig(sink=args.sink, window=window, topk=topk, **scorer)
+        if args.layer_budgets:
+            kcfg = kcfg.with_layer_budgets(_layer_budgets(args.layer_budgets, kcfg.budget))
+    elif args.layer_budgets:
+        raise ValueError(f"--layer-budgets applies to a fresh retrofit; {args.model} already has its budgets")
     tcfg = TrainConfig(
         model=args.model, data=args.data, text_field=args.text_field, chat=args.chat, seq_len=args.seq_len,
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr_base=args.lr_base,
@@ -317,6 +323,9 @@ def train(args: argparse.Namespace) -> int:
     arg("--trained", action="append", default=[], metavar="DIR",
         help="a kvpop.save directory (e.g. OUT/final of kvpop train), evaluated at its own budget; repeatable"),
     arg("--sink", type=int, default=4),
+    arg("--layer-budgets", action="append", default=[], metavar="FILE",
+        help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
+             "(the same total memory as the uniform row); repeatable"),
     arg("--rollouts", type=int, default=0, help="pass@1: sampled answers per champ problem (default 0: skip)"),
     arg("--problems", type=int, default=8, help="pass@1: held-out champ problems (default 8)"),
     arg("--max-new-tokens", type=int, default=512, help="pass@1: tokens per answer (default 512)"),
@@ -347,6 +356,11 @@ def evaluate(args: argparse.Namespace) -> int:
     budgets = [int(b) for b in args.budgets.split(",") if b]
     entries = [from_directory(d) for d in args.trained]
     entries += [training_free(p, b, sink=args.sink) for b in budgets for p in policies]
+    for path in args.layer_budgets:
+        from kvpop.eval.budgets import read
+
+        budget, per_layer = read(path)
+        entries += [training_free(p, budget, sink=args.sink, layer_budgets=per_layer) for p in policies]
     if not entries:
         raise ValueError("nothing to evaluate: give --policies and --budgets, or --trained")
     for e in entries:
@@ -382,6 +396,57 @@ def evaluate(args: argparse.Namespace) -> int:
                                                  indent=2, default=str))
     print(table)
     print(json.dumps(headline(rows)))
+    return 0
+
+
+def _layer_budgets(path: str, budget: int) -> list[int]:
+    from kvpop.eval.budgets import read
+
+    file_budget, per_layer = read(path)
+    if file_budget != budget:
+        raise ValueError(f"--layer-budgets {path} allocates budget {file_budget}, but the run's budget is {budget}")
+    return per_layer
+
+
+@command("budgets", "allocate per-layer budgets at the same total memory from each layer's measured sensitivity", [
+    MODEL,
+    arg("--data", default="champ", help="text to measure on (default champ, its training split)"),
+    arg("--text-field", default=None),
+    arg("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)"),
+    arg("--sequences", type=int, default=2, help="sequences to measure on (default 2)"),
+    arg("--budget", type=int, required=True, help="the uniform per-layer budget B; the layers' budgets sum to L x B"),
+    arg("--sink", type=int, default=4),
+    arg("--window", type=int, default=None, help="protected window (default a quarter of the budget)"),
+    arg("--out", required=True, help="JSON file to write (for --layer-budgets of train and eval)"),
+    arg("--device", default=None),
+    arg("--seed", type=int, default=0),
+])
+def budgets(args: argparse.Namespace) -> int:
+    import kvpop
+    from kvpop.eval import budgets as alloc
+    from kvpop.models import load_model
+    from kvpop.train.data import load_texts, pack_sequences
+
+    cfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window)
+    if cfg.budget >= args.seq_len:
+        raise ValueError(f"--budget {cfg.budget} is not below --seq-len {args.seq_len}: nothing is evicted")
+    base, tokenizer = load_model(args.model, device=_device(args.device))
+    if getattr(base, "kvpop", None) is not None:
+        raise ValueError(f"--model must be a base model, not a kvpop directory ({args.model})")
+    texts = load_texts(args.data, split="train", text_field=args.text_field, tokenizer=tokenizer, seed=args.seed)
+    tokens = pack_sequences(texts[:2000], tokenizer, args.seq_len)[: args.sequences]
+    candidates, curves, n = alloc.measure(base, (row[None] for row in tokens), cfg)
+    per_layer = alloc.layer_budgets(cfg, candidates, curves)
+    path = alloc.write(args.out, cfg, per_layer, candidates, curves, command=args.command_line, queries=n,
+                       seq_len=args.seq_len, sequences=len(tokens))
+    print(f"{'layer':>5} {'budget':>7}  lost attention mass at k = {', '.join(map(str, candidates))}")
+    for layer, (b, row) in enumerate(zip(per_layer, curves.tolist())):
+        print(f"{layer:>5} {b:>7}  " + " ".join(f"{x:.4f}" for x in row))
+    low = cfg.sink + cfg.window
+    print(f"mean lost mass: uniform {alloc.mean_lost(curves, candidates, [cfg.topk] * len(per_layer)):.4f}, "
+          f"per-layer {alloc.mean_lost(curves, candidates, [b - low for b in per_layer]):.4f}")
+    print(f"kvpop budgets: wrote {path} (sum {sum(per_layer)} = {len(per_layer)} layers x {cfg.budget})",
+          file=sys.stderr)
     return 0
 
 

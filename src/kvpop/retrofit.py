@@ -79,6 +79,7 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
     config = model.config
     head_dim = model_head_dim(model)
     cfg = cfg.resolve(head_dim)
+    cfg.check_layers(len(attns))
     num_kv = config.num_key_value_heads or config.num_attention_heads
     ref = next(model.parameters())
     mods = KVpopModules(cfg, len(attns), num_kv, head_dim).to(device=ref.device)
@@ -89,10 +90,13 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
     model.kvpop = mods
     model.set_attn_implementation(ATTENTION_NAME)
 
-    for attn, policy in zip(attns, mods.layers):
-        def inject(module, args, kwargs, policy=policy):
+    for i, (attn, policy) in enumerate(zip(attns, mods.layers)):
+        # each layer runs its own split (per-layer budgets: `KVpopConfig.layer_topk`)
+        layer_cfg = cfg.for_layer(i)
+
+        def inject(module, args, kwargs, policy=policy, layer_cfg=layer_cfg):
             kwargs["kvpop_layer"] = policy
-            kwargs["kvpop_config"] = cfg
+            kwargs["kvpop_config"] = layer_cfg
             kwargs["kvpop_cache"] = kwargs.get("past_key_values", kwargs.get("cache"))
             return args, kwargs
 

@@ -43,10 +43,16 @@ class Entry:
     cache_count: int = field(default=0, repr=False)
 
 
-def training_free(policy: str, budget: int, sink: int = 4) -> Entry:
-    """A baseline at `budget` with the split each policy expects (`KVpopConfig.for_budget`)."""
+def training_free(policy: str, budget: int, sink: int = 4, layer_budgets: Sequence[int] | None = None) -> Entry:
+    """A baseline at `budget` with the split each policy expects (`KVpopConfig.for_budget`).
+
+    `layer_budgets`: per-layer budgets `B_l` at the same total memory (`sum_l B_l = L x budget`,
+    `kvpop budgets` makes them); the row is then labelled `<policy>+layers`.
+    """
     cfg = KVpopConfig.for_budget(budget, sink=sink, policy=policy)
-    return Entry(policy, budget, cfg)
+    if layer_budgets is None:
+        return Entry(policy, budget, cfg)
+    return Entry(f"{policy}+layers", budget, cfg.with_layer_budgets(list(layer_budgets)))
 
 
 def from_directory(path: str, name: str | None = None) -> Entry:
@@ -108,7 +114,7 @@ class Evaluator:
         if recall is not None:
             if entry.recall is None:
                 c = entry.cfg
-                entry.recall = RetentionRecall(c.sink, c.window, c.topk)
+                entry.recall = RetentionRecall(c.sink, c.window, list(c.layer_topk) if c.layer_topk else c.topk)
             entry.recall.update(*recall)
 
     def _run(self, entry: Entry, model: nn.Module, ids: Tensor, reference: Capture) -> tuple[Tensor, tuple | None]:
@@ -170,6 +176,7 @@ class Evaluator:
                 "sink": e.cfg.sink,
                 "window": e.cfg.window,
                 "topk": e.cfg.topk,
+                "layer_topk": list(e.cfg.layer_topk) if e.cfg.layer_topk else None,
                 "trained": e.trained,
             }
             if e.recall is not None:
