@@ -152,3 +152,32 @@ def test_training_runs_with_per_layer_budgets(tmp_path):
     assert [layer.slots for layer in cache.layers] == [14, 30]
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == 2 and all(row["loss_score"] > 0 for row in log)
+
+
+def test_a_trained_scorer_is_measured_and_evaluated_at_per_layer_budgets(tmp_path, capsys):
+    from kvpop.train.distill import TrainConfig, train
+
+    tcfg = TrainConfig(model="tiny-random-qwen3", data="champ", seq_len=96, steps=2, save_every=0, freeze_base=True,
+                       out=str(tmp_path / "run"))
+    with quiet():
+        final = train(tcfg, kvpop.KVpopConfig(sink=2, window=8, topk=12, scorer_hidden=16), progress=False)
+        rc = main(["budgets", "--model", "tiny-random-qwen3", "--trained", str(final), "--data", "champ",
+                   "--seq-len", "96", "--sequences", "1", "--out", str(tmp_path / "own.json")])
+    assert rc == 0
+    budget, per_layer = alloc.read(tmp_path / "own.json")
+    assert budget == 22 and sum(per_layer) == 44
+    with quiet():
+        rc = main(["eval", "--model", "tiny-random-qwen3", "--data", "champ", "--seq-len", "96", "--sequences", "1",
+                   "--policies", "none", "--trained", str(final), "--layer-budgets", str(tmp_path / "own.json"),
+                   "--out", str(tmp_path / "e")])
+    assert rc == 0
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "e" / "results.json").read_text())["rows"]}
+    assert set(rows) == {"kvpop", "kvpop+layers"}
+    assert rows["kvpop"]["layer_topk"] is None
+    assert rows["kvpop+layers"]["layer_topk"] == [b - 10 for b in per_layer]
+    # the same weights: where the budgets agree with the uniform split, so do the rows
+    if per_layer == [22, 22]:
+        assert rows["kvpop+layers"]["kl"] == rows["kvpop"]["kl"]
+    capsys.readouterr()
+    assert main(["budgets", "--model", "tiny-random-qwen3", "--out", str(tmp_path / "x.json")]) == 1
+    assert "--budget" in capsys.readouterr().err and not (tmp_path / "x.json").exists()

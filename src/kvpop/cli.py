@@ -340,7 +340,7 @@ def evaluate(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from kvpop.eval.evaluate import Evaluator, format_table, from_directory, headline, training_free
+    from kvpop.eval.evaluate import Evaluator, format_table, from_directory, headline, training_free, with_layer_budgets
     from kvpop.models import load_model
     from kvpop.train.data import load_texts, pack_sequences
 
@@ -360,7 +360,11 @@ def evaluate(args: argparse.Namespace) -> int:
         from kvpop.eval.budgets import read
 
         budget, per_layer = read(path)
-        entries += [training_free(p, budget, sink=args.sink, layer_budgets=per_layer) for p in policies]
+        entries += [training_free(p, budget, sink=args.sink, layer_budgets=per_layer) for p in policies
+                    if p != "streaming_llm"]
+        # a trained static scorer ranks the same way at any top-k: the same weights, per-layer slots
+        entries += [with_layer_budgets(e, per_layer) for e in list(entries)
+                    if e.trained and e.budget == budget and e.cfg.layer_topk is None and e.cfg.policy == "kvpop"]
     if not entries:
         raise ValueError("nothing to evaluate: give --policies and --budgets, or --trained")
     for e in entries:
@@ -414,7 +418,10 @@ def _layer_budgets(path: str, budget: int) -> list[int]:
     arg("--text-field", default=None),
     arg("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)"),
     arg("--sequences", type=int, default=2, help="sequences to measure on (default 2)"),
-    arg("--budget", type=int, required=True, help="the uniform per-layer budget B; the layers' budgets sum to L x B"),
+    arg("--budget", type=int, default=None, help="the uniform per-layer budget B; the layers' budgets sum to L x B"),
+    arg("--trained", default=None, metavar="DIR",
+        help="measure where this trained kvpop directory's own scorer loses attention mass (its budget and split), "
+             "instead of the oracle's rule at --budget"),
     arg("--sink", type=int, default=4),
     arg("--window", type=int, default=None, help="protected window (default a quarter of the budget)"),
     arg("--out", required=True, help="JSON file to write (for --layer-budgets of train and eval)"),
@@ -427,15 +434,22 @@ def budgets(args: argparse.Namespace) -> int:
     from kvpop.models import load_model
     from kvpop.train.data import load_texts, pack_sequences
 
-    cfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window)
-    if cfg.budget >= args.seq_len:
-        raise ValueError(f"--budget {cfg.budget} is not below --seq-len {args.seq_len}: nothing is evicted")
+    if (args.budget is None) == (args.trained is None):
+        raise ValueError("give --budget (the oracle's rule at that budget) or --trained DIR (its own scorer), not both")
     base, tokenizer = load_model(args.model, device=_device(args.device))
     if getattr(base, "kvpop", None) is not None:
-        raise ValueError(f"--model must be a base model, not a kvpop directory ({args.model})")
+        raise ValueError(f"--model must be a base model, not a kvpop directory ({args.model}); use --trained DIR")
+    if args.trained:
+        model = kvpop.load(args.trained, device=_device(args.device))
+        cfg, measured = model.kvpop.config, model
+    else:
+        cfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window)
+        measured = base
+    if cfg.budget >= args.seq_len:
+        raise ValueError(f"budget {cfg.budget} is not below --seq-len {args.seq_len}: nothing is evicted")
     texts = load_texts(args.data, split="train", text_field=args.text_field, tokenizer=tokenizer, seed=args.seed)
     tokens = pack_sequences(texts[:2000], tokenizer, args.seq_len)[: args.sequences]
-    candidates, curves, n = alloc.measure(base, (row[None] for row in tokens), cfg)
+    candidates, curves, n = alloc.measure(measured, (row[None] for row in tokens), None if args.trained else cfg)
     per_layer = alloc.layer_budgets(cfg, candidates, curves)
     path = alloc.write(args.out, cfg, per_layer, candidates, curves, command=args.command_line, queries=n,
                        seq_len=args.seq_len, sequences=len(tokens))

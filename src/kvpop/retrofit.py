@@ -79,7 +79,6 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
     config = model.config
     head_dim = model_head_dim(model)
     cfg = cfg.resolve(head_dim)
-    cfg.check_layers(len(attns))
     num_kv = config.num_key_value_heads or config.num_attention_heads
     ref = next(model.parameters())
     mods = KVpopModules(cfg, len(attns), num_kv, head_dim).to(device=ref.device)
@@ -91,12 +90,10 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
     model.set_attn_implementation(ATTENTION_NAME)
 
     for i, (attn, policy) in enumerate(zip(attns, mods.layers)):
-        # each layer runs its own split (per-layer budgets: `KVpopConfig.layer_topk`)
-        layer_cfg = cfg.for_layer(i)
-
-        def inject(module, args, kwargs, policy=policy, layer_cfg=layer_cfg):
+        def inject(module, args, kwargs, policy=policy, i=i):
             kwargs["kvpop_layer"] = policy
-            kwargs["kvpop_config"] = layer_cfg
+            # each layer runs its own split (per-layer budgets), read at call time: `mods.config` may change
+            kwargs["kvpop_config"] = mods.layer_config(i)
             kwargs["kvpop_cache"] = kwargs.get("past_key_values", kwargs.get("cache"))
             return args, kwargs
 

@@ -4,8 +4,9 @@
     kvpop train ... --budget 256 --layer-budgets b256.json
     kvpop eval ... --budgets 256 --policies tova,oracle --layer-budgets b256.json   # + rows `tova+layers`, ...
 
-Sensitivity of a layer at `k` long-range slots: the share of its dense attention mass that the
-oracle's static rule (the teacher's own top-k, the best a static scorer can do) drops, averaged over
+Sensitivity of a layer at `k` long-range slots: the share of its dense attention mass that a static
+rule drops - the oracle's (the teacher's own top-k, the best a static scorer can do), or a trained
+scorer's own ranking (`--trained DIR`: where *that* scorer loses mass) - averaged over
 query heads and the queries where eviction can act (`q >= sink + window`). It comes from the dense
 pass alone: with the layer's captured queries and keys, one sparse-attention pass per candidate `k`
 returns its log-normaliser, and `1 - exp(lse_sparse - lse_dense)` is the mass lost at each query.
@@ -49,12 +50,15 @@ def lost_mass(
     records: Sequence,  # LayerRecords of a dense pass (kvpop_dense=True)
     cfg: KVpopConfig,
     candidates: Sequence[int],
+    priorities: Sequence[Tensor] | None = None,
 ) -> Tensor:
-    """Mass of dense attention the oracle's rule drops, per layer and candidate `k`: float64 [L, K].
+    """Mass of dense attention a static rule drops, per layer and candidate `k`: float64 [L, K].
 
-    Summed over (batch, query head, query `q >= sink + window`); divide by `counted(...)` for the mean.
+    The rule ranks by `priorities` (per layer float32 [B, Hkv, S]: a trained policy's), by default the
+    oracle's (the teacher's own ranking, from the same records). Summed over (batch, query head,
+    query `q >= sink + window`); divide by `counted(...)` for the mean.
     """
-    teacher = priorities_from_records(records, cfg)  # per layer [B, Hkv, S]
+    teacher = priorities_from_records(records, cfg) if priorities is None else list(priorities)
     out = torch.zeros(len(teacher), len(candidates), dtype=torch.float64)
     for rec, pri in zip(sorted(records, key=lambda r: r.layer_idx), teacher):
         q, k = rec.query, rec.key
@@ -126,18 +130,31 @@ def allocate(curves: Tensor, candidates: Sequence[int], topk: int) -> list[int]:
 
 
 @torch.no_grad()
-def measure(base: nn.Module, batches: Iterable[Tensor], cfg: KVpopConfig,
+def measure(model: nn.Module, batches: Iterable[Tensor], cfg: KVpopConfig | None = None,
             grid: Sequence[float] = GRID) -> tuple[list[int], Tensor, int]:
-    """Per-layer lost mass of the oracle's rule for unpadded `batches` of ids [B, S] of one length.
+    """Per-layer lost mass of a static rule for unpadded `batches` of ids [B, S] of one length.
 
+    Args:
+        model: a base model (the oracle's rule, at the split of `cfg`), or a model retrofitted with a
+            static policy (a trained KVpop: its own priorities and split; `cfg` must be None). The
+            attention measured is the model's dense attention either way.
     Returns:
         the candidate `k`s, the mean lost mass float64 [L, K], and the number of counted queries.
     """
-    model = retrofit(base, KVpopConfig(sink=cfg.sink, window=cfg.window, topk=max(1, cfg.topk), policy="oracle",
-                                       gamma_init=cfg.gamma_init, decay_step=cfg.decay_step))
+    own = getattr(model, "kvpop", None) is not None
+    if own:
+        if cfg is not None:
+            raise ValueError("a retrofitted model measures its own split: pass cfg=None")
+        cfg = model.kvpop.config
+        if cfg.layer_topk is not None or model.kvpop.layers[0].dynamic or cfg.topk == 0:
+            raise ValueError(f"measuring needs a uniform static ranking; {cfg.policy!r} with layer_topk="
+                             f"{cfg.layer_topk} and topk={cfg.topk} has none")
+    else:
+        model = retrofit(model, KVpopConfig(sink=cfg.sink, window=cfg.window, topk=max(1, cfg.topk),
+                                            policy="oracle", gamma_init=cfg.gamma_init, decay_step=cfg.decay_step))
     try:
-        device = next(base.parameters()).device
-        heads = base.config.num_attention_heads
+        device = next(model.parameters()).device
+        heads = model.config.num_attention_heads
         total, n, candidates = None, 0, None
         for ids in batches:
             ids = ids.to(device)
@@ -145,11 +162,17 @@ def measure(base: nn.Module, batches: Iterable[Tensor], cfg: KVpopConfig,
                 candidates = candidate_topk(cfg.topk, ids.shape[1], cfg.sink, cfg.window, grid)
             records = Capture()
             model(ids, kvpop_dense=True, kvpop_capture=records, use_cache=False, logits_to_keep=1)
-            sums = lost_mass(records, model.kvpop.config, candidates)
+            priorities = None
+            if own:
+                sparse = Capture()
+                model(ids, kvpop_capture=sparse, use_cache=False, logits_to_keep=1)
+                priorities = [r.priority.detach() for r in sorted(sparse, key=lambda r: r.layer_idx)]
+            sums = lost_mass(records, model.kvpop.config, candidates, priorities)
             total = sums if total is None else total + sums
             n += counted(ids, heads, cfg.sink, cfg.window)
     finally:
-        detach(model)
+        if not own:
+            detach(model)
     if total is None or n == 0:
         raise ValueError(f"no query beyond sink + window = {cfg.sink + cfg.window}: give longer sequences")
     return candidates, total / n, n
