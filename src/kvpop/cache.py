@@ -397,7 +397,9 @@ class KVpopCache(Cache):
             raise ValueError("KVpopCache needs a resolved config (its effective topk): pass the retrofitted model, "
                              "or config=cfg.resolve(head_dim)")
         self.config = config
-        super().__init__(layers=[KVpopLayerCache(config.sink, config.window, config.topk) for _ in range(num_layers)])
+        config.check_layers(num_layers)
+        layers = [config.for_layer(i) for i in range(num_layers)]
+        super().__init__(layers=[KVpopLayerCache(c.sink, c.window, c.topk) for c in layers])
 
     @property
     def is_compileable(self) -> bool:

@@ -296,6 +296,8 @@ def info(args: argparse.Namespace) -> int:
     arg("--match-mlp-memory", action="store_true",
         help="mlstm: reduce topk by the state's size in KV entries, the MLP variant's total memory"),
     arg("--query-fraction", type=float, default=1.0, help="share of boundary queries used per sequence (default 1)"),
+    arg("--layer-budgets", default=None, metavar="FILE",
+        help="per-layer budgets at the same total memory, from `kvpop budgets` (its budget must equal --budget)"),
     arg("--steps", type=int, default=100, help="optimizer steps (default 100)"),
     arg("--batch-size", type=int, default=1, help="sequences per micro-batch over all ranks (default 1)"),
     arg("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)"),
@@ -329,6 +331,8 @@ def train(args: argparse.Namespace) -> int:
     kcfg = None
     if is_kvpop_dir(args.model):
         _refuse_other_config(args)
+        if args.layer_budgets:
+            raise ValueError(f"--layer-budgets applies to a fresh retrofit; {args.model} already has its budgets")
     else:
         scorer = dict(scorer=args.scorer, scorer_hidden=args.scorer_hidden, policy=args.policy,
                       loss_query_fraction=args.query_fraction)
@@ -340,6 +344,8 @@ def train(args: argparse.Namespace) -> int:
         if args.policy == "dms":
             scorer.update(dms_temperature=args.dms_temperature, dms_target_retention=args.dms_target_retention)
         kcfg = _rule(args, **scorer)
+        if args.layer_budgets:
+            kcfg = kcfg.with_layer_budgets(_layer_budgets(args.layer_budgets, kcfg.budget))
     tcfg = TrainConfig(
         model=args.model, data=args.data, text_field=args.text_field, chat=args.chat, seq_len=args.seq_len,
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr_base=args.lr_base,
@@ -396,6 +402,9 @@ def _refuse_other_config(args: argparse.Namespace) -> None:
     arg("--trained", action="append", default=[], metavar="DIR",
         help="a kvpop.save directory (e.g. OUT/final of kvpop train), evaluated at its own budget; repeatable"),
     arg("--sink", type=int, default=4),
+    arg("--layer-budgets", action="append", default=[], metavar="FILE",
+        help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
+             "(the same total memory as the uniform row); repeatable"),
     arg("--rollouts", type=int, default=0, help="pass@1: sampled answers per champ problem (default 0: skip)"),
     arg("--problems", type=int, default=8, help="pass@1: held-out champ problems (default 8)"),
     arg("--max-new-tokens", type=int, default=512, help="pass@1: tokens per answer (default 512)"),
@@ -418,6 +427,7 @@ def evaluate(args: argparse.Namespace) -> int:
     device = _device(args.device)
     torch.manual_seed(args.seed)
     entries = [from_directory(d) for d in args.trained] + _training_free_entries(args)
+    entries += _layer_budget_entries(args, entries)
     base, tokenizer = load_model(args.model, device=device)
     if getattr(base, "kvpop", None) is not None:
         raise ValueError(f"--model must be the base model; pass kvpop directories with --trained ({args.model})")
@@ -497,6 +507,83 @@ def _training_free_entries(args: argparse.Namespace) -> list:
         _note(args, f"--policies {p}: its {'scorers' if p == 'kvpop' else 'gates'} are untrained (random) here; "
                     "pass a trained directory with --trained")
     return entries
+
+
+def _layer_budget_entries(args: argparse.Namespace, entries: list) -> list:
+    """`--layer-budgets FILE`: the same rows at per-layer budgets of equal memory (`<name>+layers`)."""
+    from kvpop.eval.budgets import read
+    from kvpop.eval.evaluate import training_free, with_layer_budgets
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip() not in ("", "none", "streaming_llm")]
+    out = []
+    for path in args.layer_budgets:
+        budget, per_layer = read(path)
+        out += [training_free(p, budget, sink=args.sink, layer_budgets=per_layer) for p in policies]
+        # a trained static scorer ranks the same way at any top-k: the same weights, per-layer slots
+        out += [with_layer_budgets(e, per_layer) for e in entries
+                if e.trained and e.budget == budget and e.cfg.layer_topk is None and e.cfg.policy == "kvpop"]
+    return out
+
+
+def _layer_budgets(path: str, budget: int) -> list[int]:
+    from kvpop.eval.budgets import read
+
+    file_budget, per_layer = read(path)
+    if file_budget != budget:
+        raise ValueError(f"--layer-budgets {path} allocates budget {file_budget}, but the run's budget is {budget}")
+    return per_layer
+
+
+@command("budgets", "allocate per-layer budgets at the same total memory from each layer's measured sensitivity", [
+    MODEL,
+    arg("--data", default="champ", help="text to measure on (default champ, its training split)"),
+    arg("--text-field", default=None),
+    arg("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)"),
+    arg("--sequences", type=int, default=2, help="sequences to measure on (default 2)"),
+    arg("--budget", type=int, default=None, help="the uniform per-layer budget B; the layers' budgets sum to L x B"),
+    arg("--trained", default=None, metavar="DIR",
+        help="measure where this trained kvpop directory's own scorer loses attention mass (its budget and split), "
+             "instead of the oracle's rule at --budget"),
+    arg("--sink", type=int, default=4),
+    arg("--window", type=int, default=None, help="protected window (default a quarter of the budget)"),
+    arg("--out", required=True, help="JSON file to write (for --layer-budgets of train and eval)"),
+    arg("--device", default=None),
+    arg("--seed", type=int, default=0),
+])
+def budgets(args: argparse.Namespace) -> int:
+    import kvpop
+    from kvpop.eval import budgets as alloc
+    from kvpop.models import load_model
+    from kvpop.train.data import load_texts, pack_sequences
+
+    if (args.budget is None) == (args.trained is None):
+        raise ValueError("give --budget (the oracle's rule at that budget) or --trained DIR (its own scorer), not both")
+    base, tokenizer = load_model(args.model, device=_device(args.device))
+    if getattr(base, "kvpop", None) is not None:
+        raise ValueError(f"--model must be a base model, not a kvpop directory ({args.model}); use --trained DIR")
+    if args.trained:
+        model = kvpop.load(args.trained, device=_device(args.device))
+        cfg, measured = model.kvpop.config, model
+    else:
+        cfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window)
+        measured = base
+    if cfg.budget >= args.seq_len:
+        raise ValueError(f"budget {cfg.budget} is not below --seq-len {args.seq_len}: nothing is evicted")
+    texts = load_texts(args.data, split="train", text_field=args.text_field, tokenizer=tokenizer, seed=args.seed)
+    tokens = pack_sequences(texts[:2000], tokenizer, args.seq_len)[: args.sequences]
+    candidates, curves, n = alloc.measure(measured, (row[None] for row in tokens), None if args.trained else cfg)
+    per_layer = alloc.layer_budgets(cfg, candidates, curves)
+    path = alloc.write(args.out, cfg, per_layer, candidates, curves, command=args.command_line, queries=n,
+                       seq_len=args.seq_len, sequences=len(tokens))
+    print(f"{'layer':>5} {'budget':>7}  lost attention mass at k = {', '.join(map(str, candidates))}")
+    for layer, (b, row) in enumerate(zip(per_layer, curves.tolist())):
+        print(f"{layer:>5} {b:>7}  " + " ".join(f"{x:.4f}" for x in row))
+    low = cfg.sink + cfg.window
+    print(f"mean lost mass: uniform {alloc.mean_lost(curves, candidates, [cfg.topk] * len(per_layer)):.4f}, "
+          f"per-layer {alloc.mean_lost(curves, candidates, [b - low for b in per_layer]):.4f}")
+    print(f"kvpop budgets: wrote {path} (sum {sum(per_layer)} = {len(per_layer)} layers x {cfg.budget})",
+          file=sys.stderr)
+    return 0
 
 
 @command("viz", "plot which tokens each layer's KV heads still hold (the paper's Fig. 6) for a model, text, policy", [

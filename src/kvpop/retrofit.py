@@ -117,10 +117,11 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
     model.kvpop = mods
     model.set_attn_implementation(ATTENTION_NAME)
 
-    for attn, policy in zip(attns, mods.layers):
-        def inject(module, args, kwargs, policy=policy):
+    for i, (attn, policy) in enumerate(zip(attns, mods.layers)):
+        def inject(module, args, kwargs, policy=policy, i=i):
             kwargs["kvpop_layer"] = policy
-            kwargs["kvpop_config"] = cfg
+            # each layer runs its own split (per-layer budgets), read at call time: `mods.config` may change
+            kwargs["kvpop_config"] = mods.layer_config(i)
             kwargs["kvpop_cache"] = kwargs.get("past_key_values", kwargs.get("cache"))
             return args, kwargs
 

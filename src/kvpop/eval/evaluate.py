@@ -45,10 +45,14 @@ class Entry:
     cache_count: int = field(default=0, repr=False)
 
 
-def training_free(policy: str, budget: int, sink: int = 4) -> Entry:
-    """A baseline at `budget` with the split each policy expects (`KVpopConfig.for_budget`)."""
-    cfg = KVpopConfig.for_budget(budget, sink=sink, policy=policy)
-    return Entry(policy, budget, cfg)
+def training_free(policy: str, budget: int, sink: int = 4, layer_budgets: Sequence[int] | None = None) -> Entry:
+    """A baseline at `budget` with the split each policy expects (`KVpopConfig.for_budget`).
+
+    `layer_budgets`: per-layer budgets `B_l` at the same total memory (`sum_l B_l = L x budget`,
+    `kvpop budgets` makes them); the row is then labelled `<policy>+layers`.
+    """
+    entry = Entry(policy, budget, KVpopConfig.for_budget(budget, sink=sink, policy=policy))
+    return entry if layer_budgets is None else with_layer_budgets(entry, layer_budgets)
 
 
 def from_directory(path: str, name: str | None = None) -> Entry:
@@ -72,6 +76,17 @@ def check_base(path: str, base: nn.Module) -> bool:
     return True
 
 
+def with_layer_budgets(entry: Entry, budgets: Sequence[int]) -> Entry:
+    """`entry` (a trained static scorer or a training-free policy) at per-layer budgets `B_l`, the same memory.
+
+    A static scorer ranks the same way whatever the top-k, so a trained directory needs no retraining.
+    """
+    if entry.cfg.layer_topk is not None or entry.cfg.policy in ("streaming_llm", "streaming_llm_plus", "dms"):
+        raise ValueError(f"{entry.name}: per-layer budgets need a uniform ranked split, got policy "
+                         f"{entry.cfg.policy!r} with layer_topk={entry.cfg.layer_topk}")
+    return Entry(f"{entry.name}+layers", entry.budget, entry.cfg.with_layer_budgets(list(budgets)), trained=entry.trained)
+
+
 class Evaluator:
     """Runs `entries` over sequences, keeping one base model and loading trained ones once."""
 
@@ -89,12 +104,18 @@ class Evaluator:
         if entry.trained is None:
             return retrofit(self.base, entry.cfg)
         if entry.trained not in self._trained:
-            self._trained[entry.trained] = load(entry.trained, device=self.device)
-        return self._trained[entry.trained]
+            model = load(entry.trained, device=self.device)
+            self._trained[entry.trained] = (model, model.kvpop.config)
+        model, saved = self._trained[entry.trained]
+        # the same weights at another split (per-layer budgets, `with_layer_budgets`): swapped in for this entry
+        model.kvpop.config = entry.cfg if entry.cfg.layer_topk is not None else saved
+        return model
 
     def _release(self, entry: Entry, model: nn.Module) -> None:
         if entry.trained is None:
             detach(model)
+        else:
+            model.kvpop.config = self._trained[entry.trained][1]
 
     @torch.no_grad()
     def add(self, input_ids: Tensor, progress=None) -> None:
@@ -132,7 +153,7 @@ class Evaluator:
         if recall is not None:
             if entry.recall is None:
                 c = entry.cfg
-                entry.recall = RetentionRecall(c.sink, c.window, c.topk)
+                entry.recall = RetentionRecall(c.sink, c.window, list(c.layer_topk) if c.layer_topk else c.topk)
             entry.recall.update(*recall)
 
     def _run(self, entry: Entry, model: nn.Module, ids: Tensor, reference: Capture) -> tuple[Tensor, tuple | None]:
@@ -194,6 +215,7 @@ class Evaluator:
                 "sink": e.cfg.sink,
                 "window": e.cfg.window,
                 "topk": e.cfg.topk,
+                "layer_topk": list(e.cfg.layer_topk) if e.cfg.layer_topk else None,
                 "trained": e.trained,
             }
             if e.recall is not None:
@@ -254,4 +276,5 @@ def rollouts_pass_at_1(model: nn.Module, tokenizer, problems: Sequence[dict], sa
     return pass_at_1(completions, [p["answer"] for p in problems]), completions
 
 
-__all__ = ["Entry", "Evaluator", "format_table", "from_directory", "headline", "rollouts_pass_at_1", "training_free"]
+__all__ = ["Entry", "Evaluator", "format_table", "from_directory", "headline", "rollouts_pass_at_1", "training_free",
+           "with_layer_budgets"]

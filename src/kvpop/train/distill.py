@@ -414,16 +414,22 @@ class Distiller:
             losses.append(loss)
             keep.append(extra["retention"])
         for rec in records if k.topk > 0 and k.policy != "dms" else []:
+            lk = k.for_layer(rec.layer_idx)  # per-layer budgets: this layer's own top-k
+            if lk.topk == 0:
+                # a layer given no long-range slots has no ranking to learn; a zero loss keeps its scorer in
+                # the graph (DDP expects a gradient for every parameter)
+                losses.append(rec.priority.sum() * 0.0)
+                continue
             with timed("kvpop.target"):
                 r_tgt = future_attention_target(
-                    rec.query.detach(), rec.key.detach(), rec.lse.detach(), k.window, scale=rec.scale,
-                    eps=k.target_eps, agg=k.target_agg, count_norm=k.target_count_norm,
+                    rec.query.detach(), rec.key.detach(), rec.lse.detach(), lk.window, scale=rec.scale,
+                    eps=lk.target_eps, agg=lk.target_agg, count_norm=lk.target_count_norm,
                 )
             with timed("kvpop.boundary_loss"):
-                pi_tgt = teacher_priority(r_tgt, rec.log_gamma, k.decay_step)
-                pairs = boundary_labels(pi_tgt, k.sink, k.window, k.topk, k.loss_query_fraction, self.sampler)
+                pi_tgt = teacher_priority(r_tgt, rec.log_gamma, lk.decay_step)
+                pairs = boundary_labels(pi_tgt, lk.sink, lk.window, lk.topk, lk.loss_query_fraction, self.sampler)
                 loss, stats = boundary_loss(
-                    rec.priority, pairs, k.loss_tau, k.loss_margin_delta, k.loss_balance, k.loss_balance_clip,
+                    rec.priority, pairs, lk.loss_tau, lk.loss_margin_delta, lk.loss_balance, lk.loss_balance_clip,
                     reduce_counts=self.dist.all_sum if self.dist.distributed else None,
                 )
             losses.append(loss)
