@@ -24,6 +24,12 @@ CONFIGS = {
     "mlstm": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="mlstm", mlstm_hidden=16),
     "mlstm-delay0": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="mlstm", mlstm_hidden=16, delay=0),
     "mlstm-delay2": kvpop.KVpopConfig(sink=0, window=4, topk=5, scorer="mlstm", mlstm_hidden=0, delay=2),
+    # the delayed evidence scorer (Sec. 7b): window sums per ring slot, read out when leaving the window
+    "evidence": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="evidence", scorer_hidden=16),
+    "evidence-w1-additive": kvpop.KVpopConfig(sink=0, window=1, topk=5, scorer="evidence", scorer_hidden=16,
+                                              evidence_mix="additive"),
+    "evidence-pre-rope": kvpop.KVpopConfig(sink=3, window=4, topk=6, scorer="evidence", scorer_hidden=16,
+                                           scorer_keys="pre_rope"),
 }
 
 
@@ -69,7 +75,7 @@ def test_teacher_forced_equals_prefill_and_decode(models, arch, cfg_name, split)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "mlstm-delay0", "dms"])
+@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "mlstm-delay0", "dms", "evidence"])
 @torch.no_grad()
 def test_cache_holds_exactly_what_the_rule_retains(models, arch, cfg_name):
     model = models[(arch, cfg_name)]
@@ -88,7 +94,8 @@ def test_cache_holds_exactly_what_the_rule_retains(models, arch, cfg_name):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg_name", ["base", "streaming_llm", "tova", "h2o", "mlstm", "mlstm-delay0", "dms"])
+@pytest.mark.parametrize("cfg_name", ["base", "streaming_llm", "tova", "h2o", "mlstm", "mlstm-delay0", "dms", "evidence",
+                                      "evidence-pre-rope"])
 @torch.no_grad()
 def test_batch_with_left_padding(models, arch, cfg_name):
     model = models[(arch, cfg_name)]
@@ -104,7 +111,7 @@ def test_batch_with_left_padding(models, arch, cfg_name):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "streaming_llm", "tova", "h2o", "dms"])
+@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "streaming_llm", "tova", "h2o", "dms", "evidence"])
 @torch.no_grad()
 def test_generate_greedy_batched_equals_single(models, arch, cfg_name):
     model = models[(arch, cfg_name)]
