@@ -39,7 +39,7 @@ def window_evidence(
     window: int,
     scale: float,
     backend: Literal["auto", "reference", "chunked"] = "auto",
-    chunk: int = 256,
+    chunk: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sum, max and latest window-normalised attention each local entry gets from the given queries.
 
@@ -61,11 +61,14 @@ def window_evidence(
         window: `w >= 1`.
         scale: logit scale.
         backend: "auto" (= "chunked"), "chunked", or "reference" (dense float64, tests only).
-        chunk: queries per step of the chunked backend.
+        chunk: queries per step of the chunked backend; None: `max(window, 128)`. A chunk's logits are
+            `[chunk, chunk + w - 1]` of which a band of `w` per row is used, so chunks near `w` waste
+            little, and far fewer than `w` pay the loop's per-step cost.
     Returns:
         stats float32 [B, Hkv, N, 3, G]: sum, max and latest `p~` (0 where no query reached the
         entry), and reached bool [B, N]: some query gave the entry evidence.
     """
+    chunk = max(window, 128) if chunk is None else chunk
     _check(query, key, key_valid, query_valid, query_pos, sink_key, sink_pos, window, backend, chunk)
     args = (query, key, key_valid.bool(), query_valid.bool(), query_pos, sink_key, sink_pos, window, scale)
     with torch.no_grad(), torch.autocast(query.device.type, enabled=False):
@@ -87,7 +90,7 @@ def sequence_evidence(
     window: int,
     scale: float,
     backend: Literal["auto", "reference", "chunked"] = "auto",
-    chunk: int = 256,
+    chunk: int | None = None,
 ) -> Tensor:
     """The evidence of every token of teacher-forced sequences, from all the queries of its window.
 
@@ -134,9 +137,10 @@ def window_probs(
     with torch.no_grad(), torch.autocast(query.device.type, enabled=False):
         q = (query.float() * scale).reshape(B, Hkv, Hq // Hkv, D)
         logits = torch.matmul(q, key.float().transpose(-1, -2)).masked_fill(~occupied[:, :, None], -torch.inf)
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        lse = torch.where(torch.isfinite(lse), lse, 0.0)
-        return torch.exp(logits - lse)
+        # the chunked backend's arithmetic: exp(l - max) / sum
+        top = logits.amax(-1, keepdim=True)
+        p = torch.exp(logits - torch.where(torch.isfinite(top), top, 0.0))
+        return p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
 
 
 def _check(query, key, key_valid, query_valid, query_pos, sink_key, sink_pos, window, backend, chunk) -> None:

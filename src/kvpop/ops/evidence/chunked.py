@@ -21,7 +21,7 @@ def window_evidence_chunked(
     sink_pos: Tensor,  # [B, E]
     window: int,
     scale: float,
-    chunk: int = 256,
+    chunk: int = 128,
 ) -> tuple[Tensor, Tensor]:
     """Same contract as `window_evidence_reference` (float32 throughout).
 
@@ -44,19 +44,26 @@ def window_evidence_chunked(
         K = a1 - k0
         q = (query[:, :, j0:j1].float() * scale).reshape(B, Hkv, G * C, D)
         local = torch.matmul(q, k_all[:, :, k0:a1].transpose(-1, -2)).view(B, Hkv, G, C, K)
-        fixed = torch.matmul(q, sk.transpose(-1, -2)).view(B, Hkv, G, C, E)
+        fixed = torch.matmul(q, sk.transpose(-1, -2)).view(B, Hkv, G, C, E) if E else None
         a = torch.arange(a0, a1, device=dev)
         i = torch.arange(k0, a1, device=dev)
         band = (i[None, :] <= a[:, None]) & (i[None, :] > a[:, None] - window)  # [C, K]
         band = band & key_valid[:, None, k0:a1] & query_valid[:, j0:j1, None]  # [B, C, K]
         sinks = (sink_pos[:, None, :] >= 0) & (sink_pos[:, None, :] <= query_pos[:, j0:j1, None])  # [B, C, E]
-        local = local.masked_fill(~band[:, None, None], -torch.inf)
-        fixed = fixed.masked_fill(~sinks[:, None, None], -torch.inf)
-        # the normaliser of each query over its always-retained keys (sinks and window)
-        lse = torch.logsumexp(torch.cat([local, fixed], dim=-1), dim=-1)  # [B, Hkv, G, C]
-        # an invalid query has no key at all (-inf): shift it by 0, its probabilities are masked anyway
-        lse = torch.where(torch.isfinite(lse), lse, 0.0)
-        p = torch.exp(local - lse[..., None])  # [B, Hkv, G, C, K], 0 off the band
+        # the normaliser of each query over its always-retained keys (sinks and window), in place:
+        # p = exp(l - top) / sum exp(l - top), 0 off the band
+        local.masked_fill_(~band[:, None, None], -torch.inf)
+        top = local.amax(-1)  # [B, Hkv, G, C]
+        if E:
+            fixed.masked_fill_(~sinks[:, None, None], -torch.inf)
+            top = torch.maximum(top, fixed.amax(-1))
+        # an invalid query has no key at all (-inf): shift it by 0, its probabilities are 0 anyway
+        top = torch.where(torch.isfinite(top), top, 0.0)[..., None]
+        p = local.sub_(top).exp_()
+        z = p.sum(-1, keepdim=True)
+        if E:
+            z = z + fixed.sub_(top).exp_().sum(-1, keepdim=True)
+        p.div_(z.clamp(min=torch.finfo(torch.float32).tiny))  # [B, Hkv, G, C, K]
         stats[:, :, 0, :, k0:a1] += p.sum(-2)
         stats[:, :, 1, :, k0:a1] = torch.maximum(stats[:, :, 1, :, k0:a1], p.amax(-2))
         latest = torch.where(band, torch.arange(C, device=dev)[None, :, None], -1).amax(1)  # [B, K]
