@@ -274,3 +274,19 @@ def test_save_and_load_keep_the_scorer(tmp_path):
         kvpop.save(model, tmp_path / "m")
         got = kvpop.load(tmp_path / "m")(ids).logits
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("split", [(1, 9), (2, 5, 30), (1, 1, 2, 40)], ids=str)
+@torch.no_grad()
+def test_chunks_starting_inside_the_sinks(split):
+    # a prefill chunk that begins before the last sink: its sinks come partly from their slots, partly
+    # from the chunk itself
+    from test_cache import run_cached
+
+    cfg = kvpop.KVpopConfig(sink=4, window=3, topk=5, scorer="evidence", scorer_hidden=16, scorer_keys="pre_rope")
+    model = retrofitted("qwen3", cfg)
+    ids = torch.randint(3, 300, (1, 48), generator=torch.Generator().manual_seed(3))
+    with quiet():
+        full = model(ids).logits
+        cached, _ = run_cached(model, ids, split)
+    assert_close(cached, full, LOGIT_ATOL, str(split))
