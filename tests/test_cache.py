@@ -27,6 +27,14 @@ CONFIGS = {
     # per-layer budgets at the same total memory (KVPOP.md Sec. 7b): each layer its own static shapes
     "layers": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16, layer_topk=(3, 11)),
     "tova-layers": kvpop.KVpopConfig(sink=2, window=3, topk=9, policy="tova", layer_topk=(0, 18)),
+    # the delayed evidence scorer (Sec. 7b): window sums per ring slot, read out when leaving the window
+    "evidence": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="evidence", scorer_hidden=16),
+    "evidence-w1-additive": kvpop.KVpopConfig(sink=0, window=1, topk=5, scorer="evidence", scorer_hidden=16,
+                                              evidence_mix="additive"),
+    "evidence-pre-rope": kvpop.KVpopConfig(sink=3, window=4, topk=6, scorer="evidence", scorer_hidden=16,
+                                           scorer_keys="pre_rope"),
+    "evidence-layers": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="evidence", scorer_hidden=16,
+                                         layer_topk=(12, 2)),
 }
 
 
@@ -73,7 +81,7 @@ def test_teacher_forced_equals_prefill_and_decode(models, arch, cfg_name, split)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "mlstm-delay0", "dms"])
+@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "mlstm-delay0", "dms", "evidence"])
 @torch.no_grad()
 def test_cache_holds_exactly_what_the_rule_retains(models, arch, cfg_name):
     model = models[(arch, cfg_name)]
@@ -92,7 +100,8 @@ def test_cache_holds_exactly_what_the_rule_retains(models, arch, cfg_name):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg_name", ["base", "streaming_llm", "tova", "h2o", "mlstm", "mlstm-delay0", "dms"])
+@pytest.mark.parametrize("cfg_name", ["base", "streaming_llm", "tova", "h2o", "mlstm", "mlstm-delay0", "dms", "evidence",
+                                      "evidence-pre-rope"])
 @torch.no_grad()
 def test_batch_with_left_padding(models, arch, cfg_name):
     model = models[(arch, cfg_name)]
@@ -108,7 +117,7 @@ def test_batch_with_left_padding(models, arch, cfg_name):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "streaming_llm", "tova", "h2o", "dms"])
+@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "streaming_llm", "tova", "h2o", "dms", "evidence"])
 @torch.no_grad()
 def test_generate_greedy_batched_equals_single(models, arch, cfg_name):
     model = models[(arch, cfg_name)]

@@ -22,6 +22,8 @@ CONFIGS = {
     "kvpop": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16),
     "mlstm": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="mlstm", mlstm_hidden=16),
     "tova": kvpop.KVpopConfig(sink=2, window=3, topk=9, policy="tova"),
+    # the window sums and keys before RoPE are per-step state too
+    "evidence": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="evidence", scorer_hidden=16, scorer_keys="pre_rope"),
 }
 
 
@@ -61,7 +63,7 @@ def _decode(model, name: str, ids: torch.Tensor, compile: bool, backend: str | N
     return torch.cat(tokens, 1), torch.stack(logits, 1), cache
 
 
-@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "dense"])
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "evidence", "dense"])
 def test_compiled_step_equals_eager(name):
     model = _model(name)
     # long enough that the window and top-k slots fill and evict during the decode steps
@@ -79,7 +81,7 @@ def test_compiled_step_equals_eager(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["kvpop", "mlstm", "dense"])
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "evidence", "dense"])
 def test_cuda_graph_step_equals_eager(name):
     """On CUDA: inductor + CUDA graphs (mode "reduce-overhead"), captured once, no step skipped out of the graph."""
     from torch._dynamo.utils import counters
@@ -98,7 +100,7 @@ def test_cuda_graph_step_equals_eager(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["kvpop", "mlstm", "dense"])
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "evidence", "dense"])
 def test_captured_cuda_graph_step_equals_eager(name):
     """On CUDA: the eager step captured once with torch.cuda.CUDAGraph (the default backend) replays the eager decode."""
     model = _model(name).cuda()
@@ -154,7 +156,7 @@ def test_eager_processed_is_counted_after_static_length():
     assert all(not layer.frozen for layer in cache.layers)
 
 
-@pytest.mark.parametrize("name,context", [("kvpop", 40), ("mlstm", 40), ("kvpop", 9), ("dense", 40)])
+@pytest.mark.parametrize("name,context", [("kvpop", 40), ("mlstm", 40), ("evidence", 40), ("kvpop", 9), ("dense", 40)])
 def test_fill_random(name, context):
     model = _model(name)
     cache = _cache(model, name, context + 4)
@@ -244,12 +246,15 @@ def test_stepwise_logits_on_cuda_graphs_equal_the_teacher_forced_pass(policy, ba
     assert_close(got, expected, 1e-3, f"{policy} x{batch}: CUDA-graph steps vs teacher-forced logits")
 
 
-@pytest.mark.parametrize("policy", ["kvpop", "tova", "dms"])
+@pytest.mark.parametrize("policy", ["kvpop", "tova", "dms", "evidence"])
 def test_fused_layer_step_equals_the_eager_step(policy):
     """`KVpopCache.fuse`: the per-layer decode step compiled once (here traced with aot_eager) changes nothing."""
-    cfg = kvpop.KVpopConfig(sink=2, window=4, topk=5, policy=policy)
     if policy == "kvpop":
         cfg = kvpop.KVpopConfig(sink=2, window=4, topk=5, scorer="mlstm", mlstm_dim=8)
+    elif policy == "evidence":
+        cfg = kvpop.KVpopConfig(sink=2, window=4, topk=5, scorer="evidence", scorer_hidden=16)
+    else:
+        cfg = kvpop.KVpopConfig(sink=2, window=4, topk=5, policy=policy)
     model = retrofitted("qwen3", cfg)
     ids = torch.randint(3, 300, (2, 15), generator=torch.Generator().manual_seed(5))
 

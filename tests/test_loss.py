@@ -287,6 +287,43 @@ def test_query_fraction_count_and_determinism():
         draw(0, 0.0)
 
 
+def test_query_sampling_draws_on_the_generators_device(monkeypatch):
+    # the trainer's sampler is a CPU generator (checkpointed with the run) while the priorities may live
+    # on a GPU, where `torch.rand(device="cuda", generator=cpu_generator)` raises: the numbers are drawn on
+    # the generator's device and moved. Here a `torch.rand` that raises like CUDA's, and tensors on "meta"
+    from kvpop.train import loss as L
+
+    real_rand = torch.rand
+    devices = []
+
+    def strict_rand(*shape, generator=None, device=None, **kw):
+        device = torch.device(device or "cpu")
+        devices.append(device)
+        if generator is not None and generator.device.type != device.type:
+            raise RuntimeError(f"Expected a '{device.type}' device type for generator but found '{generator.device.type}'")
+        return real_rand(*shape, generator=generator, device=device, **kw)
+
+    monkeypatch.setattr(torch, "rand", strict_rand)
+    eligible = torch.ones(2, 40, dtype=torch.bool, device="meta")
+    out = L._sample_queries(eligible, 0.5, torch.Generator().manual_seed(0))
+    assert out.device.type == "meta" and out.shape == (2, 40)
+    assert devices == [torch.device("cpu")]
+    # on one device nothing changed: the same draws as before (a resumed run repeats its queries)
+    cpu = L._sample_queries(torch.ones(2, 40, dtype=torch.bool), 0.5, torch.Generator().manual_seed(0))
+    keys = real_rand(2, 40, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(cpu, keys.argsort(-1).argsort(-1) < 20)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_query_fraction_on_cuda_with_the_trainers_cpu_generator():
+    pi = torch.randn(2, 3, 60, generator=torch.Generator().manual_seed(0))
+    want = boundary_labels(pi, 2, 3, 5, 0.3, generator=torch.Generator().manual_seed(1))
+    got = boundary_labels(pi.cuda(), 2, 3, 5, 0.3, generator=torch.Generator().manual_seed(1))
+    for field in BoundaryPairs._fields:
+        assert torch.equal(getattr(got, field).cpu(), getattr(want, field)), field
+
+
 def test_margin_weight_makes_near_ties_count_little():
     # S=4, sink 0, window 1, topk 1: q=2 pits 1 against 0 (Delta 1e-3), q=3 pits 2 against 1 (Delta ~5)
     pi_tgt = torch.tensor([0.0, 1e-3, 5.0, 0.0]).view(1, 1, 4)

@@ -341,3 +341,23 @@ def test_state_accounting():
     assert isinstance(state, M.MLSTMState)
     assert state.C.shape == (2, 1, 64, 64) and state.n.shape == (2, 1, 64) and state.m.shape == (2, 1)
     assert all(t.dtype == torch.float32 for t in state)
+
+
+@pytest.mark.parametrize("delay", [0, 5])
+def test_scores_are_float32_under_autocast(delay):
+    # every execution: whole sequence, one step + readout, and scan
+    s = _scorer(delay, seed=1, gate=1.0)
+    key, value = _inputs(128, seed=1)
+    with torch.no_grad():
+        want = s(key, value)
+        state = s.step(s.init_state(B), key[:, :, 0], value[:, :, 0])
+        want_step = s.readout(state, key[:, :, 0], value[:, :, 0])
+        _, want_scan = s.scan(s.init_state(B), key, value, key, value, None)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = s(key, value)
+            state = s.step(s.init_state(B), key[:, :, 0], value[:, :, 0])
+            got_step = s.readout(state, key[:, :, 0], value[:, :, 0])
+            _, got_scan = s.scan(s.init_state(B), key, value, key, value, None)
+    for g, w, what in ((got, want, "forward"), (got_step, want_step, "step"), (got_scan, want_scan, "scan")):
+        assert g.dtype == torch.float32 and torch.equal(g, w), f"{what}: autocast changed the scores"
+    assert all(got[b, h].unique().numel() == 128 for b in range(B) for h in range(H)), "tied scores"

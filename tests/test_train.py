@@ -264,6 +264,31 @@ def test_cli_trains_the_mlstm_scorer_and_reports_the_effective_topk(text_file, t
     assert "need --scorer mlstm" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra", [{}, {"scorer_keys": "pre_rope", "evidence_mix": "additive"}], ids=["concat", "additive+pre_rope"])
+def test_evidence_scorer_training_lowers_the_boundary_loss(text_file, tmp_path, extra):
+    out = tmp_path / "run"
+    kcfg = kvpop.KVpopConfig(**{**KCFG, "scorer": "evidence", **extra})
+    final = distill.train(_cfg(text_file, out, steps=20, freeze_base=True, save_every=0), kcfg, progress=False)
+    log = _log(out)
+    first = sum(r["loss_score"] for r in log[:5]) / 5
+    last = sum(r["loss_score"] for r in log[-5:]) / 5
+    assert last < 0.9 * first, (first, last)
+    assert sum(r["accuracy"] for r in log[-5:]) > sum(r["accuracy"] for r in log[:5])
+    assert kvpop.load(final).kvpop.config == kcfg
+
+
+def test_cli_flags_of_the_evidence_scorer(text_file, tmp_path, capsys):
+    out = tmp_path / "o"
+    common = ["train", "--model", "tiny-random-qwen3", "--data", str(text_file), "--seq-len", "128", "--window", "8",
+              "--topk", "16", "--steps", "1", "--out", str(out), "--no-progress", "--freeze-base", "--max-tokens",
+              str(128 * 8), "--query-fraction", "0.5"]
+    assert main(common + ["--scorer", "evidence", "--scorer-keys", "pre_rope", "--evidence-mix", "additive"]) == 0
+    saved = json.loads((out / "final" / "kvpop_config.json").read_text())
+    assert (saved["scorer"], saved["scorer_keys"], saved["evidence_mix"]) == ("evidence", "pre_rope", "additive")
+    assert main(common + ["--scorer", "mlstm", "--scorer-keys", "pre_rope"]) == 1
+    assert "scorer_keys" in capsys.readouterr().err
+
+
 def test_step_ranges_are_timed_and_nest(text_file, tmp_path):
     from kvpop.timing import RangeTimer
 

@@ -12,6 +12,7 @@ is looked up globally and nothing is stored on Hugging Face modules. The cases:
 
 Extra keyword arguments a caller may pass to the model forward (they flow down to here):
 `kvpop_dense: bool`, `kvpop_capture: Capture` (receives one `LayerRecord` per layer, for training),
+`kvpop_rope: (cos, sin)` (the layer's rotary embeddings, passed by the retrofit's hook: `scorer_keys="pre_rope"`),
 `kvpop_priority: list[Tensor]` (static priorities per layer, [B, Hkv, S], replacing the policy's: the oracle).
 """
 
@@ -112,7 +113,7 @@ def kvpop_attention(
     cache = kwargs.get("kvpop_cache")
     if isinstance(cache, KVpopCache):
         valid = _padding(attention_mask, B, Q, query.device)
-        out = cache.layers[module.layer_idx].attend(query, key, value, valid, policy, scale)
+        out = cache.layers[module.layer_idx].attend(query, key, value, valid, policy, scale, kwargs.get("kvpop_rope"))
         return out.transpose(1, 2), None
     if key.shape[-2] != Q:
         raise ValueError(
@@ -147,7 +148,14 @@ def kvpop_attention(
         sink, window = Q, Q  # everything is a sink: causal attention over real tokens
     else:
         with timed("kvpop.scorer"):
-            priority = override[module.layer_idx] if override is not None else policy.priority(key, value, position)
+            rope = kwargs.get("kvpop_rope")
+            if override is not None:
+                priority = override[module.layer_idx]
+            elif policy.evidence:
+                # scored when leaving the window, from the attention its window's queries gave it
+                priority = policy.attention_priority(query, key, value, position, valid, scale, rope)
+            else:
+                priority = policy.priority(policy.scorer_key(key, rope), value, position)
         with timed("kvpop.rule"):
             evict = eviction_positions(priority.detach(), position[:, None], valid[:, None], cfg.sink, cfg.window,
                                        cfg.topk, ordered=True)

@@ -19,6 +19,7 @@ Two update paths, both equal to the rule (tests check them against the teacher-f
 A stateful policy (the mLSTM scorer) also keeps its memory here, per layer (`state`, batch first).
 Its priorities are read out `delay <= window` steps after insertion: at position `p` the memory takes
 token `p` and then reads out token `p - delay`, which is still in the window (or is token `p` itself).
+The evidence scorer keeps its per-window-slot sums in `state` too (`cache_evidence.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import attention_with_probs, masked_attention
 from kvpop.ops.topk import eviction_positions, mask_from_eviction
@@ -146,6 +148,7 @@ class KVpopLayerCache(CacheLayerMixin):
         valid: Tensor,  # [B, C] bool, False for padding
         policy: LayerPolicy,
         scale: float,
+        rope: tuple[Tensor, Tensor] | None = None,  # (cos, sin) [B, C, D] of the new tokens
     ) -> Tensor:
         """Insert a chunk of `C` new tokens and return their attention output [B, Hq, C, D]."""
         if policy.teacher_forced_only:
@@ -154,36 +157,42 @@ class KVpopLayerCache(CacheLayerMixin):
             self.lazy_initialization(key, value)
         position = self.seen[:, None] + torch.cumsum(valid.long(), dim=-1) - 1  # [B, C]
         B, H, C, _ = key.shape
-        if policy.stateful:
+        if policy.stateful or policy.evidence:
             if self.state is None:
                 self.state = policy.init_state(B, key.device)
-            # priorities are read out `delay` steps after insertion (`_advance_*`); until then a placeholder
+            # priorities are read out `delay` steps after insertion (`_advance_*`, `cache_evidence`); until
+            # then a placeholder
             priority = torch.full((B, H, C), float("-inf"), dtype=torch.float32, device=key.device)
         else:
-            priority = policy.priority(key, value, position.clamp(min=0)).detach()  # [B, Hkv, C]
+            priority = policy.priority(policy.scorer_key(key, rope), value, position.clamp(min=0)).detach()  # [B, Hkv, C]
         if C == 1 or policy.dynamic:
             # dynamic policies re-rank after every token, so even a prefill runs their step semantics
             outs = [
                 self._decode(query[:, :, j : j + 1], key[:, :, j : j + 1], value[:, :, j : j + 1],
-                             position[:, j], valid[:, j], priority[..., j], scale, policy)
+                             position[:, j], valid[:, j], priority[..., j], scale, policy,
+                             None if rope is None else tuple(r[:, j : j + 1] for r in rope))
                 for j in range(C)
             ]
             out = torch.cat(outs, dim=2)
         else:
-            out = self._chunk(query, key, value, position, valid, priority, scale, policy)
+            out = self._chunk(query, key, value, position, valid, priority, scale, policy, rope)
         # in place, like every per-step update here: a captured CUDA graph keeps the buffers' addresses
         self.seen.add_(valid.sum(-1))
         return out
 
     def _decode(self, query, key, value, p: Tensor, real: Tensor, pri_new: Tensor, scale: float,
-                policy: LayerPolicy) -> Tensor:
+                policy: LayerPolicy, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """One token per row (`p`: [B] its position): Sec. 7's step with static shapes (`decode_step`)."""
         if policy.stateful:
             # before the leaving token is compared: with delay == window it is the one read out now
             pri_new = self._advance_decode(key, value, p, real, pri_new, policy)
+        if policy.evidence:
+            cache_evidence.decode_readout(self, p, real, policy)
         step = self.fused or decode_step
         out, probs = step(self.buffers, query, key, value, p, real, pri_new, self.sink, self.window, self.topk,
                           scale, policy.dynamic)
+        if policy.evidence:
+            cache_evidence.decode_accumulate(self, query, key, p, real, scale, policy, rope)
         if policy.dynamic:
             occupied = self.pos >= 0
             self.pri.copy_(torch.where(real[:, None, None], policy.update(self.pri, probs, occupied), self.pri))
@@ -257,7 +266,7 @@ class KVpopLayerCache(CacheLayerMixin):
         return [*self.buffers, self.seen, *(self.state or ())]
 
     def _chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float,
-               policy: LayerPolicy) -> Tensor:
+               policy: LayerPolicy, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Any number of tokens: the rule over `slots + chunk`, then the slots rewritten."""
         s, w, n_slots = self.sink, self.window, self.slots
         B, H, C, _ = key.shape
@@ -273,6 +282,10 @@ class KVpopLayerCache(CacheLayerMixin):
             # t + window), the queries here end at `last` < t + delay <= t + window, and an eviction
             # caused by it would come at `t + window > last`. It is read out before it becomes eligible.
             cand_pri = self._advance_chunk(key, value, position, valid, cand_k, cand_v, cand_pri, policy)
+        if policy.evidence:
+            # the same argument: a token is read out by the query at which it becomes eligible
+            cand_pri = cache_evidence.chunk_readout(self, query, key, value, position, valid, cand_pri, scale, policy,
+                                                    rope)
         evict = eviction_positions(cand_pri, cand_pos, cand_valid, s, w, self.topk)
         mask = mask_from_eviction(position, valid, cand_pos, cand_valid, evict, s, w)  # [B, H, C, slots + C]
         out, _ = masked_attention(query, cand_k, cand_v, mask, scale)

@@ -262,7 +262,9 @@ def info(args: argparse.Namespace) -> int:
         c = read_config(args.model).to_dict()
         rows["retrofitted with"] = (f"sink={c['sink']} window={c['window']} topk={c['topk']} "
                                     f"(budget {c['sink'] + c['window'] + c['topk']}), policy {c['policy']}, "
-                                    f"scorer {c['scorer']}")
+                                    f"scorer {c['scorer']}"
+                                    + (f", {c['scorer_keys']} keys" if c.get("scorer_keys", "cached") != "cached" else "")
+                                    + (f", {c['evidence_mix']} features" if c.get("scorer") == "evidence" else ""))
         if c.get("scorer") == "mlstm":
             matched = c.get("extra", {}).get("match_mlp_memory")
             rows["retrofitted with"] += (f", delay {c['window'] if c.get('delay') is None else c['delay']}"
@@ -286,9 +288,14 @@ def info(args: argparse.Namespace) -> int:
     arg("--dms-temperature", type=float, default=0.1, help="dms: Gumbel-sigmoid temperature (default 0.1)"),
     arg("--dms-target-retention", type=float, default=None,
         help="dms: share of tokens past the window each head may keep (default topk / (seq_len - sink - window))"),
-    arg("--scorer", default="mlp", choices=["mlp", "mlstm"],
-        help="scorer architecture: mlp (KVpop-mlp) or mlstm (stateful KVpop, delayed readout) (default mlp)"),
+    arg("--scorer", default="mlp", choices=["mlp", "mlstm", "evidence"],
+        help="scorer architecture: mlp (KVpop-mlp), mlstm (stateful KVpop, delayed readout) or evidence ([k; v] and "
+             "the attention the token got from its window's queries, scored when it leaves the window) (default mlp)"),
     arg("--scorer-hidden", type=int, default=256, help="hidden size of the MLP scorer (default 256)"),
+    arg("--scorer-keys", default="cached", choices=["cached", "pre_rope"],
+        help="mlp/evidence: keys as cached (the paper) or with RoPE undone (pre_rope) (default cached)"),
+    arg("--evidence-mix", default="concat", choices=["concat", "additive"],
+        help="evidence: one MLP over [k; v; features] (concat) or the MLP over [k; v] plus a linear term (default concat)"),
     arg("--delay", type=int, default=None,
         help="mlstm: read a token out N steps after insertion, 0..window (default: the window; 0 is the ablation)"),
     arg("--mlstm-dim", type=int, default=None, help="mlstm: memory size d (default: the head dim)"),
@@ -335,7 +342,8 @@ def train(args: argparse.Namespace) -> int:
             raise ValueError(f"--layer-budgets applies to a fresh retrofit; {args.model} already has its budgets")
     else:
         scorer = dict(scorer=args.scorer, scorer_hidden=args.scorer_hidden, policy=args.policy,
-                      loss_query_fraction=args.query_fraction)
+                      loss_query_fraction=args.query_fraction, scorer_keys=args.scorer_keys,
+                      evidence_mix=args.evidence_mix)
         if args.scorer == "mlstm":
             scorer.update(delay=args.delay, mlstm_dim=args.mlstm_dim, mlstm_hidden=args.mlstm_hidden,
                           match_mlp_memory=args.match_mlp_memory)

@@ -14,7 +14,9 @@ from typing import Any, Literal
 
 POLICIES = ("kvpop", "streaming_llm", "streaming_llm_plus", "tova", "h2o", "oracle", "dms")
 RECENCY_POLICIES = ("streaming_llm", "streaming_llm_plus")
-SCORERS = ("mlp", "mlstm")
+SCORERS = ("mlp", "mlstm", "evidence")
+SCORER_KEYS = ("cached", "pre_rope")
+EVIDENCE_MIXES = ("concat", "additive")
 AGGREGATIONS = ("max", "mean")
 
 DEFAULT_BUDGET = 512
@@ -53,10 +55,18 @@ class KVpopConfig:
     per-layer sensitivity; `for_layer(l)` is the config layer `l` runs."""
     policy: Literal["kvpop", "streaming_llm", "streaming_llm_plus", "tova", "h2o", "oracle", "dms"] = "kvpop"
     """Eviction policy: `kvpop` (learned scorer) or a baseline (`kvpop.baselines`)."""
-    scorer: Literal["mlp", "mlstm"] = "mlp"
-    """Scorer architecture (Sec. 3): `mlp`, the stateless KVpop-mlp, or `mlstm`, the stateful KVpop."""
+    scorer: Literal["mlp", "mlstm", "evidence"] = "mlp"
+    """Scorer architecture (Sec. 3): `mlp`, the stateless KVpop-mlp, or `mlstm`, the stateful KVpop; or `evidence`
+    (Sec. 7b, opt-in): an MLP over `[k; v]` and the attention the token received from its window's queries, read
+    out when it leaves the window."""
     scorer_hidden: int = 256
-    """Hidden size of the MLP scorer. >= 1."""
+    """Hidden size of the MLP scorer (and of the evidence scorer's MLP). >= 1."""
+    scorer_keys: Literal["cached", "pre_rope"] = "cached"
+    """mlp / evidence: the key the scorer reads. `cached` (the paper): as cached, RoPE applied; `pre_rope`: the
+    cached key with its position's rotation undone (`kvpop.rope`), so the score sees content, not position."""
+    evidence_mix: Literal["concat", "additive"] = "concat"
+    """evidence only: how the window features `phi` enter the score. `concat`: one MLP over `[k; v; phi]`;
+    `additive`: the MLP over `[k; v]` plus a per-head linear term in `phi` (zero at init)."""
     delay: int | None = None
     """mLSTM only: a token is read out `delay` steps after its insertion, in [0, window]. None means
     `window` (the method: read out when it leaves the window); 0 reads it out at insertion (the ablation)."""
@@ -111,6 +121,12 @@ class KVpopConfig:
             _check(_is_int(value) and value >= lo, name, value, f"must be an integer >= {lo}")
         _check(self.policy in POLICIES, "policy", self.policy, f"must be one of {POLICIES}")
         _check(self.scorer in SCORERS, "scorer", self.scorer, f"must be one of {SCORERS}")
+        _check(self.scorer_keys in SCORER_KEYS, "scorer_keys", self.scorer_keys, f"must be one of {SCORER_KEYS}")
+        _check(self.scorer_keys == "cached" or (self.policy == "kvpop" and self.scorer in ("mlp", "evidence")),
+               "scorer_keys", self.scorer_keys, "'pre_rope' applies only to policy='kvpop' with scorer 'mlp' or 'evidence'")
+        _check(self.evidence_mix in EVIDENCE_MIXES, "evidence_mix", self.evidence_mix, f"must be one of {EVIDENCE_MIXES}")
+        _check(self.evidence_mix == "concat" or (self.policy == "kvpop" and self.scorer == "evidence"),
+               "evidence_mix", self.evidence_mix, "applies only to policy='kvpop' with scorer='evidence'")
         _check(self.delay is None or (_is_int(self.delay) and 0 <= self.delay <= self.window), "delay", self.delay,
                f"must be None (= window) or an integer in [0, window={self.window}]")
         _check(self.mlstm_dim is None or (_is_int(self.mlstm_dim) and self.mlstm_dim >= 1), "mlstm_dim",

@@ -334,7 +334,7 @@ def fill_random(model, cache, batch: int, context: int, *, seed: int = 0) -> Non
         layer.pri.copy_(torch.where(layer.pos >= 0, pri, float("-inf")))
         layer.seen.fill_(context)
         layer.processed = context
-        if policy.stateful:
+        if policy.stateful or policy.evidence:
             layer.state = policy.init_state(batch, device)
 
 

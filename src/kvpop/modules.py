@@ -18,9 +18,9 @@ class KVpopModules(nn.Module):
     `config` is the resolved config the model runs (`KVpopConfig.resolve`: the effective `topk`).
     """
 
-    def __init__(self, cfg: KVpopConfig, num_layers: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, cfg: KVpopConfig, num_layers: int, num_kv_heads: int, head_dim: int, group: int = 1):
         super().__init__()
-        self.layers = nn.ModuleList(make_policy(cfg, num_kv_heads, head_dim) for _ in range(num_layers))
+        self.layers = nn.ModuleList(make_policy(cfg, num_kv_heads, head_dim, group) for _ in range(num_layers))
         self.config = cfg
         self.previous_attn_implementation: str | None = None
         self.hooks: list = []

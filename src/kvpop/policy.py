@@ -9,6 +9,7 @@ tensors; `ops/topk` computes it fast.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -88,6 +89,10 @@ class LayerPolicy(nn.Module):
       all tokens so far assigns `delay <= window` steps after a token's insertion (the mLSTM scorer).
       Teacher-forced, `priority` scores a whole sequence at once; the cache instead holds the memory
       and asks `advance` for each token's priority when it is due.
+    - `evidence = True` (`EvidencePolicy`): static priorities assigned when a token leaves the window,
+      from the attention its window's queries gave it. Teacher-forced, `attention_priority` scores a
+      whole sequence from its queries; the cache keeps per-window-slot sums (`init_state`) and asks
+      `readout` for the token leaving the window.
 
     A static policy (`dynamic = False`) ranks by priorities fixed before a token becomes eligible, so
     a whole sequence is handled at once by the O(S log S) rule.
@@ -95,6 +100,7 @@ class LayerPolicy(nn.Module):
 
     dynamic = False
     stateful = False
+    evidence = False
     teacher_forced_only = False
     delay = 0
     """Stateful policies: the token read out at step `u` is token `u - delay`."""
@@ -114,6 +120,10 @@ class LayerPolicy(nn.Module):
         """Priorities of new tokens: float32 [B, H, N] for key/value [B, H, N, D], position int64 [B, N]."""
         B, H, N, _ = key.shape
         return torch.zeros(B, H, N, dtype=torch.float32, device=key.device)
+
+    def scorer_key(self, key: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        """The key the scorer reads for cached keys [B, H, N, D]: as cached, unless a policy says otherwise."""
+        return key
 
     def update(self, priority: Tensor, probs: Tensor, occupied: Tensor) -> Tensor:
         """Dynamic policies: new slot priorities after one decode step.
@@ -150,9 +160,11 @@ class LayerPolicy(nn.Module):
 class ScorerPolicy(LayerPolicy):
     """KVpop: a learned scorer and a learned per-head decay `gamma_h` (Sec. 2-3)."""
 
-    def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int):
+    def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int, group: int = 1):
         super().__init__(cfg, num_kv_heads, head_dim)
         self.decay_step = cfg.decay_step
+        self.group = group  # query heads per KV head
+        self.pre_rope = cfg.scorer_keys == "pre_rope"
         self.scorer = self.make_scorer(cfg, num_kv_heads, head_dim)
         # gamma_h = sigmoid(theta_h): always in (0, 1)
         self.theta = nn.Parameter(torch.full((num_kv_heads,), math.log(cfg.gamma_init / (1 - cfg.gamma_init))))
@@ -166,6 +178,14 @@ class ScorerPolicy(LayerPolicy):
     def log_gamma(self) -> Tensor:
         """float32 [H], `log(gamma_h) < 0`."""
         return nn.functional.logsigmoid(self.theta.float())
+
+    def scorer_key(self, key: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        """`scorer_keys="pre_rope"`: the cached keys with RoPE undone (float32), else as cached."""
+        if not self.pre_rope:
+            return key
+        from kvpop.rope import unrotate
+
+        return unrotate(key, rope)
 
     def priority(self, key: Tensor, value: Tensor, position: Tensor) -> Tensor:
         """Static priorities of new tokens (differentiable in the scorer and gamma only).
@@ -223,8 +243,82 @@ class MLSTMPolicy(ScorerPolicy):
         return state, static_priority(score, readout_position, self.log_gamma, self.decay_step)
 
 
+class EvidenceState(NamedTuple):
+    """What the cache keeps per layer for the evidence scorer, one entry per window ring slot."""
+
+    acc: Tensor  # float32 [B, H, w, 3, G]: sum, max and latest window-normalised probability of the slot's token
+    key: Tensor  # float32 [B, H, w, D] its key before RoPE (`scorer_keys="pre_rope"`), else [B, H, w, 0]
+
+
+class EvidencePolicy(ScorerPolicy):
+    """KVpop with the delayed evidence scorer (`KVPOP.md` Sec. 7b): token `t` scored when it leaves the window.
+
+    Its score reads `[k_t; v_t]` and what the queries `t .. t + w - 1` of its window gave it
+    (`kvpop.ops.evidence`), so it is a delayed scorer with `delay = window`: the priority is known
+    by the query at which the token becomes eligible, and the rule applies unchanged.
+    """
+
+    evidence = True
+
+    def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int, group: int = 1):
+        self.sink, self.window = cfg.sink, cfg.window
+        super().__init__(cfg, num_kv_heads, head_dim, group)
+
+    def make_scorer(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int) -> nn.Module:
+        from kvpop.scorers.evidence import EvidenceScorer
+
+        return EvidenceScorer(num_kv_heads, head_dim, self.group, cfg.scorer_hidden, mix=cfg.evidence_mix)
+
+    @property
+    def delay(self) -> int:
+        return self.window
+
+    def attention_priority(
+        self,
+        query: Tensor,  # [B, Hq, S, D]
+        key: Tensor,  # [B, H, S, D]
+        value: Tensor,  # [B, H, S, D]
+        position: Tensor,  # int64 [B, S]
+        valid: Tensor,  # bool [B, S]
+        scale: float,
+        rope: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """Static priorities of whole teacher-forced sequences (differentiable in the scorer and gamma only).
+
+        A token whose window runs past the sequence's end is scored from what its window had; it
+        never becomes eligible within the sequence, so that score is never used.
+
+        Returns:
+            float32 [B, H, S].
+        """
+        from kvpop.ops.evidence import sequence_evidence
+
+        stats = sequence_evidence(query, key, position, valid, self.sink, self.window, scale)
+        return self.readout(self.scorer_key(key, rope), value, stats, position)
+
+    def readout(self, key: Tensor, value: Tensor, stats: Tensor, position: Tensor) -> Tensor:
+        """Static priorities of tokens leaving the window.
+
+        Args:
+            key: [B, H, N, D], as the scorer reads it (`scorer_key`); value [B, H, N, D].
+            stats: [B, H, N, 3, G], their window evidence.
+            position: int64 [B, N] or [B, H, N].
+        Returns:
+            float32 [B, H, N].
+        """
+        return static_priority(self.scorer(key, value, stats), position, self.log_gamma, self.decay_step)
+
+    def init_state(self, batch: int, device: torch.device) -> EvidenceState:
+        H, w = self.num_kv_heads, self.window
+        kw = dict(dtype=torch.float32, device=device)
+        return EvidenceState(torch.zeros(batch, H, w, 3, self.group, **kw),
+                             torch.zeros(batch, H, w, self.head_dim if self.pre_rope else 0, **kw))
+
+
 __all__ = [
     "NEVER",
+    "EvidencePolicy",
+    "EvidenceState",
     "LayerPolicy",
     "MLSTMPolicy",
     "ScorerPolicy",

@@ -108,7 +108,8 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
     cfg = cfg.resolve(head_dim)
     num_kv = config.num_key_value_heads or config.num_attention_heads
     ref = next(model.parameters())
-    mods = KVpopModules(cfg, len(attns), num_kv, head_dim).to(device=ref.device)
+    group = config.num_attention_heads // num_kv
+    mods = KVpopModules(cfg, len(attns), num_kv, head_dim, group).to(device=ref.device)
     # the policies follow the model's mode (DMS relaxes its gates in training mode only)
     mods.train(model.training)
     register()
@@ -123,6 +124,8 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
             # each layer runs its own split (per-layer budgets), read at call time: `mods.config` may change
             kwargs["kvpop_config"] = mods.layer_config(i)
             kwargs["kvpop_cache"] = kwargs.get("past_key_values", kwargs.get("cache"))
+            # (cos, sin) of the new tokens: `scorer_keys="pre_rope"` undoes the rotation with them
+            kwargs["kvpop_rope"] = kwargs.get("position_embeddings")
             return args, kwargs
 
         mods.hooks.append(attn.register_forward_pre_hook(inject, with_kwargs=True))

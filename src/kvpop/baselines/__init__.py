@@ -11,7 +11,7 @@ from kvpop.baselines.oracle import OraclePolicy
 from kvpop.baselines.streaming_llm import RecencyPolicy
 from kvpop.baselines.tova import TOVAPolicy
 from kvpop.config import KVpopConfig
-from kvpop.policy import LayerPolicy, MLSTMPolicy, ScorerPolicy
+from kvpop.policy import EvidencePolicy, LayerPolicy, MLSTMPolicy, ScorerPolicy
 
 POLICY_CLASSES: dict[str, type[LayerPolicy]] = {
     "kvpop": ScorerPolicy,
@@ -23,12 +23,14 @@ POLICY_CLASSES: dict[str, type[LayerPolicy]] = {
     "dms": DMSPolicy,
 }
 # the learned policy's class by `cfg.scorer`
-SCORER_CLASSES: dict[str, type[LayerPolicy]] = {"mlp": ScorerPolicy, "mlstm": MLSTMPolicy}
+SCORER_CLASSES: dict[str, type[LayerPolicy]] = {"mlp": ScorerPolicy, "mlstm": MLSTMPolicy, "evidence": EvidencePolicy}
 
 
-def make_policy(cfg: KVpopConfig, num_kv_heads: int, head_dim: int) -> LayerPolicy:
-    cls = SCORER_CLASSES[cfg.scorer] if cfg.policy == "kvpop" else POLICY_CLASSES[cfg.policy]
-    return cls(cfg, num_kv_heads, head_dim)
+def make_policy(cfg: KVpopConfig, num_kv_heads: int, head_dim: int, group: int = 1) -> LayerPolicy:
+    """The policy of one layer; `group` = query heads per KV head (the evidence scorer reads each of them)."""
+    if cfg.policy == "kvpop":
+        return SCORER_CLASSES[cfg.scorer](cfg, num_kv_heads, head_dim, group=group)
+    return POLICY_CLASSES[cfg.policy](cfg, num_kv_heads, head_dim)
 
 
 __all__ = ["POLICY_CLASSES", "SCORER_CLASSES", "DMSPolicy", "H2OPolicy", "OraclePolicy", "RecencyPolicy", "TOVAPolicy", "make_policy"]

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 
 class MLPScorer(nn.Module):
-    """Two-layer SiLU MLP per KV head over `x[t] = [k[t]; v[t]]` (detached, float32)."""
+    """Two-layer SiLU MLP per KV head over `x[t] = [k[t]; v[t]]` (detached, float32, also under autocast)."""
 
     def __init__(self, num_heads: int, head_dim: int, hidden: int = 256):
         super().__init__()
@@ -40,6 +40,8 @@ class MLPScorer(nn.Module):
         Returns:
             float32 [B, H, N].
         """
-        x = torch.cat([key.detach(), value.detach()], dim=-1).float()  # [B, H, N, 2D]
-        h = F.silu(torch.einsum("bhnd,hdf->bhnf", x, self.w1.float()) + self.b1.float()[None, :, None, :])
-        return torch.einsum("bhnf,hf->bhn", h, self.w2.float()) + self.b2.float()[None, :, None]
+        # float32 even under autocast, which would run the einsums in bf16 (ties among near scores)
+        with torch.autocast(key.device.type, enabled=False):
+            x = torch.cat([key.detach(), value.detach()], dim=-1).float()  # [B, H, N, 2D]
+            h = F.silu(torch.einsum("bhnd,hdf->bhnf", x, self.w1.float()) + self.b1.float()[None, :, None, :])
+            return torch.einsum("bhnf,hf->bhn", h, self.w2.float()) + self.b2.float()[None, :, None]

@@ -16,6 +16,7 @@ The pure functions below work on projected features in any float dtype; the modu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal, NamedTuple
 
@@ -262,6 +263,17 @@ def mlstm_scan(
 # --- the scorer ---------------------------------------------------------------------------------
 
 
+def _float32(method):
+    """Run a scorer method with autocast off: `KVPOP.md` wants scores in float32, and bf16 einsums tie them."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with torch.autocast(self.w_in.device.type, enabled=False):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class MLSTMScorer(nn.Module):
     """mLSTM memory per KV head over `x[t] = [k[t]; v[t]]` (detached, float32), read out `delay` steps later.
 
@@ -338,6 +350,7 @@ class MLSTMScorer(nn.Module):
         return torch.einsum("bhnf,hf->bhn", h, self.w2.float()) + self.b2.float()[:, None]
 
     # --- whole sequences (training) ---
+    @_float32
     def forward(
         self, key: Tensor, value: Tensor, *, valid: Tensor | None = None,
         backend: Literal["chunkwise", "quadratic"] = "chunkwise", chunk_size: int | None = None,
@@ -373,6 +386,7 @@ class MLSTMScorer(nn.Module):
         """The empty memory: C [B, H, d, d], n [B, H, d], m [B, H], float32."""
         return empty_state(batch, self.num_heads, self.d, device)
 
+    @_float32
     def step(
         self,
         state: MLSTMState,
@@ -386,11 +400,13 @@ class MLSTMScorer(nn.Module):
             igate, logf = _mask_padding(igate, logf, valid[:, None])
         return mlstm_step(state, k, v, igate, logf)
 
+    @_float32
     def readout(self, state: MLSTMState, key_r: Tensor, value_r: Tensor) -> Tensor:
         """Score of one token per row (its own k/v `[B, H, D]`) with the current memory: float32 [B, H]."""
         return self.head(mlstm_readout(state, self.queries(key_r[:, :, None], value_r[:, :, None])))[..., 0]
 
     # --- a chunk from an existing memory (prefill) ---
+    @_float32
     def scan(
         self,
         state: MLSTMState,

@@ -73,8 +73,10 @@ def _sample_queries(
     n_eligible = eligible.sum(-1)
     n_take = torch.floor(n_eligible.double() * query_fraction + 0.5).long()
     n_take = torch.where(n_eligible > 0, n_take.clamp(min=1), 0)
-    # random keys in [0, 1); ineligible queries get 2 so that they sort last
-    keys = torch.rand(B, S, generator=generator, device=eligible.device)
+    # random keys in [0, 1), drawn where the generator lives (the trainer's is a CPU one, checkpointed
+    # with the run, while the tensors may be on a GPU), then moved; ineligible queries get 2 (sort last)
+    where = generator.device if generator is not None else eligible.device
+    keys = torch.rand(B, S, generator=generator, device=where).to(eligible.device)
     keys = torch.where(eligible, keys, 2.0)
     order = keys.argsort(dim=-1)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(S, device=eligible.device).expand(B, S))
@@ -102,7 +104,8 @@ def boundary_labels(
         query_fraction: share of the queries `q >= sink + window + topk` drawn per sequence, in
             (0, 1]; the subset is shared by the heads of a sequence. 1 takes them all and draws
             no random numbers.
-        generator: random source of the query subset (its device must be `pi_tgt`'s).
+        generator: random source of the query subset, on any device (the numbers are drawn on its device
+            and moved to `pi_tgt`'s).
         query_mask: optional bool [B, S]; False marks queries to skip (e.g. padding). Sampling
             draws the fraction of the queries that remain.
     Returns:
