@@ -149,7 +149,7 @@ def test_scorer_words_lists_and_distractors():
 def test_haystack_inserts_at_sentence_and_line_ends():
     import random
 
-    for name, sep in (("prose", " "), ("stdlib", "\n")):
+    for name in ("prose", "stdlib"):
         words = Words(name, random.Random(0))
         words.extend_to(400)
         counts = list(range(401))  # one token per word: depth by words

@@ -432,7 +432,7 @@ def _assemble(task: Task, draft: Draft, tokenizer, length: int, words: Words, fi
     if h0 < 0:
         raise ValueError("the chat template changed the prompt's text; the suite needs it verbatim")
     spans = [(h0 + s, h0 + e) for s, e in spans]
-    for needle, (s, e) in zip(draft.needles, spans):
+    for needle, (s, _) in zip(draft.needles, spans):
         for value in needle.values:
             for m in re.finditer(re.escape(value), needle.text):
                 if not isolated(text, offsets, s + m.start(), s + m.end()):
