@@ -152,6 +152,10 @@ class Words:
         self.words: list[str] = []
         self.ends: list[bool] = []
         self._since_end = 0
+        # `vocabulary`'s state: the words found so far, how far the filler was read, the pseudo-word source
+        self._vocab: dict[str, None] = {}
+        self._scanned = self._last_new = 0
+        self._pseudo = random.Random(rng.random())
 
     def extend_to(self, n: int) -> None:
         """Make at least `n` words available."""
@@ -166,27 +170,25 @@ class Words:
                 if end:
                     self._since_end = 0
 
-    def vocabulary(self, n: int, rng: random.Random) -> list[str]:
-        """`n` distinct lower-case alphabetic words of 3-10 letters, in order of first appearance; pseudo-words
-        from seeded syllables complete the list when the filler has too few."""
-        seen: dict[str, None] = {}
-        i = last_new = 0
-        # a small filler (the prose grammar) repeats its vocabulary forever: stop once it brings nothing new
-        while len(seen) < n and i - last_new < VOCABULARY_PATIENCE:
-            self.extend_to(i + 1)
-            for w in re.findall(r"[A-Za-z]+", self.words[i]):
-                if 3 <= len(w) <= 10 and w.lower() not in seen:
-                    seen[w.lower()] = None
-                    last_new = i
-            i += 1
-        out = list(seen)[:n]
+    def vocabulary(self, n: int) -> list[str]:
+        """The first `n` distinct lower-case alphabetic words of 3-10 letters, in order of first appearance.
+
+        A small filler (the prose grammar) repeats its words forever: once it brings nothing new for
+        `VOCABULARY_PATIENCE` words, seeded pseudo-words from syllables follow. A longer list keeps the
+        shorter one as its start.
+        """
+        vocab = self._vocab
+        while len(vocab) < n and self._scanned - self._last_new < VOCABULARY_PATIENCE:
+            self.extend_to(self._scanned + 1)
+            for w in re.findall(r"[A-Za-z]+", self.words[self._scanned]):
+                if 3 <= len(w) <= 10 and w.lower() not in vocab:
+                    vocab[w.lower()] = None
+                    self._last_new = self._scanned
+            self._scanned += 1
         syllables = ("ka", "lo", "mi", "ten", "ru", "sa", "vel", "dor", "ni", "pa", "zu", "rim", "ost", "fe", "gal")
-        while len(out) < n:
-            w = "".join(rng.choice(syllables) for _ in range(rng.randint(2, 4)))
-            if w not in seen:
-                seen[w] = None
-                out.append(w)
-        return out
+        while len(vocab) < n:
+            vocab.setdefault("".join(self._pseudo.choice(syllables) for _ in range(self._pseudo.randint(2, 4))), None)
+        return list(vocab)[:n]
 
 
 __all__ = ["FILLERS", "Words", "check_filler", "filler_texts", "is_code", "prose_sentences"]

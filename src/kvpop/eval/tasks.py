@@ -203,13 +203,13 @@ def variable_tracking(rng: random.Random, depth: float, words: Words, hops: int 
 
 def common_words(rng: random.Random, depth: float, words: Words, top: int = 3) -> Draft:
     seed = rng.random()
-    pool = words.vocabulary(64, random.Random(seed))
+    pool = words.vocabulary(64)
     common = rng.sample(pool, top)
 
     def body(uncommon: int) -> str:
         # a word appears as often at every size, so the list grows with `uncommon` (the length search needs
         # that); the common words stay clearly the most frequent at every size
-        others = [w for w in words.vocabulary(uncommon + 64, random.Random(seed)) if w not in common][:uncommon]
+        others = [w for w in words.vocabulary(uncommon + len(common)) if w not in common][:uncommon]
         r = random.Random(seed)
         items = [w for w in others for _ in range(r.randint(1, 3))]
         items += common * max(6, -(-uncommon // 10))
@@ -351,29 +351,41 @@ def haystack(words: Words, n: int, counts: list[int], needles: list[Needle],
     return out, spans
 
 
-def _fit(measure: Callable[[int], int], limit: int, guess: int) -> int:
-    """The largest size `n` with `measure(n) <= limit`, for a non-decreasing `measure` with `measure(0) <= limit`:
-    secant steps from a guess, kept inside the bracket found so far (else bisection)."""
-    base, lo, hi, n = measure(0), 0, None, max(1, guess)
-    for _ in range(200):
+def _fit(measure: Callable[[int], int], limit: int, propose: Callable[[int, int], int]) -> int:
+    """A size `n` with `measure(n) <= limit` that `propose` sees no room to grow, for a non-decreasing `measure`
+    with `measure(0) <= limit`.
+
+    `propose(n, t)` predicts the largest size whose measure stays within `limit`, given `t = measure(n)`;
+    a good prediction (the filler's own token counts) needs two or three measures, each a full
+    tokenisation of the prompt. A prediction outside the bracket found so far is replaced by bisection.
+    """
+    lo, hi = 0, None
+    n = propose(0, measure(0))
+    for _ in range(100):
+        if n <= lo or (hi is not None and n >= hi):
+            return lo
         t = measure(n)
         if t <= limit:
             lo = n
         else:
             hi = n
-        if hi is not None and hi - lo <= 1:
-            return lo
-        step = n + round((limit - t) / max((t - base) / n, 1e-3))
-        step = max(step, n + 1) if t <= limit else min(step, n - 1)
-        if hi is not None and not lo < step < hi:
-            step = (lo + hi) // 2
-        n = max(step, 1)
+        nxt = propose(n, t)
+        if hi is not None and not lo <= nxt < hi:
+            nxt = (lo + hi) // 2
+        n = nxt
     raise RuntimeError(f"could not fit a prompt to {limit} tokens")
 
 
 def isolated(text: str, offsets, start: int, end: int) -> bool:
     """Whether the tokens covering `text[start:end]` cover nothing else but whitespace before it."""
-    cover = [(s, e) for s, e in offsets if s < end and e > start and e > s]
+    # tokens are in text order: look only near the span (special tokens may have empty offsets)
+    i = max(0, bisect.bisect_left(offsets, (start, start)) - 8)
+    cover = []
+    for s, e in offsets[i:]:
+        if s >= end and e > s:
+            break
+        if s < end and e > start and e > s:
+            cover.append((s, e))
     if not cover:
         return False
     first, last = cover[0][0], max(e for _, e in cover)
@@ -418,13 +430,20 @@ def _assemble(task: Task, draft: Draft, tokenizer, length: int, words: Words, fi
     if floor > length:
         raise ValueError(f"length {length} is too short for task {task.name!r}: its instruction, question and "
                          f"needles alone take {floor} tokens with this tokenizer")
-    guess = 1
-    if draft.body is None:
-        # the filler words whose tokens fill the room left
-        words.extend_to(64)
-        per_word = max(counts(64)[64] / 64, 0.1)
-        guess = max(1, int((length - floor) / per_word))
-    n = _fit(measure, length, guess)
+    def propose(n: int, t: int) -> int:
+        if draft.body is not None:
+            # the list's tokens grow about linearly with its size
+            rate = (t - floor) / n if n else 4.0
+            return n + int((length - t) // max(rate, 1e-3))
+        # the filler's own token counts: the words that add (or remove) `length - t` tokens
+        c = counts(n)
+        while c[-1] - c[n] < length - t:
+            # more words: as many as the tokens per word seen so far say are needed, and some
+            per_word = max(c[-1], 1) / max(len(c) - 1, 1)
+            c = counts(max(n + int(1.1 * (length - t) / per_word) + 64, 256))
+        return bisect.bisect_right(c, c[n] + length - t) - 1
+
+    n = _fit(measure, length, propose)
     hay, spans, text, special = build(n)
     enc = _encode(tokenizer, text, special, offsets=True)
     offsets = enc["offset_mapping"]
