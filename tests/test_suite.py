@@ -108,7 +108,7 @@ def test_fixed_seed_gives_identical_prompts(tiny, samples):
 
 def _rec(policy, budget, task, correct, length=1024, depth=0.5):
     return {"policy": policy, "budget": budget, "task": task, "length": length, "depth": depth, "correct": correct,
-            "found": float(correct), "slots_max": budget or 1000}
+            "found": float(correct), "slots_max": budget or 1000, "prompt_tokens": length - 3}
 
 
 def test_table_names_collapses_plainly():
@@ -124,6 +124,9 @@ def test_table_names_collapses_plainly():
     table = suite_report.format_table(recs)
     assert table.splitlines()[2].startswith("dense")  # the reference row first
     assert "3/4 0.75" in table and "collapsed" in table
+    assert "nothing was evicted" not in table
+    recs.append(_rec("streaming_llm", 2048, "passkey", True))
+    assert "streaming_llm at B=2048: prompts of length 1k fit the budget" in suite_report.format_table(recs)
     head = suite_report.headline(recs)
     assert head["suite"][0] == {"policy": "dense", "budget": None, "accuracy": {"passkey": 1.0, "vt": 0.0}}
 

@@ -107,6 +107,13 @@ def format_table(records: Sequence[dict]) -> str:
     notes = collapses(records)
     lines += ["", *(notes or ["no collapse: every policy keeps more than "
                               f"{COLLAPSE_SHARE:.0%} of the dense accuracy on every task"])]
+    # a budget that holds a whole prompt evicts nothing while it is read: say so, lest it pass for a result
+    for policy, budget in rows:
+        short = sorted({r["length"] for r in records if _row_key(r) == (policy, budget) and budget is not None
+                        and r["prompt_tokens"] <= budget})
+        if short:
+            lines.append(f"{policy} at B={budget}: prompts of length {', '.join(map(_length, short))} fit the "
+                         "budget, so nothing was evicted before answering")
     return "\n".join(lines)
 
 
