@@ -202,8 +202,6 @@ def run_suite(base: nn.Module, tokenizer, entries: Sequence[Entry], samples: Seq
     `base` is the plain model; training-free entries retrofit it for their run and detach after,
     trained entries load their directory. Untrained scorers are seeded from `seed`.
     """
-    from transformers import DynamicCache
-
     from kvpop.cache import KVpopCache
     from kvpop.retrofit import detach, kvpop_modules, load, retrofit
 
@@ -229,7 +227,7 @@ def run_suite(base: nn.Module, tokenizer, entries: Sequence[Entry], samples: Seq
         try:
             for group in _batches(samples, batch_size):
                 ids, mask = _left_pad([s.input_ids for s in group], pad, device)
-                cache = DynamicCache() if entry is None else KVpopCache(model)
+                cache = _dense_cache(model) if entry is None else KVpopCache(model)
                 new, held = greedy(model, cache, ids, mask, group[0].max_new_tokens, eos, prefill_chunk)
                 for row, s in enumerate(group):
                     records.append(_record(s, label, budget, entry, tokenizer, new[row].tolist(), eos,
@@ -242,6 +240,16 @@ def run_suite(base: nn.Module, tokenizer, entries: Sequence[Entry], samples: Seq
         print(f"kvpop eval --suite: {label}" + ("" if budget is None else f" at B={budget}") +
               f": {len(samples)} prompts in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return records
+
+
+def _dense_cache(model):
+    """Hugging Face's `DynamicCache`, told the model's layer types (sliding-window layers) where it accepts them."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
 
 
 def _progress(total: int, desc: str, enabled: bool):

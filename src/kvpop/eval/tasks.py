@@ -430,6 +430,7 @@ def _assemble(task: Task, draft: Draft, tokenizer, length: int, words: Words, fi
     if floor > length:
         raise ValueError(f"length {length} is too short for task {task.name!r}: its instruction, question and "
                          f"needles alone take {floor} tokens with this tokenizer")
+
     def propose(n: int, t: int) -> int:
         if draft.body is not None:
             # the list's tokens grow about linearly with its size
