@@ -143,25 +143,32 @@ def test_heatmaps_one_per_policy_and_budget(tmp_path):
     assert acc.shape == (3, 2) and n.tolist() == [[2, 2]] * 3 and depths == [0.0, 0.5, 1.0] and lengths == [1024, 2048]
 
 
-def test_suite_from_the_command_line(tmp_path, capsys):
+def test_suite_from_the_command_line(tiny, tmp_path, capsys):
+    model, tok = tiny
+    trained = tmp_path / "run" / "final"
+    kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(40, scorer_hidden=16)), trained, tokenizer=tok)
+    kvpop.detach(model)
     out = tmp_path / "suite"
     args = ["eval", "--model", "tiny-random-qwen3", "--suite", "passkey,cwe", "--lengths", "512", "--depths", "0,1",
-            "--samples", "1", "--policies", "streaming_llm,oracle", "--budgets", "48", "--out", str(out)]
+            "--samples", "1", "--policies", "streaming_llm,oracle", "--budgets", "48", "--trained", str(trained),
+            "--out", str(out)]
     with quiet():
         assert main(args) == 0
     captured = capsys.readouterr()
     assert "skipping the oracle" in captured.err
     lines = captured.out.strip().splitlines()
     head = json.loads(lines[-1])
-    assert [(r["policy"], r["budget"]) for r in head["suite"]] == [("dense", None), ("streaming_llm", 48)]
+    assert [(r["policy"], r["budget"]) for r in head["suite"]] == [
+        ("dense", None), ("streaming_llm", 48), ("kvpop[run/final]", 40)]
     # a random model retrieves nothing, and the output says why the rows are uninformative
     assert any("the model itself fails" in line for line in head["collapsed"])
     assert "passkey" in lines[0] and "cwe" in lines[0]
     saved = json.loads((out / "suite.json").read_text())
-    assert len(saved["records"]) == 2 * 3 and saved["config"]["tasks"] == ["passkey", "cwe"]
-    assert all(r["slots_max"] <= 48 for r in saved["records"] if r["budget"])
+    assert len(saved["records"]) == 3 * 3 and saved["config"]["tasks"] == ["passkey", "cwe"]
+    assert all(r["slots_max"] == r["budget"] for r in saved["records"] if r["budget"])
     assert (out / "suite_table.txt").read_text().strip() == "\n".join(lines[:-1]).strip()
-    assert {p.name for p in out.glob("*.png")} == {"heatmap_dense.png", "heatmap_streaming_llm_48.png"}
+    assert {p.name for p in out.glob("*.png")} == {"heatmap_dense.png", "heatmap_streaming_llm_48.png",
+                                                  "heatmap_kvpop_run_final_40.png"}
 
 
 @pytest.mark.parametrize("flags,message", [

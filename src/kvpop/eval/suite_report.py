@@ -7,6 +7,7 @@ records alone, so a saved `suite.json` can be summarised again.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -143,7 +144,7 @@ def write_heatmaps(records: Sequence[dict], out: str | Path) -> list[Path]:
         return paths
     for policy, budget in _row_order(_row_key(r) for r in records):
         panels = {t: heatmap_grid(records, policy, budget, t) for t in tasks}
-        name = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in policy)
+        name = re.sub(r"[^A-Za-z0-9-]+", "_", policy).strip("_")
         label = "dense" if budget is None else f"{policy}, budget {budget}"
         paths.append(plot_depth_heatmaps(panels, Path(out) / f"heatmap_{name}{'' if budget is None else f'_{budget}'}.png",
                                          title=f"accuracy by needle depth and prompt length: {label}"))
