@@ -71,7 +71,9 @@ def test_plot_memory_latency(tmp_path):
 
 
 def test_plot_training_curves(tmp_path):
-    log = lambda shift: [{"step": i + 1, "loss_kl": 0.02 + shift / (i + 1), "loss_score": 0.2 - 0.001 * i} for i in range(10)]
+    def log(shift):
+        return [{"step": i + 1, "loss_kl": 0.02 + shift / (i + 1), "loss_score": 0.2 - 0.001 * i} for i in range(10)]
+
     assert_png(plot_training_curves({"1 GPU": log(0.0), "2 GPUs": log(0.001)}, tmp_path / "curves.png"))
     with pytest.raises(ValueError, match=r"'2 GPUs'.*lack \['loss_score'\]"):
         plot_training_curves({"1 GPU": log(0.0), "2 GPUs": [{"step": 1, "loss_kl": 0.1}]}, tmp_path / "bad.png")

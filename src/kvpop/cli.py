@@ -420,6 +420,16 @@ def _refuse_other_config(args: argparse.Namespace) -> None:
     arg("--device", default=None),
     arg("--seed", type=int, default=0),
     NO_PROGRESS,
+    arg("--suite", default=None, metavar="NAME[,NAME]",
+        help="run the long-context task suite instead: passkey, multikey, multivalue, vt, cwe, qa, or all; every "
+             "policy prefills each prompt into its bounded cache and answers greedily (plus a dense row)"),
+    arg("--lengths", default="1k,2k", help="suite: prompt lengths in tokens, chat template included (default 1k,2k)"),
+    arg("--depths", default="0,0.5,1", help="suite: needle depths in [0, 1] (default 0,0.5,1)"),
+    arg("--samples", type=int, default=2, help="suite: prompts per task, length and depth (default 2)"),
+    arg("--filler", default="prose",
+        help="suite: haystack text: prose (generated), champ, stdlib (Python sources), or a local file or directory"),
+    arg("--suite-batch", type=int, default=1, help="suite: prompts decoded together, left-padded (default 1)"),
+    arg("--prefill-chunk", type=int, default=2048, help="suite: prompt tokens per prefill forward (default 2048)"),
 ])
 def evaluate(args: argparse.Namespace) -> int:
     import json
@@ -443,6 +453,8 @@ def evaluate(args: argparse.Namespace) -> int:
         if not check_base(d, base):
             _note(args, f"--trained {d} records no base model (saved by an older kvpop): whether it was trained from "
                         f"--model {args.model} cannot be checked")
+    if args.suite:
+        return _eval_suite(args, base, tokenizer, device)
     limit = getattr(base.config, "max_position_embeddings", None)
     if limit is not None and args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings={limit}")
@@ -502,7 +514,7 @@ def _training_free_entries(args: argparse.Namespace) -> list:
         if b <= args.sink + 1:
             raise ValueError(f"--budgets: {b} must lie above --sink + 1 = {args.sink + 1} (room for a window and a "
                              f"top-k slot) and below --seq-len {args.seq_len}")
-        if b >= args.seq_len:
+        if b >= args.seq_len and not args.suite:  # the suite's prompts have their own --lengths
             raise ValueError(f"--budgets: {b} is not below --seq-len {args.seq_len}: nothing is evicted")
     entries = []
     for b in budgets:
@@ -591,6 +603,43 @@ def budgets(args: argparse.Namespace) -> int:
           f"per-layer {alloc.mean_lost(curves, candidates, [b - low for b in per_layer]):.4f}")
     print(f"kvpop budgets: wrote {path} (sum {sum(per_layer)} = {len(per_layer)} layers x {cfg.budget})",
           file=sys.stderr)
+    return 0
+
+
+def _eval_suite(args: argparse.Namespace, base, tokenizer, device: str) -> int:
+    """`eval --suite`: the long-context tasks over the same entries, plus the dense model."""
+    import json
+    from pathlib import Path
+
+    from kvpop.eval import suite, suite_report
+    from kvpop.eval.evaluate import from_directory, training_free
+    from kvpop.eval.tasks import parse_tasks
+
+    cfg = suite.SuiteConfig(tasks=tuple(parse_tasks(args.suite)),
+                            lengths=tuple(suite.parse_lengths(args.lengths)),
+                            depths=tuple(suite.parse_depths(args.depths)), samples=args.samples, seed=args.seed,
+                            filler=args.filler, batch_size=args.suite_batch, prefill_chunk=args.prefill_chunk)
+    policies = [p for p in args.policies.split(",") if p and p != "none"]
+    if "oracle" in policies:
+        # it ranks by future attention: it has no decode path to test
+        print("kvpop eval --suite: skipping the oracle (teacher-forced only, it cannot decode)", file=sys.stderr)
+        policies.remove("oracle")
+    entries = [from_directory(d) for d in args.trained]
+    entries += [training_free(p, int(b), sink=args.sink) for b in args.budgets.split(",") if b for p in policies]
+    samples = suite.build_samples(cfg, tokenizer, getattr(base.config, "max_position_embeddings", None))
+    records = suite.run_suite(base, tokenizer, entries, samples, batch_size=cfg.batch_size,
+                              prefill_chunk=cfg.prefill_chunk, seed=args.seed, device=device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = suite_report.format_table(records)
+    (out / "suite_table.txt").write_text(table + "\n")
+    (out / "suite.json").write_text(json.dumps(
+        {"command": args.command_line, "config": vars(cfg), "cells": suite_report.cells(records), "records": records},
+        indent=2, default=str))
+    for path in suite_report.write_heatmaps(records, out):
+        print(f"kvpop eval --suite: wrote {path}", file=sys.stderr)
+    print(table)
+    print(json.dumps(suite_report.headline(records)))
     return 0
 
 

@@ -1,5 +1,6 @@
 """The paper's figures as small PNGs: eviction pattern (Fig. 6), recall per layer (Fig. 7), memory and latency (Fig. 4),
-and training runs' loss curves side by side (`train_log.jsonl` records, e.g. 1 GPU against 2).
+training runs' loss curves side by side (`train_log.jsonl` records, e.g. 1 GPU against 2), and the long-context
+suite's accuracy by needle depth and prompt length (`kvpop eval --suite`).
 
 Each `plot_*` function takes plain arrays (numpy or torch), writes one PNG and returns its path.
 `eviction_counts` runs a retrofitted model over a text and returns what the eviction-pattern plot
@@ -229,6 +230,45 @@ def plot_training_curves(
         ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_depth_heatmaps(panels: dict, path: str | Path, title: str = "accuracy by needle depth and prompt length") -> Path:
+    """The suite's heatmap: one panel per task, needle depth (rows) x prompt length (columns), colour = accuracy.
+
+    Args:
+        panels: task -> (accuracy [D, L] in [0, 1], NaN where nothing ran; sample counts [D, L] int;
+            the D depths; the L lengths), as `kvpop.eval.suite_report.heatmap_grid` returns.
+    Each cell is written as correct/n, so a cell of one sample is not read as a rate.
+    """
+    if not panels:
+        raise ValueError("no panels to plot")
+    fig = Figure(figsize=(1.4 + 2.6 * len(panels), 3.4), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(panels), squeeze=False)[0])
+    cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="lightgrey")
+    im = None
+    for ax, (task, (acc, n, depths, lengths)) in zip(axes, panels.items()):
+        acc = np.asarray(acc, dtype=float)
+        n = np.asarray(n)
+        if acc.shape != (len(depths), len(lengths)) or n.shape != acc.shape:
+            raise ValueError(f"panel {task!r}: accuracy {acc.shape} and counts {n.shape} must be "
+                             f"[{len(depths)} depths, {len(lengths)} lengths]")
+        im = ax.imshow(np.ma.masked_invalid(acc), cmap=cmap, vmin=0.0, vmax=1.0, origin="upper", aspect="auto")
+        for i in range(acc.shape[0]):
+            for j in range(acc.shape[1]):
+                if n[i, j]:
+                    ax.text(j, i, f"{round(acc[i, j] * n[i, j])}/{n[i, j]}", ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(lengths)))
+        ax.set_xticklabels([_short(int(x)) for x in lengths])
+        ax.set_yticks(range(len(depths)))
+        ax.set_yticklabels([f"{d:.0%}" for d in depths])
+        ax.set_xlabel("prompt length (tokens)")
+        if ax is axes[0]:
+            ax.set_ylabel("needle depth")
+        ax.set_title(task)
+    bar = fig.colorbar(im, ax=list(axes), fraction=0.05, pad=0.02)
+    bar.set_label("accuracy")
+    fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 
 
