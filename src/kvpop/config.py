@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 POLICIES = ("kvpop", "streaming_llm", "streaming_llm_plus", "tova", "h2o", "oracle", "dms")
 RECENCY_POLICIES = ("streaming_llm", "streaming_llm_plus")
+PAPER_SPLITS = ("tova", "h2o")
+"""Policies whose `for_budget` split follows their paper unless `windowed=True` asks for kvpop's variant."""
 SCORERS = ("mlp", "mlstm")
 AGGREGATIONS = ("max", "mean")
 
@@ -195,14 +197,35 @@ class KVpopConfig:
         return cls(**d)
 
     @classmethod
-    def for_budget(cls, budget: int, sink: int = 4, window: int | None = None, **kw: Any) -> KVpopConfig:
-        """A config with `sink + window + topk == budget`.
+    def for_budget(cls, budget: int, sink: int | None = None, window: int | None = None, windowed: bool = False,
+                   **kw: Any) -> KVpopConfig:
+        """A config with `sink + window + topk == budget`, split the way each policy expects.
 
-        The window defaults to a quarter of the budget; for `streaming_llm(_plus)` it is everything
-        beyond the sinks.
+        Unless given, `sink` and `window` are:
+        - `tova`, as its paper defines it (Oren et al., 2024): no sinks and a window of 1 (only the current
+          token is protected); every other slot is ranked by the current query's attention averaged over
+          the heads of the layer (`tova_head_average`, unless given);
+        - `h2o`, as its paper defines it (Zhang et al., 2023): no sinks; half the budget is the recent
+          window, the other half the heavy hitters;
+        - `streaming_llm(_plus)`: 4 sinks, the window everything beyond them;
+        - every other policy, and `tova` / `h2o` with `windowed=True` (kvpop's earlier variant of them,
+          TOVA ranking per KV head by the max over its query heads): 4 sinks and a quarter of the budget.
         """
+        policy = kw.get("policy", "kvpop")
+        if windowed and policy not in PAPER_SPLITS:
+            raise ValueError(f"windowed=True applies to the policies {PAPER_SPLITS}, not {policy!r}")
+        paper = policy in PAPER_SPLITS and not windowed
+        if sink is None:
+            sink = 0 if paper else 4
         if window is None:
-            window = budget - sink if kw.get("policy") in RECENCY_POLICIES else max(1, budget // 4)
+            if policy in RECENCY_POLICIES:
+                window = budget - sink
+            elif paper:
+                window = 1 if policy == "tova" else max(1, (budget - sink) // 2)
+            else:
+                window = max(1, budget // 4)
+        if paper and policy == "tova":
+            kw.setdefault("tova_head_average", True)
         topk = budget - sink - window
         if topk < 0:
             raise ValueError(f"budget={budget} is smaller than sink + window = {sink} + {window}")
