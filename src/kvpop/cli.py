@@ -306,20 +306,33 @@ def train(args: argparse.Namespace) -> int:
 
 @command("eval", "compare eviction policies and budgets side by side on held-out text (teacher-forced, + pass@1)", [
     MODEL,
-    arg("--data", default="champ", help="champ (held-out problems), a file, a directory or a dataset name"),
+    arg("--data", default="champ", help="champ (held-out problems), pystdlib (Python code), a file, a directory or a "
+                                        "dataset name"),
     arg("--text-field", default=None),
     arg("--split", default="eval", choices=["eval", "train", "all"], help="which split of --data (default eval)"),
     arg("--seq-len", type=int, default=2048, help="tokens per evaluated sequence (default 2048)"),
     arg("--sequences", type=int, default=4, help="number of sequences (default 4)"),
+    arg("--packing", default="document", choices=["document", "concat"],
+        help="document: each sequence begins at a document start, formatted as in real use (champ as a chat, "
+             "a BOS where the tokenizer adds one) (default); concat: one stream cut every --seq-len tokens "
+             "(earlier sessions' numbers)"),
     arg("--budgets", default="512,256", help="comma-separated budgets for the training-free policies"),
-    arg("--policies", default="streaming_llm,tova,h2o,oracle",
-        help="comma-separated training-free policies (streaming_llm, tova, h2o, oracle), or none"),
+    arg("--policies", default="streaming_llm,tova,tova_windowed,h2o,h2o_windowed,oracle",
+        help="comma-separated training-free policies: streaming_llm, tova and h2o (as their papers define them), "
+             "tova_windowed and h2o_windowed (4 sinks, window B/4), oracle; or none"),
     arg("--trained", action="append", default=[], metavar="DIR",
         help="a kvpop.save directory (e.g. OUT/final of kvpop train), evaluated at its own budget; repeatable"),
-    arg("--sink", type=int, default=4),
+    arg("--sink", type=int, default=None, help="sinks of the training-free policies (default: each policy's own, "
+                                               "0 for tova and h2o, 4 otherwise)"),
     arg("--rollouts", type=int, default=0, help="pass@1: sampled answers per champ problem (default 0: skip)"),
-    arg("--problems", type=int, default=8, help="pass@1: held-out champ problems (default 8)"),
+    arg("--problems", type=int, default=8, help="pass@1 and --generate: held-out champ problems (default 8)"),
     arg("--max-new-tokens", type=int, default=512, help="pass@1: tokens per answer (default 512)"),
+    arg("--generate", type=int, default=0, metavar="N",
+        help="long-generation fidelity instead of the teacher-forced table: every policy generates up to N tokens "
+             "per champ problem, scored by the dense model (fidelity.json, fidelity.txt, fidelity.png)"),
+    arg("--samples", type=int, default=0,
+        help="--generate: sampled generations per problem at temperature 0.7, besides the greedy one (default 0)"),
+    arg("--ignore-eos", action="store_true", help="--generate: always generate N tokens, past the EOS token"),
     arg("--out", default="runs/eval", help="output directory (default runs/eval)"),
     arg("--device", default=None),
     arg("--seed", type=int, default=0),
@@ -331,9 +344,8 @@ def evaluate(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from kvpop.eval.evaluate import Evaluator, format_table, from_directory, headline, training_free
+    from kvpop.eval.evaluate import Evaluator, format_table, from_directory, headline, held_out_rows, training_free
     from kvpop.models import load_model
-    from kvpop.train.data import load_texts, pack_sequences
 
     device = _device(args.device)
     torch.manual_seed(args.seed)
@@ -349,11 +361,13 @@ def evaluate(args: argparse.Namespace) -> int:
     entries += [training_free(p, b, sink=args.sink) for b in budgets for p in policies]
     if not entries:
         raise ValueError("nothing to evaluate: give --policies and --budgets, or --trained")
+    if args.generate:
+        return _fidelity(args, base, tokenizer, entries, device)
     for e in entries:
         if e.budget >= args.seq_len:
             raise ValueError(f"budget {e.budget} ({e.name}) is not below --seq-len {args.seq_len}: nothing is evicted")
-    texts = load_texts(args.data, split=args.split, text_field=args.text_field, tokenizer=tokenizer, seed=args.seed)
-    tokens = pack_sequences(texts, tokenizer, args.seq_len)[: args.sequences]
+    tokens = held_out_rows(args.data, tokenizer, args.seq_len, args.sequences, packing=args.packing, split=args.split,
+                           text_field=args.text_field, seed=args.seed)
     evaluator = Evaluator(base, entries, device=device)
     for row in tqdm(tokens, desc="kvpop eval", unit="seq"):
         evaluator.add(row[None])
@@ -385,6 +399,43 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -> int:
+    """`kvpop eval --generate N`: long-generation fidelity (`kvpop.eval.fidelity`)."""
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from kvpop.eval.fidelity import format_fidelity_table, plot_nll_by_position, run_fidelity
+    from kvpop.train.data import champ_problems
+
+    if args.data != "champ":
+        raise ValueError("--generate answers held-out champ problems: use --data champ")
+    if args.generate < 1 or args.samples < 0 or args.problems < 1:
+        raise ValueError(f"--generate {args.generate} and --problems {args.problems} must be >= 1, "
+                         f"--samples {args.samples} >= 0")
+    entries = [e for e in entries if e.cfg.policy != "oracle"]
+    if not entries:
+        raise ValueError("--generate needs a policy that can decode (the oracle cannot)")
+    problems = champ_problems("eval", seed=args.seed)[: args.problems]
+    rows, gens = run_fidelity(base, tokenizer, entries, problems, args.generate, samples=args.samples,
+                              seed=args.seed, ignore_eos=args.ignore_eos,
+                              log=lambda msg: print(f"[kvpop eval] {msg}", file=sys.stderr, flush=True))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table = format_fidelity_table(rows)
+    (out / "fidelity.txt").write_text(table + "\n")
+    plot_nll_by_position(gens, [e.budget for e in entries], out / "fidelity.png",
+                         title=f"{args.model}: dense NLL of each policy's own text ({args.generate} new tokens)")
+    (out / "fidelity.json").write_text(json.dumps(
+        {"rows": [r.as_dict() for r in rows], "generations": [asdict(g) for g in gens], "command": args.command_line,
+         "args": {k: v for k, v in vars(args).items() if k != "run"}}, indent=1, default=str))
+    print(table)
+    print(json.dumps({"rows": [{k: v for k, v in r.as_dict().items() if k in ("policy", "budget", "mode", "nll",
+                                                                           "agreement", "repetition", "pass_at_1")}
+                               for r in rows]}))
+    return 0
+
+
 @command("viz", "plot which tokens each layer's KV heads still hold (the paper's Fig. 6) for a model, text, policy", [
     MODEL,
     arg("--text", default=None, help="the text (default: the first held-out champ solution)"),
@@ -393,7 +444,8 @@ def evaluate(args: argparse.Namespace) -> int:
         help="policy for a model that is not already retrofitted (default kvpop; kvpop and dms are untrained "
              "unless --model is a trained directory)"),
     arg("--budget", type=int, default=512, help="budget for a fresh retrofit (default 512)"),
-    arg("--sink", type=int, default=4),
+    arg("--sink", type=int, default=None, help="sinks of a fresh retrofit (default: the policy's own, 0 for tova "
+                                               "and h2o, 4 otherwise)"),
     arg("--last", type=int, default=112, help="evictable tokens to show (default 112)"),
     arg("--max-tokens", type=int, default=2048, help="truncate the text to this many tokens (default 2048)"),
     arg("--out", default="eviction_pattern.png", help="PNG path (default eviction_pattern.png)"),
