@@ -368,6 +368,9 @@ def evaluate(args: argparse.Namespace) -> int:
             raise ValueError(f"budget {e.budget} ({e.name}) is not below --seq-len {args.seq_len}: nothing is evicted")
     tokens = held_out_rows(args.data, tokenizer, args.seq_len, args.sequences, packing=args.packing, split=args.split,
                            text_field=args.text_field, seed=args.seed)
+    if len(tokens) < args.sequences:
+        print(f"kvpop eval: the documents of {args.data!r} fill only {len(tokens)} of the {args.sequences} sequences "
+              f"asked for ({args.packing} packing: no document is in two rows)", file=sys.stderr)
     evaluator = Evaluator(base, entries, device=device)
     for row in tqdm(tokens, desc="kvpop eval", unit="seq"):
         evaluator.add(row[None])
