@@ -153,3 +153,26 @@ def test_eval_generate_writes_fidelity(tmp_path, capsys):
     assert (out / "fidelity.png").stat().st_size > 5000 and "NLL" in (out / "fidelity.txt").read_text()
     assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "4", "--data", "x.txt", "--out", str(out)]) == 1
     assert "--data champ" in capsys.readouterr().err
+
+
+def test_a_store_keeps_generations_for_a_rerun(tiny, tmp_path, monkeypatch):
+    from kvpop.eval import fidelity
+
+    model, tok = tiny
+    problems = [{"problem": "What is 1 + 1?", "answer": "2"}]
+    entries = [training_free("h2o", 24)]
+    store = tmp_path / "gens.jsonl"
+    rows, _ = run_fidelity(model, tok, entries, problems, 8, store=store, tag="m", ignore_eos=True)
+    assert len(store.read_text().splitlines()) == 2  # dense and h2o, greedy
+    calls = []
+    real = fidelity.generate_tokens
+    monkeypatch.setattr(fidelity, "generate_tokens", lambda *a, **k: calls.append(k) or real(*a, **k))
+    again, _ = run_fidelity(model, tok, entries, problems, 8, store=store, tag="m", ignore_eos=True)
+    assert calls == [] and [r.as_dict() | {"seconds_per_generation": 0} for r in again] == [
+        r.as_dict() | {"seconds_per_generation": 0} for r in rows]
+    # new work only: a sample per problem, another policy; another model tag shares nothing
+    run_fidelity(model, tok, [*entries, training_free("tova", 24)], problems, 8, samples=1, store=store, tag="m",
+                 ignore_eos=True)
+    assert len(calls) == 2 + 2  # dense and h2o sampled; tova greedy and sampled
+    run_fidelity(model, tok, entries, problems, 8, store=store, tag="other", ignore_eos=True)
+    assert len(calls) == 4 + 2

@@ -329,7 +329,8 @@ def train(args: argparse.Namespace) -> int:
     arg("--max-new-tokens", type=int, default=512, help="pass@1: tokens per answer (default 512)"),
     arg("--generate", type=int, default=0, metavar="N",
         help="long-generation fidelity instead of the teacher-forced table: every policy generates up to N tokens "
-             "per champ problem, scored by the dense model (fidelity.json, fidelity.txt, fidelity.png)"),
+             "per champ problem, scored by the dense model (fidelity.json, fidelity.txt, fidelity.png; finished "
+             "generations are kept in OUT/generations.jsonl and reused by a rerun)"),
     arg("--samples", type=int, default=0,
         help="--generate: sampled generations per problem at temperature 0.7, besides the greedy one (default 0)"),
     arg("--ignore-eos", action="store_true", help="--generate: always generate N tokens, past the EOS token"),
@@ -420,11 +421,12 @@ def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -
     if not entries:
         raise ValueError("--generate needs a policy that can decode (the oracle cannot)")
     problems = champ_problems("eval", seed=args.seed)[: args.problems]
-    rows, gens = run_fidelity(base, tokenizer, entries, problems, args.generate, samples=args.samples,
-                              seed=args.seed, ignore_eos=args.ignore_eos,
-                              log=lambda msg: print(f"[kvpop eval] {msg}", file=sys.stderr, flush=True))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # finished generations are kept there and reused by a rerun with the same settings
+    rows, gens = run_fidelity(base, tokenizer, entries, problems, args.generate, samples=args.samples,
+                              seed=args.seed, ignore_eos=args.ignore_eos, store=out / "generations.jsonl",
+                              tag=args.model, log=lambda msg: print(f"[kvpop eval] {msg}", file=sys.stderr, flush=True))
     table = format_fidelity_table(rows)
     (out / "fidelity.txt").write_text(table + "\n")
     plot_nll_by_position(gens, [e.budget for e in entries], out / "fidelity.png",

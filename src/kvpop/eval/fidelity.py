@@ -25,10 +25,17 @@ generation scores the text (`dense_scores`):
 
 Sums are pooled over tokens (steps, 4-grams) of all generations of a row; the `*_se` fields are the
 standard error over generations of the per-generation values, the spread to read differences against.
+
+Generations take minutes each on a CPU, so a run can keep them in a JSON-lines `store`
+(`kvpop eval --generate` uses OUT/generations.jsonl): each is appended when done, and a later run with
+the same settings reuses it instead of generating again (after an interruption, or to add policies,
+budgets or samples next to the ones done).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -281,6 +288,8 @@ def run_fidelity(
     temperature: float = SAMPLE_TEMPERATURE,
     seed: int = 0,
     ignore_eos: bool = False,
+    store: str | Path | None = None,
+    tag: str = "",
     log=None,
 ) -> tuple[list[FidelityRow], list[Generation]]:
     """Generate with the dense model and every entry, score everything with the dense model.
@@ -292,6 +301,8 @@ def run_fidelity(
         problems: champ problems (`kvpop.train.data.champ_problems`): `problem` and `answer`.
         new_tokens: tokens per generation (N), at most; it stops earlier at EOS unless `ignore_eos`.
         samples: sampled generations per problem at `temperature`, besides the greedy one.
+        store: a JSON-lines file of finished generations, appended to and reused (see the module docstring).
+        tag: names the model in the store's keys (e.g. `--model`), so that one store never mixes models.
     Returns:
         the rows (per budget: dense, then every entry; greedy, then sampled) and every generation.
     """
@@ -316,9 +327,22 @@ def run_fidelity(
     plan = [(i, "greedy", None) for i in range(len(problems))]
     plan += [(i, "sampled", sample_seed(seed, i, j)) for i in range(len(problems)) for j in range(samples)]
 
-    def run(model, make_cache, policy, budget) -> list[Generation]:
-        gens = []
+    done = _read_store(store)
+
+    def key(rule, i, mode, s) -> str:
+        what = [tag, rule, hashlib.sha1(json.dumps(prompts[i]).encode()).hexdigest(), mode, s, new_tokens, eos,
+                temperature if mode == "sampled" else 0.0]
+        return json.dumps(what)
+
+    def run(open_model, rule, policy, budget) -> tuple[list[Generation], nn.Module | None]:
+        gens, model = [], None
         for i, mode, s in plan:
+            k = key(rule, i, mode, s)
+            if k in done:
+                gens.append(Generation(**{**done[k], "policy": policy, "budget": budget, "problem": i}))
+                continue
+            if model is None:
+                model, make_cache = open_model()
             start = time.perf_counter()
             tokens = generate_tokens(model, prompts[i], new_tokens, make_cache(), eos_token_id=eos,
                                      temperature=temperature if mode == "sampled" else 0.0,
@@ -326,16 +350,26 @@ def run_fidelity(
             gens.append(Generation(policy, budget, i, mode, s, len(prompts[i]), tokens,
                                    tokenizer.decode(tokens, skip_special_tokens=True), time.perf_counter() - start))
             log(f"{policy} B={budget} problem {i} {mode}: {len(tokens)} tokens in {gens[-1].seconds:.1f} s")
-        return gens
+            if store is not None:
+                with open(store, "a") as f:
+                    f.write(json.dumps({"key": k, **asdict(gens[-1])}) + "\n")
+        return gens, model
 
-    generations = run(base, DynamicCache, "dense", None)
+    generations, _ = run(lambda: (base, DynamicCache), "dense", "dense", None)
     for entry in entries:
-        model = load(entry.trained, device=device) if entry.trained else retrofit(base, entry.cfg)
+        rule = json.dumps([entry.trained, entry.cfg.to_dict()], sort_keys=True)
+
+        def load_entry(e=entry):
+            m = load(e.trained, device=device) if e.trained else retrofit(base, e.cfg)
+            return m, lambda: KVpopCache(m)
+
+        gens, model = [], None
         try:
-            generations += run(model, lambda m=model: KVpopCache(m), entry.name, entry.budget)
+            gens, model = run(load_entry, rule, entry.name, entry.budget)
         finally:
-            if not entry.trained:
+            if model is not None and not entry.trained:
                 detach(model)
+        generations += gens
     for g in generations:
         logp, top = dense_scores(base, prompts[g.problem], g.tokens)
         g.logp, g.dense_argmax = [round(float(x), 5) for x in logp], top.tolist()
@@ -356,6 +390,21 @@ def run_fidelity(
                     row.variant = "windowed" if entry.name in WINDOWED else "paper"
                 rows.append(row)
     return rows, generations
+
+
+def _read_store(store: str | Path | None) -> dict[str, dict]:
+    """Finished generations by key, from a JSON-lines store (an unfinished last line is ignored)."""
+    if store is None or not Path(store).exists():
+        return {}
+    done = {}
+    for line in Path(store).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        key = record.pop("key")
+        done[key] = {k: record[k] for k in ("mode", "seed", "prompt_len", "tokens", "text", "seconds")}
+    return done
 
 
 def format_fidelity_table(rows: Sequence[FidelityRow]) -> str:
