@@ -20,8 +20,8 @@ generation scores the text (`dense_scores`):
   `p = P + i - 1` of a prompt of `P` tokens, after the model has read `p + 1` tokens) counts when
   `p >= budget`: the cache is full and has evicted, the positions the teacher-forced metrics count;
 - `repetition`: the share of the generation's 4-grams that occurred earlier in it (`repeated_ngrams`);
-- `pass_at_1`: the final answer checked by math-verify (`kvpop.eval.metrics.is_correct`), reported even
-  when it is 0 (a 135M model rarely solves these problems).
+- `pass_at_1`: the final answer, in the text up to the first EOS, checked by math-verify
+  (`kvpop.eval.metrics.is_correct`); reported even when it is 0 (a 135M model rarely solves these problems).
 
 Sums are pooled over tokens (steps, 4-grams) of all generations of a row; the `*_se` fields are the
 standard error over generations of the per-generation values, the spread to read differences against.
@@ -373,7 +373,10 @@ def run_fidelity(
     for g in generations:
         logp, top = dense_scores(base, prompts[g.problem], g.tokens)
         g.logp, g.dense_argmax = [round(float(x), 5) for x in logp], top.tolist()
-        g.correct = is_correct(g.text, problems[g.problem]["answer"])
+        # the answer a user gets ends at the first EOS, also when the generation went on past it
+        end = g.tokens.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in g.tokens else len(g.tokens)
+        answer = tokenizer.decode(g.tokens[:end], skip_special_tokens=True)
+        g.correct = is_correct(answer, problems[g.problem]["answer"])
 
     rows = []
     modes = ("greedy", "sampled") if samples else ("greedy",)
