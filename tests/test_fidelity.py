@@ -14,6 +14,7 @@ from kvpop.eval.evaluate import training_free
 from kvpop.eval.fidelity import (
     Generation,
     dense_scores,
+    generate_batch,
     generate_tokens,
     onpolicy_agreement,
     repeated_ngrams,
@@ -121,11 +122,38 @@ def test_generation_is_the_dense_models_until_the_cache_evicts(tiny):
     assert generate_tokens(model, prompt, 12, DynamicCache(), eos_token_id=eos) == dense[: dense.index(eos) + 1]
 
 
+@pytest.mark.parametrize("policy", ["dense", "tova", "streaming_llm"])
+@torch.no_grad()
+def test_a_batch_generates_what_each_prompt_does_alone(tiny, policy):
+    model, tok = tiny
+    prompts = [list(range(40, 60)), list(range(70, 83)), list(range(90, 117))]
+    cfg = None if policy == "dense" else kvpop.KVpopConfig.for_budget(16, policy=policy)
+    m = model if cfg is None else kvpop.retrofit(model, cfg)
+
+    def cache():
+        return DynamicCache() if cfg is None else kvpop.KVpopCache(m)
+
+    try:
+        for temperature in (0.0, 0.7):
+            alone = [generate_tokens(m, p, 10, cache(), temperature=temperature, seed=5 + i)
+                     for i, p in enumerate(prompts)]
+            together = generate_batch(m, prompts, 10, cache(), temperature=temperature, seeds=[5, 6, 7],
+                                      pad_token_id=tok.pad_token_id)
+            assert together == alone, (policy, temperature)
+        # rows stop at their own EOS
+        eos = alone[1][3]
+        cut = generate_batch(m, prompts, 10, cache(), temperature=0.7, seeds=[5, 6, 7], eos_token_id=eos)
+        assert [t[: t.index(eos) + 1] if eos in t else t for t in alone] == cut
+    finally:
+        if cfg is not None:
+            kvpop.detach(m)
+
+
 def test_run_fidelity_rows(tiny):
     model, tok = tiny
     problems = [{"problem": "What is 1 + 1?", "answer": "2"}, {"problem": "What is 2 + 3?", "answer": "5"}]
     entries = [training_free(p, 24) for p in ("streaming_llm", "tova")]
-    rows, gens = run_fidelity(model, tok, entries, problems, 20, samples=1, ignore_eos=True)
+    rows, gens = run_fidelity(model, tok, entries, problems, 20, samples=1, ignore_eos=True, batch=2)
     assert [(r.policy, r.mode) for r in rows] == [(p, m) for m in ("greedy", "sampled")
                                                   for p in ("dense", "streaming_llm", "tova")]
     assert len(gens) == 3 * 2 * 2 and all(len(g.tokens) == 20 for g in gens)
@@ -165,8 +193,9 @@ def test_a_store_keeps_generations_for_a_rerun(tiny, tmp_path, monkeypatch):
     rows, _ = run_fidelity(model, tok, entries, problems, 8, store=store, tag="m", ignore_eos=True)
     assert len(store.read_text().splitlines()) == 2  # dense and h2o, greedy
     calls = []
-    real = fidelity.generate_tokens
-    monkeypatch.setattr(fidelity, "generate_tokens", lambda *a, **k: calls.append(k) or real(*a, **k))
+    real = fidelity.generate_batch
+    monkeypatch.setattr(fidelity, "generate_batch", lambda m, prompts, *a, **k: calls.extend(prompts)
+                        or real(m, prompts, *a, **k))
     again, _ = run_fidelity(model, tok, entries, problems, 8, store=store, tag="m", ignore_eos=True)
     assert calls == [] and [r.as_dict() | {"seconds_per_generation": 0} for r in again] == [
         r.as_dict() | {"seconds_per_generation": 0} for r in rows]
