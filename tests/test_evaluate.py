@@ -94,6 +94,9 @@ def test_a_batch_of_sequences_gives_the_rows_of_one_at_a_time():
             # rel_accuracy is NaN here (random model and tokens: the dense accuracy is 0)
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6, nan_ok=True), (a["policy"], key)
         assert a["kl"] > 0, a["policy"]
+        # each sequence on its own too: the same positions per sequence, so the pooled KL is their mean
+        assert a["kl_per_sequence"] == pytest.approx(b["kl_per_sequence"], rel=1e-5) and len(a["kl_per_sequence"]) == 3
+        assert a["kl"] == pytest.approx(sum(a["kl_per_sequence"]) / 3, rel=1e-6) and a["kl_se"] > 0
 
 
 def test_eval_bad_input(text_file, tmp_path, capsys):

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from kvpop.attention import Capture
 from kvpop.config import POLICIES, KVpopConfig
-from kvpop.eval.metrics import RetentionRecall, TeacherForcedStats, priorities_from_records
+from kvpop.eval.metrics import RetentionRecall, TeacherForcedStats, priorities_from_records, teacher_forced_metrics
 from kvpop.retrofit import detach, kvpop_modules, load, retrofit
 
 
@@ -45,6 +45,8 @@ class Entry:
     cache_sum: float = field(default=0.0, repr=False)
     """DMS: sum over (layer, KV head, query >= budget) of entries held / budget, and its count."""
     cache_count: int = field(default=0, repr=False)
+    per_sequence: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    """(KL, top-1 agreement) of each sequence on its own: the spread behind the pooled row."""
 
 
 WINDOWED = {"tova_windowed": "tova", "h2o_windowed": "h2o"}
@@ -157,6 +159,9 @@ class Evaluator:
         finally:
             self._release(entry, model)
         entry.stats.update(dense, logits, ids, start=entry.budget)
+        for b in range(ids.shape[0]):
+            one = teacher_forced_metrics(dense[b : b + 1], logits[b : b + 1], ids[b : b + 1], start=entry.budget)
+            entry.per_sequence.append((one.kl, one.top1_agreement))
         if recall is not None:
             if entry.recall is None:
                 c = entry.cfg
@@ -219,6 +224,10 @@ class Evaluator:
                 "accuracy": r.accuracy,
                 "accuracy_dense": r.accuracy_dense,
                 "positions": r.positions,
+                "sequences": len(e.per_sequence),
+                "kl_se": _standard_error([kl for kl, _ in e.per_sequence]),
+                "kl_per_sequence": [kl for kl, _ in e.per_sequence],
+                "top1_per_sequence": [agree for _, agree in e.per_sequence],
                 "sink": e.cfg.sink,
                 "window": e.cfg.window,
                 "topk": e.cfg.topk,
@@ -233,6 +242,14 @@ class Evaluator:
             rows.append(row)
         mark_stronger_variants(rows)
         return rows
+
+
+def _standard_error(values: Sequence[float]) -> float | None:
+    """Standard error of the mean of `values` (None for fewer than two)."""
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
 
 
 def mark_stronger_variants(rows: Sequence[dict]) -> None:
@@ -258,19 +275,21 @@ def mark_stronger_variants(rows: Sequence[dict]) -> None:
 def format_table(rows: Sequence[dict]) -> str:
     """The comparison as a plain-text table, one line per (budget, policy).
 
-    `cache` is the share of the budget a policy really holds (DMS, `avg_cache_fraction`; the others fill
-    it); `*` marks the stronger of TOVA's (H2O's) paper and windowed variants at that budget.
+    `+-` is the standard error of the KL over the sequences; `cache` the share of the budget a policy
+    really holds (DMS, `avg_cache_fraction`; the others fill it); `*` marks the stronger of TOVA's (H2O's)
+    paper and windowed variants at that budget.
     """
-    head = (f"{'budget':>6} {'CR':>5}  {'policy':<20} {'rel acc':>8} {'top-1 agr':>9} {'KL':>8} {'ppl ratio':>9} "
-            f"{'recall':>7} {'cache':>6}")
+    head = (f"{'budget':>6} {'CR':>5}  {'policy':<20} {'rel acc':>8} {'top-1 agr':>9} {'KL':>8} {'+-':>7} "
+            f"{'ppl ratio':>9} {'recall':>7} {'cache':>6}")
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (-r["budget"], r["policy"])):
         recall = f"{r['recall']:.3f}" if r.get("recall") is not None else "-"
         cache = f"{r['avg_cache_fraction']:.3f}" if r.get("avg_cache_fraction") is not None else "-"
         name = r["policy"] + (" *" if r.get("stronger") else "")
+        spread = f"{r['kl_se']:.4f}" if r.get("kl_se") is not None else "-"
         lines.append(
             f"{r['budget']:>6} {r['cr']:>5.0%}  {name:<20} {r['rel_accuracy']:>8.3f} {r['top1_agreement']:>9.3f} "
-            f"{r['kl']:>8.4f} {r['ppl_ratio']:>9.3f} {recall:>7} {cache:>6}"
+            f"{r['kl']:>8.4f} {spread:>7} {r['ppl_ratio']:>9.3f} {recall:>7} {cache:>6}"
         )
     if any("stronger" in r for r in rows):
         lines.append("* the stronger of the paper's and kvpop's windowed variant at this budget (lower KL)")
