@@ -7,15 +7,19 @@
 #                                             # (bench_distill.py) and bench/gpu_distributed.sh
 #   bash bench/gpu_quality.sh dist OUT_DIR    # carry .stage_b: assemble the model, then only
 #                                             # bench/gpu_distributed.sh (issue 9, on a 2-GPU kind)
+#   bash bench/gpu_quality.sh fidelity OUT_DIR   # after train: long-generation fidelity (issue 16) of the
+#                                             # training-free rows and the trained kvpop-mlp / dms runs
 #
 # Environment knobs (seconds and sizes): STEPS (120), TRAIN_S (550), CONC (7: seven runs at S = 8192
 # shared the H200 under MPS without running out of memory), EVAL_S (300), EVAL_SEQ (8), DIST_STEPS (3);
 # TRAIN_ARGS, extra quality_study.py arguments of the train phase; EVAL_ARGS, of the eval phase; EXTRAS=0
-# skips the eval call's two benchmarks. The training runs and the evaluation workers share the GPU under
+# skips the eval call's two benchmarks. Fidelity: FID_N (4096 new tokens), FID_P (8 problems), FID_SAMPLES
+# (1), FID_BATCH (8 generations decoded together), FID_S (500); a call stopped at FID_S keeps its finished
+# generations in $HOME/fidelity/generations.jsonl, and the same command in the next call goes on from them. The training runs and the evaluation workers share the GPU under
 # NVIDIA MPS where the machine has it (quality_study.py --mps falls back to time-slicing otherwise).
 set -uo pipefail
-phase=${1:?usage: bench/gpu_quality.sh train|eval|dist OUT_DIR}
-out=${2:?usage: bench/gpu_quality.sh train|eval|dist OUT_DIR}
+phase=${1:?usage: bench/gpu_quality.sh train|eval|dist|fidelity OUT_DIR}
+out=${2:?usage: bench/gpu_quality.sh train|eval|dist|fidelity OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 stage=$HOME/stage
@@ -53,7 +57,20 @@ dist)
   (cd "$HOME/dist_out" && tar czf "$out/dist_logs.tgz" ./*.log ./*.jsonl ./*.config.json 2>/dev/null)
   cp "$HOME/dist_out/curves.png" "$out/" 2>/dev/null
   ;;
+fidelity)
+  trained=()
+  for d in "$HOME"/study/runs/kvpop-mlp_b*/final "$HOME"/study/runs/dms_b*/final; do
+    [ -d "$d" ] && trained+=(--trained "$d")
+  done
+  timeout --signal=INT "${FID_S:-500}" python -m kvpop.cli eval --model smollm2-135m --generate "${FID_N:-4096}" \
+    --problems "${FID_P:-8}" --samples "${FID_SAMPLES:-1}" --gen-batch "${FID_BATCH:-8}" --ignore-eos \
+    --budgets 2048,1024 --policies streaming_llm,tova,tova_windowed,h2o,h2o_windowed "${trained[@]}" \
+    --out "$HOME/fidelity"
+  for f in fidelity.json fidelity.txt fidelity.png generations.jsonl; do
+    cp "$HOME/fidelity/$f" "$out/" 2>/dev/null
+  done
+  ;;
 *)
-  echo "unknown phase $phase (train, eval or dist)"; exit 2
+  echo "unknown phase $phase (train, eval, dist or fidelity)"; exit 2
   ;;
 esac

@@ -12,12 +12,15 @@ Defaults: smollm2-135m, champ, S = 8192, sink 4, window 256, budgets 2048,1024 (
 --data notes.jsonl --seq-len 128 --budgets 48,32 --window 16 --steps 2 --concurrency 2
 --eval-sequences 1 --min-start-s 0`.
 
-Rows, per budget B (CR = 1 - B / S): dense teacher; streaming_llm, tova, h2o (training-free);
+Rows, per budget B (CR = 1 - B / S): dense teacher; streaming_llm, tova, h2o (training-free; TOVA and
+H2O as their papers define them) and tova_windowed, h2o_windowed (kvpop's variant: --sink, --window);
 streaming_llm_plus (base distilled, topk 0), dms, kvpop-mlp, kvpop-mlstm (delay = window,
 --match-mlp-memory) and kvpop-mlstm-delay0 (the ablation, same memory), each trained by full
 distillation on champ; the oracle. Columns: relative next-token accuracy, top-1 agreement, KL,
-perplexity ratio and the top-k retention recall against the oracle (static scorers), all
-teacher-forced on the same held-out sequences (`kvpop.eval.evaluate`).
+perplexity ratio, the top-k retention recall against the oracle (static scorers) and the share of the
+budget a row really holds (DMS), all teacher-forced on the same held-out sequences, each beginning at
+a document start (`--packing document`; `concat` gives the earlier sessions' rows cut mid-document;
+`kvpop.eval.evaluate.held_out_rows`). `*` marks the stronger TOVA (H2O) variant per budget.
 
 Training runs are `python -m kvpop.cli train ...` subprocesses, `--concurrency` at a time, each in
 OUT/runs/<name>/ with its log. A run whose `final/` exists is skipped; one with a checkpoint is
@@ -46,10 +49,10 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TRAINING_FREE = ("streaming_llm", "tova", "h2o", "oracle")
-DYNAMIC = ("tova", "h2o")
-ROW_ORDER = ("dense", "streaming_llm", "tova", "h2o", "streaming_llm_plus", "dms", "kvpop-mlp", "kvpop-mlstm",
-             "kvpop-mlstm-delay0", "oracle")
+TRAINING_FREE = ("streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "oracle")
+DYNAMIC = ("tova", "tova_windowed", "h2o", "h2o_windowed")
+ROW_ORDER = ("dense", "streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "streaming_llm_plus", "dms",
+             "kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0", "oracle")
 LEARNED = ("kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0")
 START = time.time()
 
@@ -391,16 +394,16 @@ def finish(run: Run, rc: int, seconds: float) -> None:
 def eval_phase(args, runs: list[Run], deadline: float) -> dict:
     import torch
 
+    from kvpop.eval.evaluate import held_out_rows, mark_stronger_variants
     from kvpop.models import load_model
-    from kvpop.train.data import load_texts, pack_sequences
 
     eval_dir = args.out / "eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
     _, tokenizer = load_model(args.model)
-    texts = load_texts(args.data, split="eval", tokenizer=tokenizer, seed=args.seed)
-    tokens = pack_sequences(texts, tokenizer, args.seq_len)[: args.eval_sequences]
+    tokens = held_out_rows(args.data, tokenizer, args.seq_len, args.eval_sequences, packing=args.packing,
+                           seed=args.seed)
     torch.save(tokens, eval_dir / "tokens.pt")
-    log(f"eval: {len(tokens)} held-out sequences of {args.seq_len} tokens")
+    log(f"eval: {len(tokens)} held-out sequences of {args.seq_len} tokens ({args.packing} packing)")
 
     missing, trained = [], {}
     for run in runs:
@@ -473,6 +476,7 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
         rows += result["rows"]
         missing += result["failed"]
         log(f"eval worker {g['group']}: rc {p.returncode}, {result['sequences']} sequences")
+    mark_stronger_variants(rows)
     for row in rows:
         t = trained.get(f"{row['policy']}_b{row['budget']}") if row.get("trained") else None
         if t is not None:
@@ -502,7 +506,7 @@ def worker(spec_path: str) -> int:
     import torch._dynamo
 
     from kvpop.config import KVpopConfig
-    from kvpop.eval.evaluate import Entry, Evaluator, from_directory
+    from kvpop.eval.evaluate import WINDOWED, Entry, Evaluator, from_directory, training_free
     from kvpop.train.checkpoint import open_checkpoint
 
     def is_checkpoint(path: str) -> bool:
@@ -585,9 +589,13 @@ def worker(spec_path: str) -> int:
             # the nominal budget: every row of a budget counts the same positions (>= B), also an mLSTM
             # whose matched top-k holds B minus its state's size in KV entries
             entry.budget = e["budget"]
+        elif e["policy"] in ("tova", "h2o"):
+            entry = training_free(e["policy"], e["budget"])  # as their papers define them
         else:
-            window = None if e["policy"] == "streaming_llm" else spec["window"]
-            cfg = KVpopConfig.for_budget(e["budget"], sink=spec["sink"], window=window, policy=e["policy"])
+            policy = WINDOWED.get(e["policy"], e["policy"])
+            window = None if policy == "streaming_llm" else spec["window"]
+            cfg = KVpopConfig.for_budget(e["budget"], sink=spec["sink"], window=window, policy=policy,
+                                         windowed=e["policy"] in WINDOWED)
             entry = Entry(e["name"], e["budget"], cfg)
         entries.append(entry)
     counts = {id(e): 0 for e in entries}
@@ -690,19 +698,23 @@ def table_md(result: dict) -> str:
     for budget in result["budgets"]:
         cr = 1 - budget / result["seq_len"]
         lines += [f"## B = {budget} (CR {cr:.0%})", "",
-                  "| row | rel. acc | top-1 agr | KL | ppl ratio | recall | trained steps | seqs |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| row | rel. acc | top-1 agr | KL | ppl ratio | recall | cache held | trained steps | seqs |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in result["rows"]:
             if r["budget"] != budget:
                 continue
-            steps = f"{r['steps_done']}{' (ckpt)' if r.get('weights') == 'checkpoint' else ''}" if "steps_done" in r else "-"
-            lines.append(f"| {r['policy']} | {fmt(r['rel_accuracy'], '.3f')} | {fmt(r['top1_agreement'], '.3f')} | "
+            ckpt = " (ckpt)" if r.get("weights") == "checkpoint" else ""
+            steps = f"{r['steps_done']}{ckpt}" if "steps_done" in r else "-"
+            name = r["policy"] + (" *" if r.get("stronger") else "")
+            lines.append(f"| {name} | {fmt(r['rel_accuracy'], '.3f')} | {fmt(r['top1_agreement'], '.3f')} | "
                          f"{fmt(r['kl'], '.4f')} | {fmt(r['ppl_ratio'], '.3f')} | {fmt(r.get('recall'), '.3f')} | "
-                         f"{steps} | {r.get('sequences', '-')} |")
+                         f"{fmt(r.get('avg_cache_fraction'), '.3f')} | {steps} | {r.get('sequences', '-')} |")
         for m in result["missing"]:
             if m["budget"] == budget:
-                lines.append(f"| {m['policy']} | missing: {m['missing'].splitlines()[0][:120]} |||||||")
+                lines.append(f"| {m['policy']} | missing: {m['missing'].splitlines()[0][:120]} ||||||||")
         lines.append("")
+    lines.append("cache held: the share of the budget a row really holds (DMS; the others fill it). "
+                 "*: the stronger of TOVA's (H2O's) paper and windowed variants at that budget (lower KL).")
     return "\n".join(lines)
 
 
@@ -745,6 +757,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--min-start-s", type=float, default=60,
                    help="no training run starts with fewer seconds than this left (default 60)")
     p.add_argument("--eval-sequences", type=int, default=8)
+    p.add_argument("--packing", default="document", choices=["document", "concat"],
+                   help="held-out rows from a document start, as in real use (default), or cut from one stream "
+                        "(the earlier sessions' rows)")
     p.add_argument("--dynamic-batch", type=int, default=4,
                    help="held-out sequences per pass of the TOVA and H2O workers (default 4): their replayed "
                         "decode step is launch-bound, so a pass of 4 costs about what a pass of 1 does; memory "
@@ -806,8 +821,8 @@ def run_phases(args, runs: list[Run], end: float, mps: bool, argv=None) -> int:
         **versions(),
         "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["quality_study.py", *argv]),
         "model": args.model, "data": args.data, "seq_len": args.seq_len, "budgets": args.budgets, "sink": args.sink,
-        "window": args.window, "steps": args.steps, "seed": args.seed, "lr_scorer": args.lr_scorer,
-        "freeze_base": args.freeze_base, "lr_base": args.lr_base, "mps": mps,
+        "window": args.window, "packing": args.packing, "steps": args.steps, "seed": args.seed,
+        "lr_scorer": args.lr_scorer, "freeze_base": args.freeze_base, "lr_base": args.lr_base, "mps": mps,
         "rows": ev["rows"], "missing": ev["missing"],
         "columns": ["rel_accuracy", "top1_agreement", "kl", "ppl_ratio", "recall"],
         "eval": {"sequences": ev["sequences"], "worker_commands": ev["worker_commands"]},
@@ -825,7 +840,8 @@ def run_phases(args, runs: list[Run], end: float, mps: bool, argv=None) -> int:
         log(f"recall plot failed: {err!r}")
     print(table_md(result), flush=True)
     print(json.dumps({"rows": [{k: r.get(k) for k in ("policy", "budget", "rel_accuracy", "top1_agreement", "kl",
-                                                       "ppl_ratio", "recall")} for r in result["rows"]],
+                                                       "ppl_ratio", "recall", "avg_cache_fraction", "stronger")}
+                               for r in result["rows"]],
                       "missing": [(m["policy"], m["budget"]) for m in result["missing"]]}), flush=True)
     log(f"done: {args.out / 'results.json'}, table.md, recall_per_layer.png, eviction_pattern.png")
     return 0

@@ -18,6 +18,9 @@ CONFIGS = {
     "tova": kvpop.KVpopConfig(sink=2, window=3, topk=9, policy="tova"),
     "tova-head-average": kvpop.KVpopConfig(sink=0, window=1, topk=13, policy="tova", tova_head_average=True),
     "h2o": kvpop.KVpopConfig(sink=2, window=5, topk=7, policy="h2o"),
+    # TOVA and H2O as their papers define them: no sinks; a window of 1 (TOVA), half the budget (H2O)
+    "tova-paper": kvpop.KVpopConfig.for_budget(14, policy="tova"),
+    "h2o-paper": kvpop.KVpopConfig.for_budget(14, policy="h2o"),
     # per-token eviction gates (-inf priorities) with the oldest-first overflow of the fixed buffer
     "dms": kvpop.KVpopConfig(sink=2, window=5, topk=7, policy="dms", scorer_hidden=16),
     # the stateful scorer: read out when leaving the window (the method), at insertion, and in between

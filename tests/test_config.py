@@ -46,6 +46,25 @@ def test_budget_round_trip_and_presets():
         kvpop.KVpopConfig.from_dict({"sinks": 4})
 
 
+def test_tova_and_h2o_splits_follow_their_papers_unless_windowed():
+    tova = kvpop.KVpopConfig.for_budget(512, policy="tova")
+    assert (tova.sink, tova.window, tova.topk, tova.tova_head_average) == (0, 1, 511, True)
+    h2o = kvpop.KVpopConfig.for_budget(512, policy="h2o")
+    assert (h2o.sink, h2o.window, h2o.topk) == (0, 256, 256)
+    # kvpop's earlier variant, kept by name: 4 sinks, a quarter of the budget, TOVA per KV head
+    tova_w = kvpop.KVpopConfig.for_budget(512, policy="tova", windowed=True)
+    assert (tova_w.sink, tova_w.window, tova_w.topk, tova_w.tova_head_average) == (4, 128, 380, False)
+    h2o_w = kvpop.KVpopConfig.for_budget(512, policy="h2o", windowed=True)
+    assert (h2o_w.sink, h2o_w.window, h2o_w.topk) == (4, 128, 380)
+    # what is given wins; the other policies keep their splits
+    assert kvpop.KVpopConfig.for_budget(512, sink=4, policy="tova").topk == 507
+    assert kvpop.KVpopConfig.for_budget(512, policy="tova", tova_head_average=False).tova_head_average is False
+    slm = kvpop.KVpopConfig.for_budget(512, policy="streaming_llm")
+    assert (slm.sink, slm.window, slm.topk) == (4, 508, 0)
+    with pytest.raises(ValueError, match="windowed=True applies to"):
+        kvpop.KVpopConfig.for_budget(512, windowed=True)
+
+
 def test_mlstm_fields_are_checked():
     with pytest.raises(ValueError, match=r"KVpopConfig.delay=9 is invalid: .*\[0, window=8\]"):
         kvpop.KVpopConfig(window=8, delay=9, scorer="mlstm")

@@ -325,3 +325,79 @@ def test_batches_larger_than_the_data():
     assert batch.shape == (5, 5)
     with pytest.raises(DataError, match="batch_size"):
         next(batches(tokens, batch_size=0, seed=0))
+
+
+# --- rows from document starts (evaluation) ---------------------------------------------------------
+
+
+def _bos_tokenizer():
+    from tokenizers import processors
+
+    tok = _tiny_tokenizer(None)
+    tok.add_special_tokens({"bos_token": "<s>"})
+    bos = tok.bos_token_id
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    return tok
+
+
+def test_document_rows_begin_at_document_starts(plain_tokenizer):
+    tok = plain_tokenizer
+    docs = [f"the sum {'of the roots ' * (i % 5)}is {i}." for i in range(30)]
+    ids = [tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for d in docs]
+    seq_len = 23
+    rows = data.document_rows(docs, tok, seq_len)
+    assert rows.dtype == torch.int64 and rows.shape[1] == seq_len
+    # greedy: a row takes documents until full; the next row starts at the following document
+    want, d = [], 0
+    while d < len(docs):
+        row, first = [], d
+        while len(row) < seq_len and d < len(docs):
+            row += ids[d]
+            d += 1
+        if len(row) >= seq_len:
+            want.append(row[:seq_len])
+        assert row[: len(ids[first])] == ids[first][: seq_len]
+    assert rows.tolist() == want and len(want) > 2
+    assert data.document_rows(docs, tok, seq_len, rows=2).tolist() == want[:2]
+
+
+def test_document_rows_add_bos_and_eos_as_in_real_use():
+    tok = _bos_tokenizer()
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+
+    def body(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    # a BOS before each document, never twice; an EOS after it unless the text already ends with one
+    docs = ["the sum is 5.", "<s>the roots are 2 and 3.<|endoftext|>\n", "so the answer is 5."]
+    want = [bos, *body(docs[0]), eos, *body(docs[1]), bos, *body(docs[2]), eos]
+    assert body(docs[1])[0] == bos and body(docs[1])[-2] == eos  # the second text brings its own BOS and EOS
+    assert data.document_rows(docs, tok, len(want)).tolist() == [want]
+
+
+def test_document_rows_errors(plain_tokenizer):
+    with pytest.raises(DataError, match="empty"):
+        data.document_rows(["", " "], plain_tokenizer, 8)
+    with pytest.raises(DataError, match="fewer than seq_len=4096"):
+        data.document_rows(["short text"], plain_tokenizer, 4096)
+    with pytest.raises(DataError, match="rows=0"):
+        data.document_rows(["short text"], plain_tokenizer, 2, rows=0)
+
+
+def test_pystdlib_is_python_code_without_tests_split_by_file():
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, held = load_texts("pystdlib", split="train"), load_texts("pystdlib", split="eval")
+    everything = load_texts("pystdlib", split="all")
+    assert len(everything) == len(train) + len(held) > 100
+    assert not set(train) & set(held)
+    assert load_texts("pystdlib", split="eval") == held  # deterministic
+    assert (root / "json" / "decoder.py").read_text() in everything
+    assert all(len(d) <= data.PYSTDLIB_MAX_CHARS for d in everything)
+    skipped = [root / "test" / "test_json" / "test_decode.py", root / "pydoc_data" / "topics.py",
+               root / "encodings" / "cp1252.py", root / "unittest" / "test" / "test_case.py"]
+    skipped = [p for p in skipped if p.is_file()]
+    assert skipped, "no skipped file found to check"
+    assert not {p.read_text() for p in skipped} & set(everything)

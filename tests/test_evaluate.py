@@ -9,7 +9,14 @@ import torch
 import kvpop
 from kvpop.cli import main
 from kvpop.eval import demo
-from kvpop.eval.evaluate import Evaluator, training_free
+from kvpop.eval.evaluate import (
+    Evaluator,
+    format_table,
+    headline,
+    held_out_rows,
+    mark_stronger_variants,
+    training_free,
+)
 from kvpop.models import load_model
 
 
@@ -40,6 +47,16 @@ def test_eval_compares_policies_side_by_side(text_file, tmp_path, capsys):
     oracle = next(r for r in saved["rows"] if r["policy"] == "oracle" and r["budget"] == 32)
     assert oracle["recall"] == pytest.approx(1.0)
     assert "kvpop eval" in saved["command"]
+    # TOVA and H2O ran in both variants; per budget the lower KL is marked, and the headline keeps it
+    for budget in (32, 16):
+        for paper, windowed in (("tova", "tova_windowed"), ("h2o", "h2o_windowed")):
+            pair = {r["policy"]: r for r in saved["rows"] if r["budget"] == budget and r["policy"] in (paper, windowed)}
+            assert pair[paper]["variant"] == "paper" and pair[windowed]["variant"] == "windowed"
+            assert pair[paper]["sink"] == 0 and pair[windowed]["sink"] == 4
+            best = min(pair.values(), key=lambda r: r["kl"])
+            assert [r["stronger"] for r in pair.values()].count(True) == 1 and best["stronger"]
+            head = next(r for r in rows if r["policy"] == paper and r["budget"] == budget)
+            assert head["variant"] == best["variant"] and head["kl"] == best["kl"]
 
 
 @torch.no_grad()
@@ -77,6 +94,9 @@ def test_a_batch_of_sequences_gives_the_rows_of_one_at_a_time():
             # rel_accuracy is NaN here (random model and tokens: the dense accuracy is 0)
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6, nan_ok=True), (a["policy"], key)
         assert a["kl"] > 0, a["policy"]
+        # each sequence on its own too: the same positions per sequence, so the pooled KL is their mean
+        assert a["kl_per_sequence"] == pytest.approx(b["kl_per_sequence"], rel=1e-5) and len(a["kl_per_sequence"]) == 3
+        assert a["kl"] == pytest.approx(sum(a["kl_per_sequence"]) / 3, rel=1e-6) and a["kl_se"] > 0
 
 
 def test_eval_bad_input(text_file, tmp_path, capsys):
@@ -181,3 +201,35 @@ def test_eval_shows_each_pass_and_announces_untrained_scorers(text_file, tmp_pat
     assert "3/3" in err and "pass" in err
     assert main(_eval(text_file, tmp_path, "--budgets", "32", "--policies", "streaming_llm", "--no-progress")) == 0
     assert "kvpop eval" not in capsys.readouterr().err
+
+
+def test_held_out_rows_begin_at_a_document_start_unless_concat():
+    _, tok = load_model("tiny-random-qwen3")
+    start = tok.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False).split("X")[0]
+    rows = held_out_rows("champ", tok, 256, 4)
+    assert rows.shape == (4, 256)
+    # champ as in real use: every row is a conversation from its first token, the problem as the user turn
+    assert all(tok.decode(r).startswith(start) for r in rows)
+    concat = held_out_rows("champ", tok, 256, 4, packing="concat")
+    texts = [tok.decode(r) for r in concat]
+    assert texts[0].startswith("Problem: ") and not all(t.startswith("Problem: ") for t in texts)
+    with pytest.raises(ValueError, match="packing='stream' is invalid"):
+        held_out_rows("champ", tok, 256, 4, packing="stream")
+
+
+def test_mark_stronger_variants_and_the_headline():
+    def row(policy, budget, kl, **kw):
+        return {"policy": policy, "budget": budget, "cr": 0.5, "rel_accuracy": 1.0, "top1_agreement": 0.9, "kl": kl,
+                "ppl_ratio": 1.1, **kw}
+
+    rows = [row("tova", 8, 0.3), row("tova_windowed", 8, 0.2), row("h2o", 8, 0.1), row("tova", 4, 0.5),
+            row("dms", 8, 0.4, avg_cache_fraction=0.55, trained="d")]
+    mark_stronger_variants(rows)
+    assert [r.get("stronger") for r in rows] == [False, True, None, None, None]
+    assert [r.get("variant") for r in rows] == ["paper", "windowed", "paper", "paper", None]
+    head = headline(rows)["rows"]
+    assert [(r["policy"], r["budget"], r.get("variant")) for r in head] == [
+        ("tova", 8, "windowed"), ("h2o", 8, "paper"), ("tova", 4, "paper"), ("dms", 8, None)]
+    assert head[-1]["avg_cache_fraction"] == 0.55
+    table = format_table([{**r, "positions": 1, "recall": None} for r in rows])
+    assert "tova_windowed *" in table and "0.550" in table and "lower KL" in table

@@ -112,3 +112,21 @@ def test_mps_missing_is_not_an_error(tmp_path, monkeypatch):
     study = _study()
     monkeypatch.setenv("PATH", str(tmp_path))
     assert study.start_mps(tmp_path / "out") is None
+
+
+def test_table_shows_the_dms_cache_share_and_the_stronger_variant():
+    study = _study()
+    rows = [{"policy": p, "budget": 64, "rel_accuracy": 1.0, "top1_agreement": 0.9, "kl": kl, "ppl_ratio": 1.1,
+             "sequences": 2} for p, kl in (("tova", 0.2), ("tova_windowed", 0.1), ("h2o", 0.3), ("h2o_windowed", 0.4))]
+    rows.append({"policy": "dms", "budget": 64, "rel_accuracy": 0.9, "top1_agreement": 0.8, "kl": 0.5,
+                 "ppl_ratio": 1.2, "avg_cache_fraction": 0.5625, "trained": "x", "sequences": 2})
+    from kvpop.eval.evaluate import mark_stronger_variants
+
+    mark_stronger_variants(rows)
+    result = {"model": "m", "seq_len": 256, "sink": 4, "window": 16, "date": "d", "device": "cpu", "torch": "t",
+              "transformers": "t", "eval": {"sequences": 2}, "data": "champ", "steps": 1, "budgets": [64],
+              "rows": study.sort_rows(rows), "missing": []}
+    table = study.table_md(result)
+    assert "| dms | 0.900 | 0.800 | 0.5000 | 1.200 | - | 0.562 |" in table
+    assert "| tova_windowed * |" in table and "| h2o * |" in table and "| tova |" in table
+    assert [r["policy"] for r in result["rows"]] == ["tova", "tova_windowed", "h2o", "h2o_windowed", "dms"]

@@ -397,25 +397,42 @@ def _refuse_other_config(args: argparse.Namespace) -> None:
 
 @command("eval", "compare eviction policies and budgets side by side on held-out text (teacher-forced, + pass@1)", [
     MODEL,
-    arg("--data", default="champ", help="champ (held-out problems), a file, a directory or a dataset name"),
+    arg("--data", default="champ", help="champ (held-out problems), pystdlib (Python code), a file, a directory or a "
+                                        "dataset name"),
     arg("--text-field", default=None),
     arg("--split", default="eval", choices=["eval", "train", "all"], help="which split of --data (default eval)"),
     arg("--seq-len", type=int, default=2048, help="tokens per evaluated sequence (default 2048)"),
     arg("--sequences", type=int, default=4, help="number of sequences (default 4)"),
+    arg("--packing", default="document", choices=["document", "concat"],
+        help="document: each sequence begins at a document start, formatted as in real use (champ as a chat, "
+             "a BOS where the tokenizer adds one) (default); concat: one stream cut every --seq-len tokens "
+             "(earlier sessions' numbers)"),
     arg("--budgets", default="512,256",
         help="comma-separated budgets for the training-free policies, each above --sink + 1 and below --seq-len "
              "(default 512,256: CR 75 %% and 88 %% of 2048 tokens)"),
-    arg("--policies", default="streaming_llm,tova,h2o,oracle",
-        help="comma-separated training-free policies (streaming_llm, tova, h2o, oracle), or none"),
+    arg("--policies", default="streaming_llm,tova,tova_windowed,h2o,h2o_windowed,oracle",
+        help="comma-separated training-free policies: streaming_llm, tova and h2o (as their papers define them), "
+             "tova_windowed and h2o_windowed (4 sinks, window B/4), oracle; kvpop and dms untrained; or none"),
     arg("--trained", action="append", default=[], metavar="DIR",
         help="a kvpop.save directory (e.g. OUT/final of kvpop train), evaluated at its own budget; repeatable"),
-    arg("--sink", type=int, default=4),
+    arg("--sink", type=int, default=None, help="sinks of the training-free policies (default: each policy's own, "
+                                               "0 for tova and h2o, 4 otherwise)"),
     arg("--layer-budgets", action="append", default=[], metavar="FILE",
         help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
              "(the same total memory as the uniform row); repeatable"),
     arg("--rollouts", type=int, default=0, help="pass@1: sampled answers per champ problem (default 0: skip)"),
-    arg("--problems", type=int, default=8, help="pass@1: held-out champ problems (default 8)"),
+    arg("--problems", type=int, default=8, help="pass@1 and --generate: held-out champ problems (default 8)"),
     arg("--max-new-tokens", type=int, default=512, help="pass@1: tokens per answer (default 512)"),
+    arg("--generate", type=int, default=0, metavar="N",
+        help="long-generation fidelity instead of the teacher-forced table: every policy generates up to N tokens "
+             "per champ problem, scored by the dense model (fidelity.json, fidelity.txt, fidelity.png; finished "
+             "generations are kept in OUT/generations.jsonl and reused by a rerun)"),
+    arg("--samples", type=int, default=None,
+        help="--generate: sampled generations per problem at temperature 0.7, besides the greedy one (default 0); "
+             "--suite: prompts per task, length and depth (default 2)"),
+    arg("--ignore-eos", action="store_true", help="--generate: always generate N tokens, past the EOS token"),
+    arg("--gen-batch", type=int, default=1,
+        help="--generate: generations decoded together, left-padded (default 1; on a GPU, 8 or more are as fast as 1)"),
     arg("--out", default="runs/eval", help="output directory (default runs/eval)"),
     arg("--device", default=None),
     arg("--seed", type=int, default=0),
@@ -425,7 +442,6 @@ def _refuse_other_config(args: argparse.Namespace) -> None:
              "policy prefills each prompt into its bounded cache and answers greedily (plus a dense row)"),
     arg("--lengths", default="1k,2k", help="suite: prompt lengths in tokens, chat template included (default 1k,2k)"),
     arg("--depths", default="0,0.5,1", help="suite: needle depths in [0, 1] (default 0,0.5,1)"),
-    arg("--samples", type=int, default=2, help="suite: prompts per task, length and depth (default 2)"),
     arg("--filler", default="prose",
         help="suite: haystack text: prose (generated), champ, stdlib (Python sources), or a local file or directory"),
     arg("--suite-batch", type=int, default=1, help="suite: prompts decoded together, left-padded (default 1)"),
@@ -438,9 +454,8 @@ def evaluate(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from kvpop.eval.evaluate import Evaluator, check_base, format_table, from_directory, headline
+    from kvpop.eval.evaluate import Evaluator, check_base, format_table, from_directory, headline, held_out_rows
     from kvpop.models import load_model
-    from kvpop.train.data import load_texts, pack_sequences
 
     device = _device(args.device)
     torch.manual_seed(args.seed)
@@ -460,11 +475,16 @@ def evaluate(args: argparse.Namespace) -> int:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings={limit}")
     if not entries:
         raise ValueError("nothing to evaluate: give --policies and --budgets, or --trained")
+    if args.generate:
+        return _fidelity(args, base, tokenizer, entries, device)
     for e in entries:
         if e.budget >= args.seq_len:
             raise ValueError(f"budget {e.budget} ({e.name}) is not below --seq-len {args.seq_len}: nothing is evicted")
-    texts = load_texts(args.data, split=args.split, text_field=args.text_field, tokenizer=tokenizer, seed=args.seed)
-    tokens = pack_sequences(texts, tokenizer, args.seq_len)[: args.sequences]
+    tokens = held_out_rows(args.data, tokenizer, args.seq_len, args.sequences, packing=args.packing, split=args.split,
+                           text_field=args.text_field, seed=args.seed)
+    if len(tokens) < args.sequences:
+        print(f"kvpop eval: the documents of {args.data!r} fill only {len(tokens)} of the {args.sequences} sequences "
+              f"asked for ({args.packing} packing: no document is in two rows)", file=sys.stderr)
     evaluator = Evaluator(base, entries, device=device)
     # one tick per pass (the dense reference, then each entry) of each sequence: a long pass shows as it ends
     with tqdm(total=len(tokens) * (len(entries) + 1), desc="kvpop eval", unit="pass", disable=args.no_progress) as bar:
@@ -510,11 +530,12 @@ def _training_free_entries(args: argparse.Namespace) -> list:
         budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
     except ValueError:
         raise ValueError(f"--budgets={args.budgets!r} must be comma-separated integers") from None
+    sink = DEFAULT_SINK if args.sink is None else args.sink
     for b in budgets:
-        if b <= args.sink + 1:
-            raise ValueError(f"--budgets: {b} must lie above --sink + 1 = {args.sink + 1} (room for a window and a "
+        if b <= sink + 1:
+            raise ValueError(f"--budgets: {b} must lie above --sink + 1 = {sink + 1} (room for a window and a "
                              f"top-k slot) and below --seq-len {args.seq_len}")
-        if b >= args.seq_len and not args.suite:  # the suite's prompts have their own --lengths
+        if b >= args.seq_len and not (args.suite or args.generate):  # the suite and --generate set their own lengths
             raise ValueError(f"--budgets: {b} is not below --seq-len {args.seq_len}: nothing is evicted")
     entries = []
     for b in budgets:
@@ -617,7 +638,7 @@ def _eval_suite(args: argparse.Namespace, base, tokenizer, device: str) -> int:
 
     cfg = suite.SuiteConfig(tasks=tuple(parse_tasks(args.suite)),
                             lengths=tuple(suite.parse_lengths(args.lengths)),
-                            depths=tuple(suite.parse_depths(args.depths)), samples=args.samples, seed=args.seed,
+                            depths=tuple(suite.parse_depths(args.depths)), samples=2 if args.samples is None else args.samples, seed=args.seed,
                             filler=args.filler, batch_size=args.suite_batch, prefill_chunk=args.prefill_chunk)
     policies = [p for p in args.policies.split(",") if p and p != "none"]
     if "oracle" in policies:
@@ -640,6 +661,47 @@ def _eval_suite(args: argparse.Namespace, base, tokenizer, device: str) -> int:
         print(f"kvpop eval --suite: wrote {path}", file=sys.stderr)
     print(table)
     print(json.dumps(suite_report.headline(records)))
+    return 0
+
+
+def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -> int:
+    """`kvpop eval --generate N`: long-generation fidelity (`kvpop.eval.fidelity`)."""
+    import json
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from kvpop.eval.fidelity import format_fidelity_table, plot_nll_by_position, run_fidelity
+    from kvpop.train.data import champ_problems
+
+    if args.data != "champ":
+        raise ValueError("--generate answers held-out champ problems: use --data champ")
+    if args.samples is None:
+        args.samples = 0
+    if args.generate < 1 or args.samples < 0 or args.problems < 1 or args.gen_batch < 1:
+        raise ValueError(f"--generate {args.generate}, --problems {args.problems} and --gen-batch {args.gen_batch} "
+                         f"must be >= 1, --samples {args.samples} >= 0")
+    entries = [e for e in entries if e.cfg.policy != "oracle"]
+    if not entries:
+        raise ValueError("--generate needs a policy that can decode (the oracle cannot)")
+    problems = champ_problems("eval", seed=args.seed)[: args.problems]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # finished generations are kept there and reused by a rerun with the same settings
+    rows, gens = run_fidelity(base, tokenizer, entries, problems, args.generate, samples=args.samples,
+                              seed=args.seed, ignore_eos=args.ignore_eos, batch=args.gen_batch,
+                              store=out / "generations.jsonl",
+                              tag=args.model, log=lambda msg: print(f"[kvpop eval] {msg}", file=sys.stderr, flush=True))
+    table = format_fidelity_table(rows)
+    (out / "fidelity.txt").write_text(table + "\n")
+    plot_nll_by_position(gens, [e.budget for e in entries], out / "fidelity.png",
+                         title=f"{args.model}: dense NLL of each policy's own text ({args.generate} new tokens)")
+    (out / "fidelity.json").write_text(json.dumps(
+        {"rows": [r.as_dict() for r in rows], "generations": [asdict(g) for g in gens], "command": args.command_line,
+         "args": {k: v for k, v in vars(args).items() if k != "run"}}, indent=1, default=str))
+    print(table)
+    print(json.dumps({"rows": [{k: v for k, v in r.as_dict().items() if k in ("policy", "budget", "mode", "nll",
+                                                                           "agreement", "repetition", "pass_at_1")}
+                               for r in rows]}))
     return 0
 
 

@@ -17,6 +17,8 @@ RECENCY_POLICIES = ("streaming_llm", "streaming_llm_plus")
 SCORERS = ("mlp", "mlstm", "evidence")
 SCORER_KEYS = ("cached", "pre_rope")
 EVIDENCE_MIXES = ("concat", "additive")
+PAPER_SPLITS = ("tova", "h2o")
+"""Policies whose `for_budget` split follows their paper unless `windowed=True` asks for kvpop's variant."""
 AGGREGATIONS = ("max", "mean")
 
 DEFAULT_BUDGET = 512
@@ -260,22 +262,43 @@ class KVpopConfig:
         return cls(**d)
 
     @classmethod
-    def for_budget(cls, budget: int | None = None, sink: int = DEFAULT_SINK, window: int | None = None,
-                   topk: int | None = None, **kw: Any) -> KVpopConfig:
-        """A config with `sink + window + topk == budget`, what is not given derived from the rest.
+    def for_budget(cls, budget: int | None = None, sink: int | None = None, window: int | None = None,
+                   topk: int | None = None, windowed: bool = False, **kw: Any) -> KVpopConfig:
+        """A config with `sink + window + topk == budget`, split the way each policy expects.
 
         The budget is `DEFAULT_BUDGET` unless given, or implied by a window and a top-k given together;
-        the window is a quarter of the budget (for `streaming_llm(_plus)`, whose top-k is 0, everything
-        beyond the sinks); the top-k is what is left. The CLI's `--budget/--sink/--window/--topk` come here.
+        the top-k is what the rest leaves. Unless given, `sink` and `window` are:
+        - `tova`, as its paper defines it (Oren et al., 2024): no sinks and a window of 1 (only the current
+          token is protected); every other slot is ranked by the current query's attention averaged over
+          the heads of the layer (`tova_head_average`, unless given);
+        - `h2o`, as its paper defines it (Zhang et al., 2023): no sinks; half the budget is the recent
+          window, the other half the heavy hitters;
+        - `streaming_llm(_plus)`: 4 sinks, the window everything beyond them (top-k 0);
+        - every other policy, and `tova` / `h2o` with `windowed=True` (kvpop's earlier variant of them,
+          TOVA ranking per KV head by the max over its query heads): 4 sinks and a quarter of the budget.
+        The CLI's `--budget/--sink/--window/--topk` come here.
         """
-        if topk is None and kw.get("policy") in RECENCY_POLICIES:
+        policy = kw.get("policy", "kvpop")
+        if windowed and policy not in PAPER_SPLITS:
+            raise ValueError(f"windowed=True applies to the policies {PAPER_SPLITS}, not {policy!r}")
+        paper = policy in PAPER_SPLITS and not windowed
+        if topk is None and policy in RECENCY_POLICIES:
             topk = 0
+        if sink is None:
+            sink = 0 if paper else DEFAULT_SINK
         if budget is None:
             budget = sink + window + topk if window is not None and topk is not None else DEFAULT_BUDGET
         if window is None:
-            window = budget - sink - topk if topk is not None else max(1, budget // 4)
-            if window < 1:
-                raise ValueError(f"budget={budget} leaves no window after sink + topk = {sink} + {topk}")
+            if topk is not None:
+                window = budget - sink - topk
+                if window < 1:
+                    raise ValueError(f"budget={budget} leaves no window after sink + topk = {sink} + {topk}")
+            elif paper:
+                window = 1 if policy == "tova" else max(1, (budget - sink) // 2)
+            else:
+                window = max(1, budget // 4)
+        if paper and policy == "tova":
+            kw.setdefault("tova_head_average", True)
         if topk is None:
             topk = budget - sink - window
             if topk < 0:

@@ -2,6 +2,10 @@
 
 A token's priority is the sum of the attention weights it has received from every query since
 it was inserted (summed over the query heads of its KV head), plus the protected recent window.
+
+The paper's H2O is `KVpopConfig.for_budget(B, policy="h2o")`: no sinks, the budget split in half
+between the recent window and the heavy hitters. `for_budget(B, policy="h2o", windowed=True)` is
+kvpop's earlier variant (4 sinks, a window of B/4), kept for comparison (`h2o_windowed`).
 """
 
 from torch import Tensor

@@ -6,6 +6,11 @@ heads as in the original (`KVpopConfig(tova_head_average=True)`), which makes ev
 a layer keep the same tokens. To stay within the budget without a second attention pass, the
 weights of step `q - 1` decide the eviction at step `q` (the token leaving the window against the
 weakest long-range slot), as the shared decode step does for every policy.
+
+The paper's TOVA is `KVpopConfig.for_budget(B, policy="tova")`: no sinks, a window of 1 (the
+current token) and the head average, so at every step the cache holds B tokens and the one the
+latest query attended least is dropped. `for_budget(B, policy="tova", windowed=True)` is kvpop's
+earlier variant (4 sinks, a window of B/4, per KV head), kept for comparison (`tova_windowed`).
 """
 
 from torch import Tensor

@@ -1,14 +1,18 @@
 """Side-by-side evaluation of eviction policies on held-out text: the engine behind `kvpop eval`.
 
     kvpop eval --model smollm2-135m --data champ --seq-len 2048 --budgets 512,256 \
-        --policies streaming_llm,tova,h2o,oracle --trained 512=runs/b512/final --sequences 3
+        --policies streaming_llm,tova,tova_windowed,h2o,h2o_windowed,oracle --trained runs/b512/final --sequences 3
 
 Every policy and budget sees the same sequences; every number is teacher-forced against one dense
 pass of the original base model (`--model`, run with `kvpop_dense=True`), counted at positions
 `>= budget` where eviction acts (`DESIGN.md`, Metrics). A trained directory holds its own, possibly
 distilled, base weights; it is still compared with the original base, the model it must stand in
-for, and must have been trained from it (its recorded base identity is checked). Static-priority policies (KVpop, the oracle) also get their top-k
-retention recall against the oracle of the evaluated model, per layer and head (paper Fig. 7).
+for, and must have been trained from it (its recorded base identity is checked). The sequences
+begin at a document start, formatted as in real use (`held_out_rows`). TOVA and H2O run as their
+papers define them (`tova`, `h2o`) and as kvpop's windowed variant (`tova_windowed`, `h2o_windowed`,
+`WINDOWED`); per budget the table marks the stronger of each pair (lower KL on the same sequences)
+and the headline keeps only that one. Static-priority policies (KVpop, the oracle) also get their
+top-k retention recall against the oracle of the evaluated model, per layer and head (paper Fig. 7).
 DMS rows also get `avg_cache_fraction`: the entries its heads really hold / budget, averaged over
 layers, KV heads and queries `>= budget` (its per-head retention is ragged inside the fixed buffer).
 Because the training mask equals the decoding cache, these are the numbers a user gets generating.
@@ -23,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from kvpop.attention import Capture
-from kvpop.config import KVpopConfig
-from kvpop.eval.metrics import RetentionRecall, TeacherForcedStats, priorities_from_records
+from kvpop.config import POLICIES, KVpopConfig
+from kvpop.eval.metrics import RetentionRecall, TeacherForcedStats, priorities_from_records, teacher_forced_metrics
 from kvpop.retrofit import base_identity, detach, kvpop_modules, load, read_base, read_config, retrofit, same_base
 
 
@@ -43,16 +47,66 @@ class Entry:
     cache_sum: float = field(default=0.0, repr=False)
     """DMS: sum over (layer, KV head, query >= budget) of entries held / budget, and its count."""
     cache_count: int = field(default=0, repr=False)
+    per_sequence: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    """(KL, top-1 agreement) of each sequence on its own: the spread behind the pooled row."""
 
 
-def training_free(policy: str, budget: int, sink: int = 4, layer_budgets: Sequence[int] | None = None) -> Entry:
-    """A baseline at `budget` with the split each policy expects (`KVpopConfig.for_budget`).
+WINDOWED = {"tova_windowed": "tova", "h2o_windowed": "h2o"}
+"""Row names of kvpop's windowed TOVA and H2O (4 sinks, a window of B/4; `KVpopConfig.for_budget(windowed=True)`),
+beside `tova` and `h2o` as their papers define them."""
+TRAINING_FREE = ("streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "oracle")
+"""The training-free rows `kvpop eval` runs by default."""
+PACKINGS = ("document", "concat")
 
-    `layer_budgets`: per-layer budgets `B_l` at the same total memory (`sum_l B_l = L x budget`,
-    `kvpop budgets` makes them); the row is then labelled `<policy>+layers`.
+
+def training_free(name: str, budget: int, sink: int | None = None,
+                  layer_budgets: Sequence[int] | None = None) -> Entry:
+    """A baseline row at `budget` with the split its policy expects (`KVpopConfig.for_budget`).
+
+    `name` is a policy (`tova`, `h2o`: as their papers define them) or a windowed variant (`WINDOWED`).
+    `sink` overrides the policy's own number of sinks. `layer_budgets`: per-layer budgets `B_l` at the
+    same total memory (`sum_l B_l = L x budget`, `kvpop budgets` makes them); the row is then labelled
+    `<name>+layers`.
     """
-    entry = Entry(policy, budget, KVpopConfig.for_budget(budget, sink=sink, policy=policy))
+    policy = WINDOWED.get(name, name)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: choose from {', '.join((*TRAINING_FREE, 'kvpop'))}")
+    cfg = KVpopConfig.for_budget(budget, sink=sink, policy=policy, windowed=name in WINDOWED)
+    entry = Entry(name, budget, cfg)
     return entry if layer_budgets is None else with_layer_budgets(entry, layer_budgets)
+
+
+def held_out_rows(
+    data: str,
+    tokenizer,
+    seq_len: int,
+    sequences: int,
+    *,
+    packing: str = "document",
+    split: str = "eval",
+    text_field: str | None = None,
+    seed: int = 0,
+) -> Tensor:
+    """The evaluated sequences: int64 [N, seq_len], N <= `sequences`.
+
+    `document` (the default): every row begins at a document start, formatted as in real use: champ as
+    a chat (the problem as the user turn, the solution as the assistant turn) when the tokenizer has a
+    chat template, a BOS where the tokenizer adds one, and the following documents, formatted the same
+    way, when one is shorter than `seq_len` (`kvpop.train.data.document_rows`). `concat`: the rows of
+    earlier sessions, one stream of plain documents ("Problem: ... Solution: ..." for champ) cut every
+    `seq_len` tokens, so that a row begins mid-document and its first tokens are arbitrary (`pack_sequences`).
+    """
+    from kvpop.train.data import document_rows, load_texts, pack_sequences
+
+    if packing not in PACKINGS:
+        raise ValueError(f"packing={packing!r} is invalid: use one of {PACKINGS}")
+    if sequences < 1:
+        raise ValueError(f"sequences={sequences!r} must be >= 1")
+    chat = packing == "document" and data == "champ" and bool(getattr(tokenizer, "chat_template", None))
+    texts = load_texts(data, split=split, text_field=text_field, tokenizer=tokenizer, seed=seed, chat=chat)
+    if packing == "concat":
+        return pack_sequences(texts, tokenizer, seq_len)[:sequences]
+    return document_rows(texts, tokenizer, seq_len, rows=sequences)
 
 
 def from_directory(path: str, name: str | None = None) -> Entry:
@@ -150,6 +204,9 @@ class Evaluator:
         finally:
             self._release(entry, model)
         entry.stats.update(dense, logits, ids, start=entry.budget)
+        for b in range(ids.shape[0]):
+            one = teacher_forced_metrics(dense[b : b + 1], logits[b : b + 1], ids[b : b + 1], start=entry.budget)
+            entry.per_sequence.append((one.kl, one.top1_agreement))
         if recall is not None:
             if entry.recall is None:
                 c = entry.cfg
@@ -212,6 +269,10 @@ class Evaluator:
                 "accuracy": r.accuracy,
                 "accuracy_dense": r.accuracy_dense,
                 "positions": r.positions,
+                "sequences": len(e.per_sequence),
+                "kl_se": _standard_error([kl for kl, _ in e.per_sequence]),
+                "kl_per_sequence": [kl for kl, _ in e.per_sequence],
+                "top1_per_sequence": [agree for _, agree in e.per_sequence],
                 "sink": e.cfg.sink,
                 "window": e.cfg.window,
                 "topk": e.cfg.topk,
@@ -225,29 +286,80 @@ class Evaluator:
             if e.cfg.policy == "dms":
                 row["avg_cache_fraction"] = e.cache_sum / max(1, e.cache_count)
             rows.append(row)
+        mark_stronger_variants(rows)
         return rows
 
 
+def _standard_error(values: Sequence[float]) -> float | None:
+    """Standard error of the mean of `values` (None for fewer than two)."""
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)) ** 0.5
+
+
+def mark_stronger_variants(rows: Sequence[dict]) -> None:
+    """Per budget, mark the stronger of TOVA's (H2O's) two variants: the lower KL on the same sequences.
+
+    Each `tova` / `h2o` / `tova_windowed` / `h2o_windowed` row gets `variant` (`paper` or `windowed`);
+    where both variants of a policy were run at a budget, both get `stronger` (True for the lower KL).
+    """
+    for row in rows:
+        if row["policy"] in ("tova", "h2o") and not row.get("trained"):
+            row["variant"] = "paper"
+        elif row["policy"] in WINDOWED:
+            row["variant"] = "windowed"
+    for windowed, paper in WINDOWED.items():
+        for budget in {r["budget"] for r in rows}:
+            pair = [r for r in rows if r["budget"] == budget and r["policy"] in (paper, windowed) and "variant" in r]
+            if len(pair) == 2:
+                best = min(pair, key=lambda r: r["kl"])
+                for r in pair:
+                    r["stronger"] = r is best
+
+
 def format_table(rows: Sequence[dict]) -> str:
-    """The comparison as a plain-text table, one line per (budget, policy)."""
-    head = (f"{'budget':>6} {'CR':>5}  {'policy':<20} {'rel acc':>8} {'top-1 agr':>9} {'KL':>8} {'ppl ratio':>9} "
-            f"{'recall':>7} {'cache':>6}")
+    """The comparison as a plain-text table, one line per (budget, policy).
+
+    `+-` is the standard error of the KL over the sequences; `cache` the share of the budget a policy
+    really holds (DMS, `avg_cache_fraction`; the others fill it); `*` marks the stronger of TOVA's (H2O's)
+    paper and windowed variants at that budget.
+    """
+    head = (f"{'budget':>6} {'CR':>5}  {'policy':<20} {'rel acc':>8} {'top-1 agr':>9} {'KL':>8} {'+-':>7} "
+            f"{'ppl ratio':>9} {'recall':>7} {'cache':>6}")
     lines = [head, "-" * len(head)]
     for r in sorted(rows, key=lambda r: (-r["budget"], r["policy"])):
         recall = f"{r['recall']:.3f}" if r.get("recall") is not None else "-"
-        # the share of the budget actually held (DMS); the other policies fill it
         cache = f"{r['avg_cache_fraction']:.3f}" if r.get("avg_cache_fraction") is not None else "-"
+        name = r["policy"] + (" *" if r.get("stronger") else "")
+        spread = f"{r['kl_se']:.4f}" if r.get("kl_se") is not None else "-"
         lines.append(
-            f"{r['budget']:>6} {r['cr']:>5.0%}  {r['policy']:<20} {r['rel_accuracy']:>8.3f} {r['top1_agreement']:>9.3f} "
-            f"{r['kl']:>8.4f} {r['ppl_ratio']:>9.3f} {recall:>7} {cache:>6}"
+            f"{r['budget']:>6} {r['cr']:>5.0%}  {name:<20} {r['rel_accuracy']:>8.3f} {r['top1_agreement']:>9.3f} "
+            f"{r['kl']:>8.4f} {spread:>7} {r['ppl_ratio']:>9.3f} {recall:>7} {cache:>6}"
         )
+    if any("stronger" in r for r in rows):
+        lines.append("* the stronger of the paper's and kvpop's windowed variant at this budget (lower KL)")
     return "\n".join(lines)
 
 
 def headline(rows: Sequence[dict]) -> dict:
-    """The JSON object `kvpop demo` prints last: the issue's fields only."""
+    """The JSON object `kvpop demo` and `kvpop eval` print last: the issue's fields only.
+
+    Of TOVA's (H2O's) two variants only the stronger at each budget is kept, named `tova` (`h2o`) with
+    its `variant`; a DMS row carries `avg_cache_fraction`, without which its budget is not comparable.
+    """
     keys = ("policy", "budget", "cr", "rel_accuracy", "top1_agreement", "kl", "ppl_ratio")
-    return {"rows": [{k: r[k] for k in keys} for r in rows]}
+    out = []
+    for r in rows:
+        if r.get("stronger") is False:
+            continue
+        row = {k: r[k] for k in keys}
+        if "variant" in r:
+            row.update(policy=WINDOWED.get(r["policy"], r["policy"]), variant=r["variant"])
+        if r.get("avg_cache_fraction") is not None:
+            row["avg_cache_fraction"] = r["avg_cache_fraction"]
+        out.append(row)
+    return {"rows": out}
 
 
 
@@ -276,5 +388,5 @@ def rollouts_pass_at_1(model: nn.Module, tokenizer, problems: Sequence[dict], sa
     return pass_at_1(completions, [p["answer"] for p in problems]), completions
 
 
-__all__ = ["Entry", "Evaluator", "format_table", "from_directory", "headline", "rollouts_pass_at_1", "training_free",
-           "with_layer_budgets"]
+__all__ = ["PACKINGS", "TRAINING_FREE", "WINDOWED", "Entry", "Evaluator", "format_table", "from_directory", "headline",
+           "held_out_rows", "mark_stronger_variants", "rollouts_pass_at_1", "training_free", "with_layer_budgets"]

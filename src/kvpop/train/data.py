@@ -3,7 +3,8 @@ packed into fixed-length token sequences and served in a deterministic, resumabl
 
     from kvpop.train.data import batches, load_texts, pack_sequences
     texts = load_texts("champ", split="train")                  # list[str], one per document
-    tokens = pack_sequences(texts, tokenizer, seq_len=2048)     # int64 [N, 2048]
+    tokens = pack_sequences(texts, tokenizer, seq_len=2048)     # int64 [N, 2048], cut anywhere
+    rows = document_rows(texts, tokenizer, seq_len=2048)        # int64 [N, 2048], each at a document start
     for batch in batches(tokens, batch_size=4, seed=0):         # int64 [4, 2048], forever
         ...
 
@@ -11,6 +12,10 @@ Sources (`--data`):
 - `champ`: the math-reasoning corpus of the PyPI package `champ-dataset` (270 competition problems,
   ~19k model-written solutions). One document per solution, "Problem: ...\\n\\nSolution: ...",
   plus one per reference solution. Train and eval are split by problem.
+- `pystdlib`: Python code, out of champ's domain and on every machine: the `.py` sources of the
+  running Python's standard library, one document per file, in sorted path order; test suites,
+  installed packages and generated tables (`PYSTDLIB_SKIP`, files over `PYSTDLIB_MAX_CHARS`) are left
+  out. The files depend on the Python version, so results name it.
 - a `.txt`/`.md` file: the whole file is one document; a file over `TXT_BLOCK_CHARS` characters is
   cut at paragraph breaks into blocks of about that size, each a document, so that long books
   still give several documents to split into train and eval.
@@ -54,6 +59,12 @@ TXT_BLOCK_CHARS = 50_000
 TEXT_FIELDS = ("text", "messages", "conversations")
 """Fields tried in order when no `text_field` is given."""
 CHAMP_INSTALL = "pip install champ-dataset"
+PYSTDLIB_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings",
+                           "pydoc_data"})
+"""Directories of the standard library that `pystdlib` leaves out: installed packages, test suites, and
+generated tables (codec maps, pydoc's topics)."""
+PYSTDLIB_MAX_CHARS = 200_000
+"""`pystdlib` leaves out files longer than this (generated code)."""
 _PARTIAL_MARKER = "Below is a partial solution to the problem that may be helpful:"
 _TOKENIZE_CHUNK = 1024
 
@@ -79,7 +90,7 @@ def load_texts(
     """The documents of one split of a data source (see the module docstring for the sources).
 
     Args:
-        source: `champ`, a path to a file or directory, or a Hugging Face dataset name.
+        source: `champ`, `pystdlib`, a path to a file or directory, or a Hugging Face dataset name.
         split: `train`, `eval` (the held-out part) or `all`.
         text_field: record field holding the text or the chat messages (jsonl, parquet, datasets).
         tokenizer: needed for chat-formatted records (its chat template renders them).
@@ -102,7 +113,7 @@ def load_texts(
     else:
         if chat:
             raise DataError("chat=True applies to --data champ only; chat records in files are always rendered")
-        everything = _load_source(source, text_field, tokenizer)
+        everything = list(_pystdlib_documents()) if source == "pystdlib" else _load_source(source, text_field, tokenizer)
         held_out = _held_out(everything, eval_fraction, seed)
         docs = [d for i, d in enumerate(everything) if split == "all" or (i in held_out) == (split == "eval")]
     if not docs:
@@ -386,6 +397,28 @@ def _champ_sample(problem: str, conversation: dict[str, Any]) -> str | None:
     return text
 
 
+# --- pystdlib ---------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _pystdlib_documents() -> tuple[str, ...]:
+    """The standard library's `.py` files (see the module docstring), one document each, in sorted path order."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if PYSTDLIB_SKIP.intersection(rel.parts[:-1]) or rel.name.startswith("test_"):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.strip() and len(text) <= PYSTDLIB_MAX_CHARS:
+            docs.append(text)
+    if not docs:
+        raise DataError(f"--data pystdlib found no Python sources under {root}")
+    return tuple(docs)
+
+
 # --- the train / eval split ------------------------------------------------------------------------
 
 
@@ -462,6 +495,59 @@ def pack_sequences(
         last = np.concatenate([stream[n * seq_len :], stream[: seq_len - rest]])
         rows = np.concatenate([rows, last[None]])
     return torch.from_numpy(rows)
+
+
+def document_rows(texts: Sequence[str], tokenizer: Any, seq_len: int, *, rows: int | None = None) -> Tensor:
+    """Rows of `seq_len` tokens that each begin at a document start, as a model reads text in real use.
+
+    Each document is tokenized the tokenizer's default way (a BOS where it adds one, unless the text
+    already begins with it, as a chat template's output may) and followed by the EOS (its BOS if it has
+    no EOS) unless the text already ends with it, as a chat template's last turn does. A row takes
+    documents in order from its first one until it holds `seq_len` tokens, cutting the last one; the
+    next row begins at the document after the last one this row touched, so no document is in two rows.
+    A final row that the documents cannot fill is dropped. `pack_sequences` instead cuts one stream of
+    documents anywhere (training, and the evaluation of earlier sessions: `kvpop eval --packing concat`).
+
+    Args:
+        texts: documents, in order.
+        seq_len: tokens per row, >= 1.
+        rows: stop after this many rows (None: as many as the documents fill).
+    Returns:
+        int64 `[N, seq_len]`, N >= 1.
+    """
+    if seq_len < 1:
+        raise DataError(f"seq_len={seq_len!r} is invalid: it must be >= 1")
+    if rows is not None and rows < 1:
+        raise DataError(f"rows={rows!r} is invalid: it must be >= 1 (or None for every row)")
+    texts = [t for t in texts if t and t.strip()]
+    if not texts:
+        raise DataError("no text to evaluate: the documents are empty")
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.bos_token_id
+    eos_text = tokenizer.eos_token if tokenizer.eos_token_id is not None else tokenizer.bos_token
+    bos_text = tokenizer.bos_token
+
+    def tokens(text: str) -> list[int]:
+        ids = tokenizer(text, add_special_tokens=not (bos_text and text.startswith(bos_text)), verbose=False)
+        ids = list(ids["input_ids"])
+        if eos is not None and not (eos_text and text.rstrip().endswith(eos_text)):
+            ids.append(eos)
+        return ids
+
+    out: list[list[int]] = []
+    row: list[int] = []
+    for text in texts:
+        row += tokens(text)
+        if len(row) >= seq_len:
+            out.append(row[:seq_len])
+            row = []
+            if rows is not None and len(out) == rows:
+                break
+    if not out:
+        raise DataError(
+            f"{len(texts)} documents hold fewer than seq_len={seq_len} tokens together: give more text or a smaller "
+            "--seq-len"
+        )
+    return torch.tensor(out, dtype=torch.long)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> Tensor:
