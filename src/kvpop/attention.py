@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from kvpop.ops.attention import sparse_attention
+from kvpop.ops.dynamic import dynamic_eviction_positions
 from kvpop.ops.topk import NEVER, eviction_positions
 from kvpop.timing import timed
 
@@ -121,13 +122,16 @@ def kvpop_attention(
         )
 
     valid = _padding(attention_mask, B, Q, query.device)
-    if policy.dynamic and not kwargs.get("kvpop_dense", False):
-        # TOVA / H2O: the teacher-forced forward is their decode loop over a fresh cache
-        from kvpop.cache import KVpopLayerCache
-
-        layer = KVpopLayerCache(cfg.sink, cfg.window, cfg.topk)
-        return layer.attend(query, key, value, valid, policy, scale).transpose(1, 2), None
     position = torch.cumsum(valid.long(), dim=-1) - 1  # [B, S]
+    if policy.dynamic and not kwargs.get("kvpop_dense", False):
+        # TOVA / H2O: the decode step's decisions over the sequence (a walk), then one sparse attention
+        priority = policy.priority(key, value, position.clamp(min=0)).detach()
+        with timed("kvpop.dynamic_walk"):
+            evict = dynamic_eviction_positions(query, key, position, valid, priority, cfg.sink, cfg.window, cfg.topk,
+                                               scale, policy.score)
+        out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict, cfg.sink, cfg.window,
+                                  scale, backend=kwargs.get("kvpop_backend", "auto"))
+        return out.transpose(1, 2), None
     capture = kwargs.get("kvpop_capture")
     if cfg.policy == "dms" and policy.training and not kwargs.get("kvpop_dense", False):
         # DMS learns its gates through a soft eviction mask (an additive bias), not the boolean rule

@@ -31,7 +31,8 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop.modules import kvpop_modules
-from kvpop.ops.attention import attention_with_probs, masked_attention
+from kvpop.ops.attention import attention_under_mask, attention_with_probs, masked_attention
+from kvpop.ops.dynamic import candidate_index, dynamic_walk, eviction_from_steps
 from kvpop.ops.topk import eviction_positions, mask_from_eviction
 from kvpop.policy import LayerPolicy
 
@@ -161,14 +162,10 @@ class KVpopLayerCache(CacheLayerMixin):
             priority = torch.full((B, H, C), float("-inf"), dtype=torch.float32, device=key.device)
         else:
             priority = policy.priority(key, value, position.clamp(min=0)).detach()  # [B, Hkv, C]
-        if C == 1 or policy.dynamic:
-            # dynamic policies re-rank after every token, so even a prefill runs their step semantics
-            outs = [
-                self._decode(query[:, :, j : j + 1], key[:, :, j : j + 1], value[:, :, j : j + 1],
-                             position[:, j], valid[:, j], priority[..., j], scale, policy)
-                for j in range(C)
-            ]
-            out = torch.cat(outs, dim=2)
+        if C == 1:
+            out = self._decode(query, key, value, position[:, 0], valid[:, 0], priority[..., 0], scale, policy)
+        elif policy.dynamic:
+            out = self._dynamic_chunk(query, key, value, position, valid, priority, scale, policy)
         else:
             out = self._chunk(query, key, value, position, valid, priority, scale, policy)
         # in place, like every per-step update here: a captured CUDA graph keeps the buffers' addresses
@@ -256,6 +253,34 @@ class KVpopLayerCache(CacheLayerMixin):
             return []
         return [*self.buffers, self.seen, *(self.state or ())]
 
+    def _dynamic_chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float,
+                       policy: LayerPolicy) -> Tensor:
+        """A dynamic policy's chunk: the decode step's decisions (`ops.dynamic.dynamic_walk`), then one attention.
+
+        The walk decides which token each step evicts (and leaves the slots exactly as token-by-token
+        decoding would); a token once evicted never returns, so those decisions are eviction
+        positions, and the chunk attends its slots and tokens under the rule's mask, as `_chunk` does.
+        """
+        s, w = self.sink, self.window
+        B, H, C, D = key.shape
+        evicted, pos, pri = dynamic_walk(query, key, self.keys, self.pos, self.pri, position, valid, priority,
+                                         s, w, self.topk, scale, policy.score)
+        new_pos = torch.where(valid, position, -1)[:, None, :].expand(B, H, C)
+        cand_pos = torch.cat([self.pos, new_pos], dim=2)  # [B, H, slots + C]
+        cand_k = torch.cat([self.keys, key.to(self.keys.dtype)], dim=2)
+        cand_v = torch.cat([self.values, value.to(self.values.dtype)], dim=2)
+        evict = eviction_from_steps(evicted, position, cand_pos)
+        mask = mask_from_eviction(position, valid, cand_pos, cand_pos >= 0, evict, s, w)  # [B, H, C, slots + C]
+        out = attention_under_mask(query, cand_k, cand_v, mask, scale)
+        # the slots the walk left, filled from the candidates (empty slots stay zero)
+        src = candidate_index(pos, cand_pos)[..., None]
+        held = (pos >= 0)[..., None]
+        self.keys.copy_(torch.where(held, cand_k.gather(2, src.expand(-1, -1, -1, D)), 0.0))
+        self.values.copy_(torch.where(held, cand_v.gather(2, src.expand(-1, -1, -1, cand_v.shape[-1])), 0.0))
+        self.pos.copy_(pos)
+        self.pri.copy_(pri)
+        return out
+
     def _chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float,
                policy: LayerPolicy) -> Tensor:
         """Any number of tokens: the rule over `slots + chunk`, then the slots rewritten."""
@@ -275,7 +300,7 @@ class KVpopLayerCache(CacheLayerMixin):
             cand_pri = self._advance_chunk(key, value, position, valid, cand_k, cand_v, cand_pri, policy)
         evict = eviction_positions(cand_pri, cand_pos, cand_valid, s, w, self.topk)
         mask = mask_from_eviction(position, valid, cand_pos, cand_valid, evict, s, w)  # [B, H, C, slots + C]
-        out, _ = masked_attention(query, cand_k, cand_v, mask, scale)
+        out = attention_under_mask(query, cand_k, cand_v, mask, scale)
 
         # what the rule retains after the chunk's last real token goes back into the slot layout
         last = (self.seen + valid.sum(-1) - 1)[:, None, None]  # [B, 1, 1]

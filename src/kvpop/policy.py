@@ -94,6 +94,9 @@ class LayerPolicy(nn.Module):
     """
 
     dynamic = False
+    score: str | None = None
+    """Dynamic policies: how a step's probabilities become priorities, one of `ops.dynamic.SCORES`; the
+    prefill walk (`ops/dynamic`) runs it, and `update` must equal `ops.dynamic.score_update(score, ...)`."""
     stateful = False
     teacher_forced_only = False
     delay = 0

@@ -6,11 +6,13 @@ it was inserted (summed over the query heads of its KV head), plus the protected
 
 from torch import Tensor
 
+from kvpop.ops.dynamic import score_update
 from kvpop.policy import LayerPolicy
 
 
 class H2OPolicy(LayerPolicy):
     dynamic = True
+    score = "sum"
 
     def update(self, priority: Tensor, probs: Tensor, occupied: Tensor) -> Tensor:
-        return (priority + probs.sum(dim=2)).where(occupied, priority)
+        return score_update(self.score, priority, probs, occupied)

@@ -12,9 +12,43 @@ from typing import Literal
 
 from torch import Tensor
 
-from kvpop.ops.attention.reference import attention_with_probs, masked_attention
+from kvpop.ops.attention.reference import attention_with_probs, masked_attention, slot_probs, step_probs
 
 Backend = Literal["auto", "reference", "cpu", "flex"]
+MaskBackend = Literal["auto", "reference", "cpu", "sdpa"]
+
+
+def attention_under_mask(
+    query: Tensor,  # [B, Hq, Q, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    mask: Tensor,  # [B, Hkv, Q, N] bool
+    scale: float,
+    backend: MaskBackend = "auto",
+) -> Tensor:
+    """`reference.masked_attention`'s output, fast: the attention of a `KVpopCache` prefill chunk.
+
+    Backends: "cpu" (PyTorch's fused CPU kernel; the default there), "sdpa" (`scaled_dot_product_attention`;
+    the default on CUDA), "reference". Rows with no allowed key give zeros.
+
+    Returns:
+        out [B, Hq, Q, D].
+    """
+    if backend == "auto":
+        from kvpop.ops.attention.cpu import available
+
+        backend = "cpu" if available(query) else ("sdpa" if query.is_cuda else "reference")
+    if backend == "cpu":
+        from kvpop.ops.attention.cpu import cpu_masked_attention
+
+        return cpu_masked_attention(query, key, value, mask, scale)[0]
+    if backend == "sdpa":
+        from kvpop.ops.attention.sdpa import sdpa_masked_attention
+
+        return sdpa_masked_attention(query, key, value, mask, scale)
+    if backend != "reference":
+        raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'cpu', 'sdpa'")
+    return masked_attention(query, key, value, mask, scale)[0]
 
 
 def sparse_attention(
@@ -59,4 +93,4 @@ def sparse_attention(
     return masked_attention(query, key, value, mask, scale, return_lse=return_lse)
 
 
-__all__ = ["attention_with_probs", "masked_attention", "sparse_attention"]
+__all__ = ["attention_under_mask", "attention_with_probs", "masked_attention", "slot_probs", "sparse_attention", "step_probs"]
