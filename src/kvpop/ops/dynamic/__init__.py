@@ -177,6 +177,7 @@ def candidate_index(slot_pos: Tensor, cand_pos: Tensor) -> Tensor:
 
 
 __all__ = [
+    "NEVER",
     "SCORES",
     "Score",
     "candidate_index",
