@@ -31,9 +31,9 @@ from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop.modules import kvpop_modules
-from kvpop.ops.attention import attention_under_mask, attention_with_probs, masked_attention
+from kvpop.ops.attention import attention_with_probs, masked_attention, sparse_attention
 from kvpop.ops.dynamic import candidate_index, dynamic_walk, eviction_from_steps
-from kvpop.ops.topk import eviction_positions, mask_from_eviction
+from kvpop.ops.topk import eviction_positions
 from kvpop.policy import LayerPolicy
 
 
@@ -270,8 +270,7 @@ class KVpopLayerCache(CacheLayerMixin):
         cand_k = torch.cat([self.keys, key.to(self.keys.dtype)], dim=2)
         cand_v = torch.cat([self.values, value.to(self.values.dtype)], dim=2)
         evict = eviction_from_steps(evicted, position, cand_pos)
-        mask = mask_from_eviction(position, valid, cand_pos, cand_pos >= 0, evict, s, w)  # [B, H, C, slots + C]
-        out = attention_under_mask(query, cand_k, cand_v, mask, scale)
+        out, _ = sparse_attention(query, cand_k, cand_v, position, valid, cand_pos, cand_pos >= 0, evict, s, w, scale)
         # the slots the walk left, filled from the candidates (empty slots stay zero)
         src = candidate_index(pos, cand_pos)[..., None]
         held = (pos >= 0)[..., None]
@@ -299,8 +298,7 @@ class KVpopLayerCache(CacheLayerMixin):
             # caused by it would come at `t + window > last`. It is read out before it becomes eligible.
             cand_pri = self._advance_chunk(key, value, position, valid, cand_k, cand_v, cand_pri, policy)
         evict = eviction_positions(cand_pri, cand_pos, cand_valid, s, w, self.topk)
-        mask = mask_from_eviction(position, valid, cand_pos, cand_valid, evict, s, w)  # [B, H, C, slots + C]
-        out = attention_under_mask(query, cand_k, cand_v, mask, scale)
+        out, _ = sparse_attention(query, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict, s, w, scale)
 
         # what the rule retains after the chunk's last real token goes back into the slot layout
         last = (self.seen + valid.sum(-1) - 1)[:, None, None]  # [B, 1, 1]
