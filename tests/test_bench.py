@@ -171,3 +171,14 @@ def test_unknown_shape():
     assert set(SHAPE_PRESETS) == {"qwen3-4b-shape", "qwen3-8b-shape", "tiny-qwen3-shape"}
     with pytest.raises(ValueError, match="unknown shape preset"):
         shape_config("qwen3-70b-shape")
+
+
+def test_a_budget_covering_the_context_is_flagged(capsys):
+    model = tiny_model("qwen3")
+    with quiet():
+        out = bench_decode(model, (8, 32), new_tokens=1, warmup=0, device="cpu", config=CFG)
+    assert "budget 12 is not below context 8" in capsys.readouterr().err
+    assert [(r["cache"], r["context"], r["no_eviction"]) for r in out] == [
+        ("dense", 8, False), ("kvpop", 8, True), ("dense", 32, False), ("kvpop", 32, False)]
+    table = format_table(out)
+    assert "12*" in table and table.splitlines()[-1].startswith("* budget not below the context")
