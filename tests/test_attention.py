@@ -102,3 +102,18 @@ def test_per_head_key_positions(backend, B, Hq, Hkv, slots, C, D, sink, window, 
     assert (got[-1, :, : C // 3] == 0).all()  # padding queries
     with pytest.raises(ValueError, match="shared"):
         sparse_attention(q, k, v, *args, backend="flex")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_reference(dtype):
+    from kvpop.ops.attention import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 6, 1, 16, generator=g), torch.randn(3, 2, 40, 16, generator=g), torch.randn(3, 2, 40, 16, generator=g)
+    occupied = torch.rand(3, 2, 40, generator=g) < 0.6
+    occupied[2, 1] = False  # a row with no slot yet (padding before its first token)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    want, _ = masked_attention(q, k, v, occupied[:, :, None, :], 0.25)
+    got = decode_attention(q, k, v, occupied, 0.25)
+    assert got.dtype == dtype and torch.isfinite(got).all() and (got[2, 3:] == 0).all()
+    assert (got.float() - want.float()).abs().max() < (ATOL if dtype == torch.float32 else 2e-2)

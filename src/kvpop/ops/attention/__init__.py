@@ -19,6 +19,19 @@ from kvpop.ops.attention.reference import attention_with_probs, masked_attention
 Backend = Literal["auto", "reference", "cpu", "cpu_blocks", "flex", "sdpa"]
 
 
+def decode_attention(
+    query: Tensor,  # [B, Hq, 1, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    occupied: Tensor,  # [B, Hkv, N] bool
+    scale: float,
+) -> Tensor:
+    """A decode step's attention over its occupied slots (`sdpa.decode_attention`; reference: `masked_attention`)."""
+    from kvpop.ops.attention.sdpa import decode_attention as fused
+
+    return fused(query, key, value, occupied, scale)
+
+
 def sparse_attention(
     query: Tensor,  # [B, Hq, Q, D]
     key: Tensor,  # [B, Hkv, N, D]
@@ -90,4 +103,11 @@ def sparse_attention(
     return masked_attention(query, key, value, mask, scale, return_lse=return_lse)
 
 
-__all__ = ["attention_with_probs", "masked_attention", "slot_probs", "sparse_attention", "step_probs"]
+__all__ = [
+    "attention_with_probs",
+    "decode_attention",
+    "masked_attention",
+    "slot_probs",
+    "sparse_attention",
+    "step_probs",
+]
