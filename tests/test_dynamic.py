@@ -7,6 +7,11 @@ float rounding. Inputs include exact ties (duplicate and all-zero keys), odd siz
 (sink 0 / window 1), left padding and several chunks in a row.
 """
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -196,3 +201,84 @@ def test_teacher_forced_sparse_attention_equals_the_replay():
     got, _ = sparse_attention(q, k, v, position, valid, position, valid, evict, 0, 1, D**-0.5)
     real = valid[:, None, :, None].expand_as(got)
     assert_close(got[real], want[real], OUT_ATOL, "teacher-forced")
+
+
+# --- the Triton walk (ops/dynamic/kernel.py): under Triton's interpreter on the CPU, natively on CUDA ---
+
+TRITON_CHECK = textwrap.dedent(
+    """
+    import torch
+    from kvpop.ops.dynamic import dynamic_walk
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def case(B, H, G, C, D, s, w, k, score, ties, pad, seed):
+        g = torch.Generator().manual_seed(seed)
+        q, key = torch.randn(B, H * G, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
+        if ties == "duplicates":
+            key[:, :, 2::3] = key[:, :, 0:1]
+        elif ties == "zeros":
+            key.zero_()
+        valid = torch.ones(B, C, dtype=torch.bool)
+        if pad:
+            valid[-1, : C // 4] = False
+        # slots before the chunk: a first walk over an empty cache, then this chunk from where it left off
+        N = s + w + k
+        slots = (torch.zeros(B, H, N, D), torch.full((B, H, N), -1), torch.full((B, H, N), float("-inf")))
+        position = valid.long().cumsum(-1) - 1
+        half = C // 2
+        first = dynamic_walk(q[:, :, :half], key[:, :, :half], *slots, position[:, :half], valid[:, :half],
+                             torch.zeros(B, H, half), s, w, k, D**-0.5, score, backend="torch")
+        keys = torch.zeros(B, H, N, D)  # the slot keys are not the walk's business; any values do for the check
+        args = [t.to(device) for t in (q[:, :, half:], key[:, :, half:], keys, first[1], first[2], position[:, half:],
+                                       valid[:, half:], torch.zeros(B, H, C - half))]
+        want = dynamic_walk(*args, s, w, k, D**-0.5, score, backend="torch")
+        got = dynamic_walk(*args, s, w, k, D**-0.5, score, backend="triton")
+        what = (B, H, G, C, D, s, w, k, score, ties, pad, seed)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), what
+        assert (got[2] - want[2]).abs().max() <= 1e-5 * max(1.0, float(want[2].abs().max())), what
+
+    for i, (B, H, G, C, D, s, w, k) in enumerate(SHAPES):
+        for score in ("max", "sum"):
+            case(B, H, G, C, D, s, w, k, score, (None, "duplicates", "zeros")[i % 3], pad=i % 2 == 1, seed=i)
+    print("ok")
+    """
+)
+
+
+def _run_triton_check(shapes) -> None:
+    code = TRITON_CHECK.replace("SHAPES", repr(shapes))
+    if torch.cuda.is_available():
+        exec(compile(code, "<triton walk check>", "exec"), {})
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+
+
+def test_triton_walk_makes_the_torch_walks_decisions():
+    pytest.importorskip("triton", reason="the Triton walk is optional (pip install triton)")
+    # (B, H, G, C, D, sink, window, topk): odd lengths, the paper's splits, no long-range slots, GQA groups
+    _run_triton_check([(1, 2, 2, 31, 16, 2, 3, 5), (2, 2, 3, 40, 16, 0, 1, 7), (2, 1, 4, 37, 16, 0, 4, 4),
+                       (1, 2, 1, 25, 32, 2, 3, 0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_walk_at_size_on_cuda():
+    pytest.importorskip("triton")
+    _run_triton_check([(1, 8, 4, 2048, 128, 4, 256, 1788), (4, 8, 4, 1024, 128, 0, 512, 512),
+                       (1, 3, 3, 2048, 64, 0, 1, 511)])
+
+
+def test_triton_walk_refuses_what_it_does_not_implement():
+    pytest.importorskip("triton")
+    from kvpop.ops.dynamic.kernel import dynamic_walk_triton
+
+    q, k = torch.zeros(1, 2, 3, 16), torch.zeros(1, 1, 3, 16)
+    slots = (torch.zeros(1, 1, 6, 16), torch.full((1, 1, 6), -1), torch.zeros(1, 1, 6))
+    rest = (torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 1, 3), 1, 2, 3, 0.25)
+    with pytest.raises(ValueError, match="torch"):
+        dynamic_walk_triton(q, k, *slots, *rest, "mean")
+    with pytest.raises(ValueError, match="power of two"):
+        dynamic_walk_triton(q[..., :12], k[..., :12], slots[0][..., :12], *slots[1:], *rest, "max")
