@@ -67,6 +67,8 @@ class KVpopLayerCache(CacheLayerMixin):
         # tokens given to the model so far, padding included (what generate counts): an int64 scalar tensor
         # updated in place, so a compiled step neither specialises on it nor recompiles as it grows
         self.length: Tensor | None = None
+        # True until the first token is inserted: a chunk into empty slots attends its own tokens only
+        self.fresh = True
         # the compiled `decode_step` this layer decodes with (`KVpopCache.fuse`), or None: eager
         self.fused = None
 
@@ -118,6 +120,7 @@ class KVpopLayerCache(CacheLayerMixin):
 
     @processed.setter
     def processed(self, value: int) -> None:
+        self.fresh = self.fresh and value == 0
         if self.length is None:
             self.length = torch.tensor(value, dtype=torch.long, device=self.seen.device if self.seen is not None else None)
         else:
@@ -143,6 +146,7 @@ class KVpopLayerCache(CacheLayerMixin):
             self.pri.fill_(float("-inf"))
             self.seen.zero_()
         self.state = None
+        self.fresh = True
         if self.length is not None:
             self.length.zero_()
 
@@ -206,6 +210,7 @@ class KVpopLayerCache(CacheLayerMixin):
             out = self._chunk(query, key, value, position, valid, priority, scale, policy)
         # in place, like every per-step update here: a captured CUDA graph keeps the buffers' addresses
         self.seen.add_(valid.sum(-1))
+        self.fresh = False
         return out
 
     def _decode(self, query, key, value, p: Tensor, real: Tensor, pri_new: Tensor, scale: float,
@@ -306,7 +311,8 @@ class KVpopLayerCache(CacheLayerMixin):
         cand_k = torch.cat([self.keys, key.to(self.keys.dtype)], dim=2)
         cand_v = torch.cat([self.values, value.to(self.values.dtype)], dim=2)
         evict = eviction_from_steps(evicted, position, cand_pos)
-        out, _ = sparse_attention(query, cand_k, cand_v, position, valid, cand_pos, cand_pos >= 0, evict, s, w, scale)
+        out = self._chunk_attention(query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_pos >= 0, evict,
+                                    scale)
         # the slots the walk left, filled from the candidates (empty slots stay zero)
         src = candidate_index(pos, cand_pos)[..., None]
         held = (pos >= 0)[..., None]
@@ -314,6 +320,21 @@ class KVpopLayerCache(CacheLayerMixin):
         self.values.copy_(torch.where(held, cand_v.gather(2, src.expand(-1, -1, -1, cand_v.shape[-1])), 0.0))
         self.pos.copy_(pos)
         self.pri.copy_(pri)
+        return out
+
+    def _chunk_attention(self, query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict,
+                         scale: float) -> Tensor:
+        """A chunk's attention over its candidates (the slots, then its tokens) under their eviction positions.
+
+        Into a fresh cache the slots are all empty: the chunk attends its own tokens, whose positions every
+        head shares (FlexAttention on CUDA rather than a dense `[chunk, slots + chunk]` mask).
+        """
+        s, w, n_slots = self.sink, self.window, self.slots
+        if self.fresh:
+            out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict[..., n_slots:], s, w,
+                                      scale)
+        else:
+            out, _ = sparse_attention(query, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict, s, w, scale)
         return out
 
     def _chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float,
@@ -334,7 +355,8 @@ class KVpopLayerCache(CacheLayerMixin):
             # caused by it would come at `t + window > last`. It is read out before it becomes eligible.
             cand_pri = self._advance_chunk(key, value, position, valid, cand_k, cand_v, cand_pri, policy)
         evict = eviction_positions(cand_pri, cand_pos, cand_valid, s, w, self.topk)
-        out, _ = sparse_attention(query, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict, s, w, scale)
+        out = self._chunk_attention(query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict,
+                                    scale)
 
         # what the rule retains after the chunk's last real token goes back into the slot layout
         last = (self.seen + valid.sum(-1) - 1)[:, None, None]  # [B, 1, 1]
