@@ -60,8 +60,8 @@ def dynamic_walk(
         sink, window, topk: the budget split, `N = sink + window + topk`.
         scale: the attention logit scale.
         score: how probabilities become priorities, one of `SCORES` ("max", "mean": TOVA; "sum": H2O).
-        backend: "auto" (Triton on CUDA when available for the score "max" or "sum" and a head dim that is a
-            power of two >= 16, else torch), "reference", "torch" or "triton".
+        backend: "auto" (Triton on CUDA when available for the scores "max" and "sum", else torch),
+            "reference", "torch" or "triton".
     Returns:
         evicted: int64 [B, H, C], the position of the token step `j` evicted (-1: none);
         pos, pri: the slots' positions and priorities after the chunk, [B, H, N].
@@ -85,8 +85,7 @@ def dynamic_walk(
     args = (query, key, slot_keys, slot_pos, slot_pri, position, valid, priority, sink, window, topk, scale, score)
     if backend == "auto":
         backend = "torch"
-        D = query.shape[-1]
-        if query.is_cuda and score != "mean" and D >= 16 and not D & (D - 1):
+        if query.is_cuda and score != "mean":
             from kvpop.ops.dynamic.kernel import available
 
             backend = "triton" if available(query) else "torch"

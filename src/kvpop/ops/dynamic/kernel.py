@@ -1,18 +1,21 @@
-"""The dynamic policies' prefill walk as one Triton launch per layer: a program per (batch, KV head).
+"""The dynamic policies' prefill walk in Triton: one program per (batch, KV head) walks the positions.
 
 Same decisions as `walk.dynamic_walk_torch` (the reference of this kernel), for the scores "max"
 (TOVA) and "sum" (H2O); "mean" (TOVA averaged over the layer's heads) couples the heads of a row and
-stays on the torch walk. A program walks every position of its row: the slots' positions and
-priorities live in registers, the slots' keys in a working copy in global memory (L2-resident: a few
-MB per layer); per token it moves the token leaving the window (to the weakest long-range slot or
-out), inserts the new token, and recomputes every slot's priority from the query's probabilities
-(`tl.dot` in IEEE float32, a softmax over the occupied slots, then max or sum over the query heads).
+stays on the torch walk. The walk goes in blocks of `BLOCK_C` tokens. Per block, one batched GEMM
+(cuBLAS, float32) gives the logits of the block's queries against its candidates: the slots as they
+are at the block's start (column `n` = slot `n`) followed by the block's own tokens (column `N + j`);
+then one launch walks the block, a program per (batch, KV head), with the slots' positions,
+priorities and candidate columns in registers. Per token it moves the token leaving the window (to
+the weakest long-range slot or out), inserts the new token, reads the query's logits at its slots'
+columns (`G x N` floats from L2), and updates every priority from the softmax over the occupied
+slots. After the block the slot keys are gathered from the candidates for the next one.
 
-Its floats are its own (the dot products and the softmax sum in another order than cuBLAS and
-PyTorch), so it can differ from the torch walk where two priorities are within rounding of each
-other; exact ties (equal keys, uniform attention) it resolves identically (newer token wins).
-Triton is optional: `available()` says whether this path can run (CUDA, or Triton's interpreter on
-the CPU with `TRITON_INTERPRET=1`, which is how the CPU tests check it).
+Its floats are its own (a blocked GEMM and another softmax order than PyTorch's per-token matmul),
+so it can differ from the torch walk where two priorities are within rounding of each other; exact
+ties (equal keys, uniform attention) it resolves identically (newer token wins). Triton is optional:
+`available()` says whether this path can run (CUDA, or Triton's interpreter on the CPU with
+`TRITON_INTERPRET=1`, which is how the CPU tests check it).
 """
 
 from __future__ import annotations
@@ -39,34 +42,37 @@ def available(t: Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+BLOCK_C = 256
+"""Tokens per launch: the logits of a block are `B x Hkv x G x BLOCK_C x (N + BLOCK_C)` float32."""
+
+
 if triton is not None:
 
     @triton.jit
     def dynamic_walk_fwd_kernel(
-        q_ptr,  # [B, H, C, G, D] float32, scaled
-        k_ptr,  # [B, H, C, D] float32, the chunk's keys
-        ks_ptr,  # [B, H, N, D] float32, the slots' keys (a working copy, updated)
+        l_ptr,  # [B, H, G, CB, N + CB] float32: the block's logits over its candidates
         pos_ptr,  # [B, H, N] int64, in and out
         pri_ptr,  # [B, H, N] float32, in and out
-        position_ptr,  # [B, C] int64
+        col_ptr,  # [B, H, N] int64, out: each slot's candidate column after the block
+        position_ptr,  # [B, C] int64, the block's tokens
         valid_ptr,  # [B, C] int8
         new_pri_ptr,  # [B, H, C] float32
         ev_ptr,  # [B, H, C] int64, out
-        C, H, N, SINK, WINDOW, TOPK,
-        G: tl.constexpr, D: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, SCORE: tl.constexpr,
+        C, CB, H, N, SINK, WINDOW, TOPK,
+        G: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, SCORE: tl.constexpr,
     ):
         i_bh = tl.program_id(0)
         i_b = i_bh // H
         o_n = tl.arange(0, BN)
-        o_d = tl.arange(0, D)
         o_g = tl.arange(0, BG)
         m_n = o_n < N
         m_g = o_g < G
+        M = N + CB
         p_pos = pos_ptr + i_bh.to(tl.int64) * N + o_n
         p_pri = pri_ptr + i_bh.to(tl.int64) * N + o_n
-        p_ks = ks_ptr + i_bh.to(tl.int64) * N * D
         b_pos = tl.load(p_pos, mask=m_n, other=-1)  # [BN]
         b_pri = tl.load(p_pri, mask=m_n, other=float("-inf"))  # [BN]
+        b_col = o_n.to(tl.int64)  # [BN] slot n starts in candidate column n
         top = m_n & (o_n >= SINK + WINDOW)  # [BN] the long-range slots
         j = 0
         # a while loop: Triton's interpreter cannot `range` over a runtime bound
@@ -77,6 +83,7 @@ if triton is not None:
             at = o_n == slot
             leave_pos = tl.sum(tl.where(at, b_pos, 0))
             leave_pri = tl.sum(tl.where(at, b_pri, 0.0))
+            leave_col = tl.sum(tl.where(at, b_col, 0))
             leaving = real & (p >= SINK + WINDOW)
             # the weakest long-range slot: lowest priority, then oldest, then first; empty slots (-inf, -1) first
             weakest_pri = tl.min(tl.where(top, b_pri, float("inf")))
@@ -87,28 +94,19 @@ if triton is not None:
             promote = leaving & (TOPK > 0) & (leave_pri >= weakest_pri) & (leave_pri > float("-inf"))
             gone = tl.where(promote, weakest_pos, leave_pos)
             tl.store(ev_ptr + i_bh.to(tl.int64) * C + j, tl.where(leaving, gone, -1))
-            # move the leaving token's key to the weakest slot (before its own slot is overwritten)
-            b_row = tl.load(p_ks + slot * D + o_d)  # [D]
-            tl.debug_barrier()
-            tl.store(p_ks + widx * D + o_d, b_row, mask=promote & (o_d < D))
             moved = promote & (o_n == widx)
             b_pos = tl.where(moved, leave_pos, b_pos)
             b_pri = tl.where(moved, leave_pri, b_pri)
+            b_col = tl.where(moved, leave_col, b_col)
             # the new token takes its sink or window-ring slot
-            tl.debug_barrier()
-            b_new = tl.load(k_ptr + (i_bh.to(tl.int64) * C + j) * D + o_d)
-            tl.store(p_ks + slot * D + o_d, b_new, mask=real & (o_d < D))
             here = real & at
             b_pos = tl.where(here, p, b_pos)
             b_pri = tl.where(here, tl.load(new_pri_ptr + i_bh.to(tl.int64) * C + j), b_pri)
-            tl.debug_barrier()
-            # the query's probabilities over the occupied slots
+            b_col = tl.where(here, N + j, b_col)
+            # the query's probabilities over the occupied slots, from its logits at the slots' columns
             occupied = m_n & (b_pos >= 0)
-            b_k = tl.load(p_ks + o_n[:, None] * D + o_d[None, :], mask=m_n[:, None], other=0.0)  # [BN, D]
-            b_q = tl.load(q_ptr + ((i_bh.to(tl.int64) * C + j) * G + o_g[:, None]) * D + o_d[None, :],
-                          mask=m_g[:, None], other=0.0)  # [BG, D]
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BG, BN]
-            b_s = tl.where(occupied[None, :], b_s, float("-inf"))
+            p_l = l_ptr + ((i_bh.to(tl.int64) * G + o_g[:, None]) * CB + j) * M + b_col[None, :]
+            b_s = tl.load(p_l, mask=m_g[:, None] & occupied[None, :], other=float("-inf"))  # [BG, BN]
             b_m = tl.max(b_s, axis=1)  # [BG]
             b_e = tl.exp(b_s - b_m[:, None])
             b_p = b_e / tl.sum(b_e, axis=1)[:, None]
@@ -120,6 +118,7 @@ if triton is not None:
             j += 1
         tl.store(p_pos, b_pos, mask=m_n)
         tl.store(p_pri, b_pri, mask=m_n)
+        tl.store(col_ptr + i_bh.to(tl.int64) * N + o_n, b_col, mask=m_n)
 
 
 def dynamic_walk_triton(
@@ -136,6 +135,7 @@ def dynamic_walk_triton(
     topk: int,
     scale: float,
     score: str,
+    block: int = BLOCK_C,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """See `ops.dynamic.dynamic_walk` (scores "max" and "sum")."""
     if triton is None:
@@ -145,21 +145,30 @@ def dynamic_walk_triton(
     B, Hq, C, D = query.shape
     H, N = key.shape[1], slot_pos.shape[-1]
     G = Hq // H
-    if D < 16 or D & (D - 1):
-        raise ValueError(f"head dim {D}: the Triton walk needs a power of two >= 16; use backend='torch'")
-    q = (query.reshape(B, H, G, C, D).float() * scale).transpose(2, 3).contiguous()  # [B, H, C, G, D]
-    ks = slot_keys.float().contiguous().clone()
+    q = query.reshape(B, H, G, C, D).float() * scale
+    keys = slot_keys.float()
     pos = slot_pos.to(torch.int64).contiguous().clone()
     pri = slot_pri.float().contiguous().clone()
+    col = torch.empty_like(pos)
     ev = torch.full((B, H, C), -1, dtype=torch.int64, device=key.device)
-    if B * H * C == 0:
-        return ev, pos, pri
-    grid = (B * H,)
-    dynamic_walk_fwd_kernel[grid](
-        q, key.float().contiguous(), ks, pos, pri, position.to(torch.int64).contiguous(),
-        valid.to(torch.int8).contiguous(), priority.float().contiguous(), ev,
-        C, H, N, sink, window, topk,
-        G=G, D=D, BG=max(16, triton.next_power_of_2(G)), BN=max(16, triton.next_power_of_2(N)),
-        SCORE=SCORES[score],
-    )
+    position = position.to(torch.int64)
+    valid = valid.to(torch.int8)
+    priority = priority.float()
+    BN = triton.next_power_of_2(max(N, 1))
+    warps = 4 if BN <= 512 else (8 if BN <= 1024 else 16)
+    for c0 in range(0, C, block):
+        cb = min(block, C - c0)
+        cand = torch.cat([keys, key[:, :, c0 : c0 + cb].float()], dim=2)  # [B, H, N + cb, D]
+        # [B, H, G, cb, N + cb]
+        logits = torch.matmul(q[:, :, :, c0 : c0 + cb], cand[:, :, None].transpose(-1, -2)).contiguous()
+        evb = torch.empty(B, H, cb, dtype=torch.int64, device=key.device)
+        dynamic_walk_fwd_kernel[(B * H,)](
+            logits, pos, pri, col, position[:, c0 : c0 + cb].contiguous(), valid[:, c0 : c0 + cb].contiguous(),
+            priority[:, :, c0 : c0 + cb].contiguous(), evb,
+            cb, cb, H, N, sink, window, topk,
+            G=G, BG=triton.next_power_of_2(G), BN=BN, SCORE=SCORES[score], num_warps=warps,
+        )
+        ev[:, :, c0 : c0 + cb] = evb
+        # the slots' keys for the next block; an empty slot's key is never read (its logit is masked)
+        keys = cand.gather(2, col[..., None].expand(-1, -1, -1, D))
     return ev, pos, pri
