@@ -59,7 +59,7 @@ def _layer_and_policy(sink, window, topk, Hkv, D, **policy):
 
 
 def _replay(layer, policy, q, k, v, valid, scale):
-    """Today's path: one `attend` per token (the decode step). Returns outputs [B, Hq, S, D] and slots after each step."""
+    """Today's path: one `attend` per token (the decode step). Returns outputs [B, Hq, S, D], slots after each step."""
     outs, held = [], []
     for j in range(q.shape[2]):
         outs.append(layer.attend(q[:, :, j : j + 1], k[:, :, j : j + 1], v[:, :, j : j + 1], valid[:, j : j + 1],
@@ -243,7 +243,7 @@ TRITON_CHECK = textwrap.dedent(
         assert (got[2] - want[2]).abs().max() <= 1e-5 * max(1.0, float(want[2].abs().max())), what
 
     for i, (B, H, G, C, D, s, w, k) in enumerate(SHAPES):
-        for score in ("max", "sum"):
+        for score in ("max", "sum", "mean"):
             case(B, H, G, C, D, s, w, k, score, (None, "duplicates", "zeros")[i % 3], pad=i % 2 == 1, seed=i)
     print("ok")
     """
@@ -282,5 +282,8 @@ def test_triton_walk_refuses_what_it_does_not_implement():
     q, k = torch.zeros(1, 2, 3, 16), torch.zeros(1, 1, 3, 16)
     slots = (torch.zeros(1, 1, 6, 16), torch.full((1, 1, 6), -1), torch.zeros(1, 1, 6))
     rest = (torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 1, 3), 1, 2, 3, 0.25)
-    with pytest.raises(ValueError, match="torch"):
-        dynamic_walk_triton(q, k, *slots, *rest, "mean")
+    with pytest.raises(ValueError, match="differ between heads"):
+        dynamic_walk_triton(q, torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 6, 16), torch.tensor([[[0] * 6, [1] * 6]]),
+                            torch.zeros(1, 2, 6), *rest, "mean")
+    with pytest.raises(ValueError, match="score="):
+        dynamic_walk_triton(q, k, *slots, *rest, "median")

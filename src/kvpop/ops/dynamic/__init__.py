@@ -60,8 +60,7 @@ def dynamic_walk(
         sink, window, topk: the budget split, `N = sink + window + topk`.
         scale: the attention logit scale.
         score: how probabilities become priorities, one of `SCORES` ("max", "mean": TOVA; "sum": H2O).
-        backend: "auto" (Triton on CUDA when available for the scores "max" and "sum", else torch),
-            "reference", "torch" or "triton".
+        backend: "auto" (Triton on CUDA when available, else torch), "reference", "torch" or "triton".
     Returns:
         evicted: int64 [B, H, C], the position of the token step `j` evicted (-1: none);
         pos, pri: the slots' positions and priorities after the chunk, [B, H, N].
@@ -85,7 +84,7 @@ def dynamic_walk(
     args = (query, key, slot_keys, slot_pos, slot_pri, position, valid, priority, sink, window, topk, scale, score)
     if backend == "auto":
         backend = "torch"
-        if query.is_cuda and score != "mean":
+        if query.is_cuda:
             from kvpop.ops.dynamic.kernel import available
 
             backend = "triton" if available(query) else "torch"

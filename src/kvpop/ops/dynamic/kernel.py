@@ -1,9 +1,10 @@
 """The dynamic policies' prefill walk in Triton: one program per (batch, KV head) walks the positions.
 
-Same decisions as `walk.dynamic_walk_torch` (the reference of this kernel), for the scores "max"
-(TOVA) and "sum" (H2O); "mean" (TOVA averaged over the layer's heads) couples the heads of a row and
-stays on the torch walk. The walk goes in blocks of `BLOCK_C` tokens. Per block, one batched GEMM
-(cuBLAS, float32) gives the logits of the block's queries against its candidates: the slots as they
+Same decisions as `walk.dynamic_walk_torch` (the reference of this kernel), for every score: "max"
+(TOVA), "sum" (H2O) with a program per (batch, KV head), and "mean" (TOVA averaged over all query
+heads of the layer) with a program per batch row, since all KV heads of a row then hold the same
+slots (the heads' probabilities are averaged in the program). The walk goes in blocks of `BLOCK_C`
+tokens. Per block, one batched GEMM (cuBLAS, float32) gives the logits of the block's queries against its candidates: the slots as they
 are at the block's start (column `n` = slot `n`) followed by the block's own tokens (column `N + j`);
 then one launch walks the block, a program per (batch, KV head), with the slots' positions,
 priorities and candidate columns in registers. Per token it moves the token leaving the window (to
@@ -31,7 +32,7 @@ try:
 except ImportError:  # CPU installs have no Triton; the torch walk serves them
     triton = None
 
-SCORES = {"max": 0, "sum": 1}
+SCORES = {"max": 0, "sum": 1, "mean": 2}
 """The scores this kernel implements, as its `SCORE` constant."""
 
 
@@ -59,10 +60,16 @@ if triton is not None:
         new_pri_ptr,  # [B, H, C] float32
         ev_ptr,  # [B, H, C] int64, out
         C, CB, H, N, SINK, WINDOW, TOPK,
-        G: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, SCORE: tl.constexpr,
+        G: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, SCORE: tl.constexpr, NH: tl.constexpr,
     ):
-        i_bh = tl.program_id(0)
-        i_b = i_bh // H
+        # the row of slots this program walks: (batch, KV head), or with SCORE 2 (mean) the batch row's
+        # first head, whose slots every head of the row shares; NH heads' probabilities are read
+        if SCORE == 2:
+            i_b = tl.program_id(0)
+            i_bh = i_b * H
+        else:
+            i_bh = tl.program_id(0)
+            i_b = i_bh // H
         o_n = tl.arange(0, BN)
         o_g = tl.arange(0, BG)
         m_n = o_n < N
@@ -105,15 +112,23 @@ if triton is not None:
             b_col = tl.where(here, N + j, b_col)
             # the query's probabilities over the occupied slots, from its logits at the slots' columns
             occupied = m_n & (b_pos >= 0)
-            p_l = l_ptr + ((i_bh.to(tl.int64) * G + o_g[:, None]) * CB + j) * M + b_col[None, :]
-            b_s = tl.load(p_l, mask=m_g[:, None] & occupied[None, :], other=float("-inf"))  # [BG, BN]
-            b_m = tl.max(b_s, axis=1)  # [BG]
-            b_e = tl.exp(b_s - b_m[:, None])
-            b_p = b_e / tl.sum(b_e, axis=1)[:, None]
+            b_acc = tl.zeros([BN], dtype=tl.float32)
+            for h in tl.static_range(NH):
+                p_l = l_ptr + (((i_bh + h).to(tl.int64) * G + o_g[:, None]) * CB + j) * M + b_col[None, :]
+                b_s = tl.load(p_l, mask=m_g[:, None] & occupied[None, :], other=float("-inf"))  # [BG, BN]
+                b_m = tl.max(b_s, axis=1)  # [BG]
+                b_e = tl.exp(b_s - b_m[:, None])
+                b_p = b_e / tl.sum(b_e, axis=1)[:, None]
+                if SCORE == 0:
+                    b_acc = tl.max(tl.where(m_g[:, None], b_p, float("-inf")), axis=0)
+                else:
+                    b_acc += tl.sum(tl.where(m_g[:, None], b_p, 0.0), axis=0)
             if SCORE == 0:
-                b_new_pri = tl.max(tl.where(m_g[:, None], b_p, float("-inf")), axis=0)
+                b_new_pri = b_acc
+            elif SCORE == 1:
+                b_new_pri = b_pri + b_acc
             else:
-                b_new_pri = b_pri + tl.sum(tl.where(m_g[:, None], b_p, 0.0), axis=0)
+                b_new_pri = b_acc / (NH * G)
             b_pri = tl.where(real & occupied, b_new_pri, b_pri)
             j += 1
         tl.store(p_pos, b_pos, mask=m_n)
@@ -137,11 +152,16 @@ def dynamic_walk_triton(
     score: str,
     block: int = BLOCK_C,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """See `ops.dynamic.dynamic_walk` (scores "max" and "sum")."""
+    """See `ops.dynamic.dynamic_walk`."""
     if triton is None:
         raise RuntimeError("the Triton walk needs `triton` (pip install triton)")
     if score not in SCORES:
-        raise ValueError(f"score={score!r}: the Triton walk implements {tuple(SCORES)}; use backend='torch'")
+        raise ValueError(f"score={score!r} must be one of {tuple(SCORES)}")
+    mean = score == "mean"
+    if mean and not (torch.equal(slot_pos, slot_pos[:, :1].expand_as(slot_pos))
+                     and torch.equal(slot_pri, slot_pri[:, :1].expand_as(slot_pri))):
+        raise ValueError("score='mean' ranks alike in every KV head, but these slots differ between heads; "
+                         "use backend='torch'")
     B, Hq, C, D = query.shape
     H, N = key.shape[1], slot_pos.shape[-1]
     G = Hq // H
@@ -162,12 +182,16 @@ def dynamic_walk_triton(
         # [B, H, G, cb, N + cb]
         logits = torch.matmul(q[:, :, :, c0 : c0 + cb], cand[:, :, None].transpose(-1, -2)).contiguous()
         evb = torch.empty(B, H, cb, dtype=torch.int64, device=key.device)
-        dynamic_walk_fwd_kernel[(B * H,)](
+        dynamic_walk_fwd_kernel[(B,) if mean else (B * H,)](
             logits, pos, pri, col, position[:, c0 : c0 + cb].contiguous(), valid[:, c0 : c0 + cb].contiguous(),
             priority[:, :, c0 : c0 + cb].contiguous(), evb,
             cb, cb, H, N, sink, window, topk,
-            G=G, BG=triton.next_power_of_2(G), BN=BN, SCORE=SCORES[score], num_warps=warps,
+            G=G, BG=triton.next_power_of_2(G), BN=BN, SCORE=SCORES[score], NH=H if mean else 1, num_warps=warps,
         )
+        if mean:
+            # the program walked each row's first head; the others hold the same slots
+            for t in (pos, pri, col, evb):
+                t[:, 1:] = t[:, :1]
         ev[:, :, c0 : c0 + cb] = evb
         # the slots' keys for the next block; an empty slot's key is never read (its logit is masked)
         keys = cand.gather(2, col[..., None].expand(-1, -1, -1, D))

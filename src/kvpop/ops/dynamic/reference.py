@@ -68,5 +68,6 @@ def dynamic_walk_reference(
         pri.scatter_(2, dst, priority[:, :, j : j + 1].float())
         occupied = pos[:, :, :N] >= 0
         probs = step_probs(query[:, :, j : j + 1], keys[:, :, :N], occupied, scale)
-        pri[:, :, :N] = torch.where(real[:, None, None], score_update(score, pri[:, :, :N], probs, occupied), pri[:, :, :N])
+        updated = score_update(score, pri[:, :, :N], probs, occupied)
+        pri[:, :, :N] = torch.where(real[:, None, None], updated, pri[:, :, :N])
     return evicted, pos[:, :, :N], pri[:, :, :N]
