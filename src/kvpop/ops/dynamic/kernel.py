@@ -1,16 +1,18 @@
-"""The dynamic policies' prefill walk in Triton: one program per (batch, KV head) walks the positions.
+"""The dynamic policies' prefill walk in Triton: a program per row of slots walks the positions.
 
 Same decisions as `walk.dynamic_walk_torch` (the reference of this kernel), for every score: "max"
-(TOVA), "sum" (H2O) with a program per (batch, KV head), and "mean" (TOVA averaged over all query
+(TOVA) and "sum" (H2O) with a program per (batch, KV head); "mean" (TOVA averaged over all query
 heads of the layer) with a program per batch row, since all KV heads of a row then hold the same
-slots (the heads' probabilities are averaged in the program). The walk goes in blocks of `BLOCK_C`
-tokens. Per block, one batched GEMM (cuBLAS, float32) gives the logits of the block's queries against its candidates: the slots as they
-are at the block's start (column `n` = slot `n`) followed by the block's own tokens (column `N + j`);
-then one launch walks the block, a program per (batch, KV head), with the slots' positions,
-priorities and candidate columns in registers. Per token it moves the token leaving the window (to
-the weakest long-range slot or out), inserts the new token, reads the query's logits at its slots'
-columns (`G x N` floats from L2), and updates every priority from the softmax over the occupied
-slots. After the block the slot keys are gathered from the candidates for the next one.
+slots (the program averages the heads' probabilities).
+
+The walk goes in blocks of `BLOCK_C` tokens. Per block, one batched GEMM (cuBLAS, float32) gives the
+logits of the block's queries against its candidates: the slots as they are at the block's start
+(column `n` = slot `n`) followed by the block's own tokens (column `N + j`). Then one launch walks
+the block with the slots' positions, priorities and candidate columns in registers. Per token it
+moves the token leaving the window (to the weakest long-range slot or out), inserts the new token,
+reads the query's logits at its slots' columns (`G x N` floats from L2), and updates every priority
+from the softmax over the occupied slots. After the block the slot keys are gathered from the
+candidates for the next one.
 
 Its floats are its own (a blocked GEMM and another softmax order than PyTorch's per-token matmul),
 so it can differ from the torch walk where two priorities are within rounding of each other; exact
