@@ -38,6 +38,13 @@ from kvpop.cache import cache_kwargs
 PLAIN = ("dense", "static")
 
 
+def policy_config(name: str, budget: int) -> kvpop.KVpopConfig:
+    """`name` is a policy, or "tova-mean": TOVA ranked by the probability averaged over all query heads."""
+    if name == "tova-mean":
+        return kvpop.KVpopConfig.for_budget(budget, policy="tova", tova_head_average=True)
+    return kvpop.KVpopConfig.for_budget(budget, policy=name)
+
+
 def _load(name: str, device: str, dtype: str | None):
     from kvpop.shapes import SHAPE_PRESETS, build_shape_model
 
@@ -83,7 +90,7 @@ def bench_generate(model, contexts: list[int], kinds: list[str], new_tokens: int
                 if kind not in PLAIN:
                     with torch.random.fork_rng(devices=[]):
                         torch.manual_seed(seed)
-                        kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(budget, policy=kind))
+                        kvpop.retrofit(model, policy_config(kind, budget))
                 try:
                     if device.type == "cuda" and (context, kind) not in warm:
                         # the shapes of the timed run: transformers compiles the step of a compileable cache on
@@ -152,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="a preset or local model directory (default smollm2-135m)")
     parser.add_argument("--contexts", default="2048,4096", help="comma-separated prompt lengths (default 2048,4096)")
-    parser.add_argument("--caches", default="dense,kvpop", help="dense, static, or KVpop policies (default dense,kvpop)")
+    parser.add_argument("--caches", default="dense,kvpop",
+                        help="dense, static, or KVpop policies (tova-mean: TOVA averaged over the heads) (default dense,kvpop)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per call (default 64)")
     parser.add_argument("--batch", type=int, default=1, help="prompts per call (default 1)")
     parser.add_argument("--budget", type=int, default=512, help="KVpop budget, split by KVpopConfig.for_budget (default 512)")

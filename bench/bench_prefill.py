@@ -30,12 +30,19 @@ import torch
 import kvpop
 from kvpop.cache import cache_kwargs
 
-DYNAMIC = ("tova", "h2o")
+DYNAMIC = ("tova", "tova-mean", "h2o")
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def policy_config(name: str, budget: int) -> kvpop.KVpopConfig:
+    """`name` is a policy, or "tova-mean": TOVA ranked by the probability averaged over all query heads."""
+    if name == "tova-mean":
+        return kvpop.KVpopConfig.for_budget(budget, policy="tova", tova_head_average=True)
+    return kvpop.KVpopConfig.for_budget(budget, policy=name)
 
 
 def _load(name: str, device: str, dtype: str | None):
@@ -75,7 +82,7 @@ def bench_prefill(model, ids: torch.Tensor, budget: int, policies: list[str], re
             else:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(seed)
-                    kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(budget, policy=policy))
+                    kvpop.retrofit(model, policy_config(policy, budget))
                 try:
                     cache = kvpop.KVpopCache(model, dynamic_prefill="replay" if path == "replay" else "walk")
                     t = _time(model, ids, cache)
@@ -120,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=2048, help="prompt length (default 2048)")
     parser.add_argument("--batch", type=int, default=1, help="prompts per forward (default 1)")
     parser.add_argument("--budget", type=int, default=512, help="cache budget, split by KVpopConfig.for_budget (default 512)")
-    parser.add_argument("--policies", default="tova,h2o,kvpop", help="comma-separated policies (default tova,h2o,kvpop)")
+    parser.add_argument("--policies", default="tova,h2o,kvpop",
+                        help="comma-separated policies; tova-mean: TOVA averaged over the heads (default tova,h2o,kvpop)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the median is reported (default 3)")
     parser.add_argument("--no-replay", action="store_true", help="skip the token-by-token replay rows of TOVA / H2O")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
