@@ -109,6 +109,13 @@ class Run:
     def steps_done(self) -> int:
         return int(self.last_log().get("step", 0))
 
+    def checkpoint(self) -> Path | None:
+        """The run's last complete checkpoint (`kvpop.train.checkpoint`), or None."""
+        from kvpop.train.checkpoint import latest
+
+        last = latest(self.out)
+        return None if last is None else last.path
+
     def progress(self, steps: int) -> str:
         row = self.last_log()
         return f"{row.get('step', 0)}/{steps}" + (f" ({row['step_time_s']:.2f} s/step)" if "step_time_s" in row else "")
@@ -256,6 +263,8 @@ def start_mps(out: Path):
 
 
 def train_phase(args, runs: list[Run], deadline: float) -> None:
+    from kvpop.train.checkpoint import holds_run
+
     pending = []
     for run in runs:
         if run.done():
@@ -268,7 +277,7 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
     # rows took 3-5 s/step, KVpop-mlp 2.5 and StreamingLLM+ 0.35), while a fast one fills a freed slot
     priority = {row: i for i, row in enumerate(("dms", "kvpop-mlstm", "kvpop-mlstm-delay0", "kvpop-mlp",
                                                  "streaming_llm_plus"))}
-    pending.sort(key=lambda r: ((r.out / "checkpoint.pt").exists(), priority[r.row], -r.budget))
+    pending.sort(key=lambda r: (r.checkpoint() is not None, priority[r.row], -r.budget))
     limit = args.concurrency
     waves = -(-len(pending) // max(1, limit))
     # --fair-share: each run gets an equal share of the phase, waves of `limit` runs; one past its share
@@ -290,8 +299,11 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
             run = pending.pop(0)
             run.out.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, "-m", "kvpop.cli", *run.args]
-            if (run.out / "checkpoint.pt").exists():
+            if run.checkpoint() is not None:
                 cmd.append("--resume")
+            elif holds_run(run.out):
+                # stopped before its first checkpoint: nothing to resume, start it again
+                cmd.append("--overwrite")
             run_env = env
             if len(gpus) > 1:
                 # spread the runs over the host's GPUs: the least loaded one takes the next run
@@ -356,7 +368,7 @@ def finish(run: Run, rc: int, seconds: float) -> None:
     steps = run.steps_done()
     if run.done():
         status = "final"
-    elif (run.out / "checkpoint.pt").exists():
+    elif run.checkpoint() is not None:
         status = "interrupted"
     else:
         status = "failed"
@@ -366,7 +378,7 @@ def finish(run: Run, rc: int, seconds: float) -> None:
             else "failed"
     run.status.pop("stopping", None)
     run.status.update(status=status, rc=rc, steps_done=steps, seconds=round(seconds, 1),
-                      checkpoint=(run.out / "checkpoint.pt").exists())
+                      checkpoint=run.checkpoint() is not None)
     if status == "failed":
         run.status["log_tail"] = tail(run.out / "study_train.log")
     log(f"end {run.name}: {status}, rc {rc}, {steps} steps in {seconds:.0f} s"
@@ -396,8 +408,8 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
                                 if (run.out / "study_status.json").exists() else {})
         if run.done():
             trained[run.name] = {"path": str(run.final), "weights": "final", "steps_done": run.steps_done()}
-        elif (run.out / "checkpoint.pt").exists():
-            trained[run.name] = {"path": str(run.out / "checkpoint.pt"), "weights": "checkpoint",
+        elif run.checkpoint() is not None:
+            trained[run.name] = {"path": str(run.checkpoint()), "weights": "checkpoint",
                                  "steps_done": run.steps_done()}
             log(f"{run.name}: no final weights; evaluating its checkpoint (step {run.steps_done()} of {args.steps})")
         else:
@@ -491,6 +503,10 @@ def worker(spec_path: str) -> int:
 
     from kvpop.config import KVpopConfig
     from kvpop.eval.evaluate import Entry, Evaluator, from_directory
+    from kvpop.train.checkpoint import open_checkpoint
+
+    def is_checkpoint(path: str) -> bool:
+        return not (Path(path) / "kvpop_config.json").exists()
     from kvpop.models import load_model
     from kvpop.retrofit import retrofit
 
@@ -510,12 +526,12 @@ def worker(spec_path: str) -> int:
         """The evaluator with checkpoint loading and per-row isolation: one failing row does not sink the group."""
 
         def _model(self, entry):
-            if entry.trained is None or not entry.trained.endswith(".pt"):
+            if entry.trained is None or not is_checkpoint(entry.trained):
                 return super()._model(entry)
             if entry.trained not in self._trained:
                 import copy
 
-                state = torch.load(entry.trained, map_location="cpu", weights_only=False)
+                state = open_checkpoint(entry.trained).read()
                 model = retrofit(copy.deepcopy(self.base), KVpopConfig.from_dict(state["kvpop_config"]))
                 model.load_state_dict(state["model"])
                 self._trained[entry.trained] = model.eval()
@@ -561,8 +577,8 @@ def worker(spec_path: str) -> int:
     for e in spec["entries"]:
         if e.get("trained"):
             path = e["trained"]
-            if path.endswith(".pt"):
-                cfg = KVpopConfig.from_dict(json.loads((Path(path).parent / "config.json").read_text())["kvpop"])
+            if is_checkpoint(path):
+                cfg = KVpopConfig.from_dict(open_checkpoint(path).read()["kvpop_config"])
                 entry = Entry(e["name"], cfg.budget, cfg, trained=path)
             else:
                 entry = from_directory(path, name=e["name"])

@@ -24,6 +24,9 @@ CONFIGS = {
     "mlstm": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="mlstm", mlstm_hidden=16),
     "mlstm-delay0": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="mlstm", mlstm_hidden=16, delay=0),
     "mlstm-delay2": kvpop.KVpopConfig(sink=0, window=4, topk=5, scorer="mlstm", mlstm_hidden=0, delay=2),
+    # per-layer budgets at the same total memory (KVPOP.md Sec. 7b): each layer its own static shapes
+    "layers": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16, layer_topk=(3, 11)),
+    "tova-layers": kvpop.KVpopConfig(sink=2, window=3, topk=9, policy="tova", layer_topk=(0, 18)),
 }
 
 
@@ -39,17 +42,18 @@ def _ids(seed=0, n=S, batch=1):
 def run_cached(model, ids, split, **fwd):
     """Prefill in the chunks `split` (lengths), then decode the rest one token at a time."""
     cache = kvpop.KVpopCache(model)
-    budget = model.kvpop.config.budget
+    cfg = model.kvpop.config
+    budgets = [cfg.for_layer(i).budget for i in range(len(cache.layers))]
     outs, start = [], 0
     steps = list(split) + [1] * (ids.shape[1] - sum(split))
     for n in steps:
         sl = slice(start, start + n)
         extra = {k: v[:, : start + n] if k == "attention_mask" else v[:, sl] for k, v in fwd.items()}
         outs.append(model(ids[:, sl], **extra, **cache_kwargs(cache)).logits)
-        for used in cache.slots_used():
+        for used, budget in zip(cache.slots_used(), budgets):
             assert used.max() <= budget
         start += n
-    for layer in cache.layers:
+    for layer, budget in zip(cache.layers, budgets):
         assert layer.keys.shape[2] == budget  # preallocated, never grown
     return torch.cat(outs, 1), cache
 

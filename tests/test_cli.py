@@ -1,4 +1,4 @@
-"""The `kvpop` command: help, `info`, and `generate` end to end on a tiny random preset."""
+"""The `kvpop` command: help, `info`, `generate` end to end on a tiny random preset, and its errors."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import pytest
 
 import kvpop
 from kvpop.cli import COMMANDS, main
-
-HAS_RETROFIT = hasattr(kvpop, "retrofit") and hasattr(kvpop, "KVpopCache")
-needs_retrofit = pytest.mark.skipif(not HAS_RETROFIT, reason="retrofit not available yet")
+from kvpop.config import DEFAULT_BUDGET
 
 SUMMARY = re.compile(r"\[kvpop\] (\d+) tokens in .* tokens/s.*cache: (\d+) of (\d+) slots per layer and KV head "
                      r"used for (\d+) tokens seen")
@@ -55,7 +53,6 @@ def test_no_command_prints_help(capsys):
     assert rc == 2 and "generate" in out
 
 
-@needs_retrofit
 @pytest.mark.parametrize("name,model_type", [("tiny-random-qwen3", "qwen3"), ("tiny-random-llama", "llama")])
 def test_info(capsys, name, model_type):
     rc, out, _ = run(capsys, "info", "--model", name)
@@ -71,7 +68,6 @@ def test_info(capsys, name, model_type):
     assert fields["kvpop supports it"] == "yes"
 
 
-@needs_retrofit
 def test_info_unsupported_model(capsys, tmp_path):
     from transformers import GPT2Config
 
@@ -87,7 +83,6 @@ def test_unknown_model(capsys):
     assert "not-a-preset" in err and "tiny-random-qwen3" in err and "hub" in err
 
 
-@needs_retrofit
 def test_generate_end_to_end(capsys):
     argv = ["generate", "--model", "tiny-random-qwen3", "--prompt", PROMPT,
             "--sink", "2", "--window", "8", "--topk", "8", "--max-new-tokens", "24"]
@@ -104,7 +99,6 @@ def test_generate_end_to_end(capsys):
     assert rc2 == 0 and out2 == out
 
 
-@needs_retrofit
 def test_generate_compiled_equals_eager(capsys, monkeypatch):
     import kvpop.decode
 
@@ -122,17 +116,15 @@ def test_generate_compiled_equals_eager(capsys, monkeypatch):
     assert rc != 0 and "--do-sample" in err
 
 
-@needs_retrofit
 def test_generate_chat_sampling_llama(capsys):
     rc, out, err = run(capsys, "generate", "--model", "tiny-random-llama", "--prompt", "hi", "--chat",
                        "--do-sample", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3",
                        "--max-new-tokens", "10")
     assert rc == 0, err
     n_new, used, budget, seen = summary(err)
-    assert 1 <= n_new <= 10 and used <= budget == 4 + 32 + 64
+    assert 1 <= n_new <= 10 and used <= budget == DEFAULT_BUDGET
 
 
-@needs_retrofit
 def test_generate_from_kvpop_directory(capsys, tmp_path):
     from kvpop.models import load_model
 
@@ -147,14 +139,157 @@ def test_generate_from_kvpop_directory(capsys, tmp_path):
     assert used == budget == 8
 
 
-@needs_retrofit
 @pytest.mark.parametrize("argv,expected", [
     (["--prompt", ""], "--prompt is empty"),
     (["--prompt", "x", "--window", "0"], "KVpopConfig.window=0"),
     (["--prompt", "x", "--topk", "-1"], "KVpopConfig.topk=-1"),
     (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens=0"),
+    (["--prompt", "x", "--do-sample", "--top-p", "1.5"], "--top-p=1.5 must lie in (0, 1]"),
+    (["--prompt", "x", "--top-p", "0"], "--top-p=0.0 must lie in (0, 1]"),
+    (["--prompt", "x", "--temperature", "0"], "--temperature=0.0 must be a finite number > 0"),
+    (["--prompt", "x", "--topk", "600"], "budget=512 leaves no window after sink + topk = 4 + 600"),
+    (["--prompt", "x", "--budget", "100", "--window", "50", "--topk", "50"], "budget=100 is not sink + window + topk"),
 ])
 def test_generate_bad_arguments(capsys, argv, expected):
     rc, _, err = run(capsys, "generate", "--model", "tiny-random-qwen3", *argv)
     assert rc == 1
     assert expected in err
+
+
+# --- defaults, notes and errors (issue 19) ---
+
+
+def test_one_default_budget_everywhere():
+    import argparse
+
+    from kvpop.cli import _rule, build_parser
+    from kvpop.eval.bench import _rule_config
+
+    assert kvpop.KVpopConfig().budget == kvpop.KVpopConfig.for_budget().budget == DEFAULT_BUDGET
+    assert kvpop.KVpopConfig() == kvpop.KVpopConfig.for_budget()
+    parser = build_parser()
+    for argv in (["generate", "--model", "m", "--prompt", "p"], ["train", "--model", "m"], ["viz", "--model", "m"]):
+        assert _rule(parser.parse_args(argv)) == kvpop.KVpopConfig(), argv
+    assert _rule_config(parser.parse_args(["bench", "--model", "m"])) == kvpop.KVpopConfig()
+    # the default and why are in every --help that takes --budget
+    for name in ("generate", "train", "viz"):
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        assert f"default {DEFAULT_BUDGET}: the CPU scale" in sub.format_help().replace("\n", " ").replace("  ", " ")
+    # the flags still override it
+    args = parser.parse_args(["generate", "--model", "m", "--prompt", "p", "--window", "32", "--topk", "64"])
+    assert (_rule(args).sink, _rule(args).window, _rule(args).topk) == (4, 32, 64)
+
+
+def test_generate_announces_untrained_scorers(capsys, tmp_path):
+    argv = ["--prompt", PROMPT, "--window", "8", "--topk", "8", "--max-new-tokens", "2"]
+    rc, _, err = run(capsys, "generate", "--model", "tiny-random-qwen3", *argv)
+    assert rc == 0, err
+    assert "tiny-random-qwen3 has no trained kvpop scorers: they are untrained (random)" in err
+    from kvpop.models import load_model
+
+    model, tok = load_model("tiny-random-qwen3")
+    kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig(sink=1, window=4, topk=3, scorer_hidden=8)), tmp_path,
+               tokenizer=tok)
+    rc, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", PROMPT, "--max-new-tokens", "2")
+    assert rc == 0 and "untrained" not in err
+
+
+def _short_model_dir(path, positions: int):
+    """The tiny preset saved as a Hugging Face directory with only `positions` positions."""
+    from kvpop.models import load_model
+
+    model, tok = load_model("tiny-random-qwen3")
+    model.config.max_position_embeddings = positions
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_generation_near_the_last_position_stops_cleanly_and_keeps_its_tokens(capsys, tmp_path):
+    model = _short_model_dir(tmp_path, 64)
+    prompt = "x" * 60  # 60 byte tokens: 5 new tokens fit (the last one is never fed back)
+    rc, out, err = run(capsys, "generate", "--model", model, "--prompt", prompt, "--window", "8", "--topk", "8",
+                       "--max-new-tokens", "20")
+    assert rc == 0, err
+    assert "the prompt has 60 tokens and the model 64 positions: generating 5 tokens, not --max-new-tokens 20" in err
+    n_new, _, _, seen = summary(err)
+    assert 1 <= n_new <= 5 and seen == 60 + n_new - 1 <= 64
+    assert out.strip(), "the generated tokens were lost"
+    rc, _, err = run(capsys, "generate", "--model", model, "--prompt", "x" * 65)
+    assert rc == 1 and "the prompt has 65 tokens, more than the model's max_position_embeddings=64" in err
+
+
+def test_no_progress_silences_transformers_bars(capsys, tmp_path):
+    model = _short_model_dir(tmp_path, 128)
+    capsys.readouterr()
+    rc, _, err = run(capsys, "generate", "--model", model, "--prompt", "hi", "--max-new-tokens", "2", "--no-progress")
+    assert rc == 0, err
+    assert "Loading weights" not in err and "%|" not in err
+    # the switch is put back for whatever runs next in this process
+    rc, _, err = run(capsys, "generate", "--model", model, "--prompt", "hi", "--max-new-tokens", "2")
+    assert rc == 0 and "Loading weights" in err
+
+
+def test_errors_are_one_line_and_debug_shows_the_traceback(capsys):
+    rc, _, err = run(capsys, "info", "--model", "no-such-model")
+    assert rc == 1 and err.startswith("kvpop info: error: unknown model 'no-such-model'")
+    assert "Traceback" not in err and "--debug" in err
+    for argv in (["--debug", "info", "--model", "no-such-model"], ["info", "--model", "no-such-model", "--debug"]):
+        with pytest.raises(ValueError, match="no-such-model"):
+            main(argv)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_device_that_is_not_there_is_a_clear_error(capsys):
+    for device, message in (("cuda", "--device cuda: CUDA is not available"), ("gpu", "--device 'gpu' is not a device")):
+        rc, _, err = run(capsys, "generate", "--model", "tiny-random-qwen3", "--prompt", "x", "--device", device)
+        assert rc == 1 and message in err and "Traceback" not in err
+
+
+def _damaged_save(tmp_path, damage: str):
+    from kvpop.models import load_model
+
+    model, tok = load_model("tiny-random-qwen3")
+    path = tmp_path / "saved"
+    kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig(sink=1, window=4, topk=3, scorer_hidden=8)), path, tokenizer=tok)
+    if damage == "truncated weights":
+        f = path / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif damage == "truncated scorers":
+        f = path / "kvpop_scorers.safetensors"
+        f.write_bytes(f.read_bytes()[:50])
+    elif damage == "corrupt kvpop config":
+        (path / "kvpop_config.json").write_text("{")
+    elif damage == "no kvpop config":
+        (path / "kvpop_config.json").unlink()
+    elif damage == "corrupt hf config":
+        (path / "config.json").write_text("")
+    return path
+
+
+@pytest.mark.parametrize("damage,file,message", [
+    ("truncated weights", "model.safetensors", "not a readable safetensors file"),
+    ("truncated scorers", "kvpop_scorers.safetensors", "not a readable safetensors file"),
+    ("corrupt kvpop config", "kvpop_config.json", "the KVpop config is not valid JSON"),
+    ("no kvpop config", "kvpop_config.json", "missing, but"),
+    ("corrupt hf config", "config.json", "config"),
+])
+def test_a_damaged_save_directory_is_a_clear_error(capsys, tmp_path, damage, file, message):
+    path = _damaged_save(tmp_path, damage)
+    for argv in (["generate", "--model", str(path), "--prompt", "x", "--max-new-tokens", "1"],
+                 ["info", "--model", str(path)]):
+        rc, _, err = run(capsys, *argv)
+        if argv[0] == "info" and damage.startswith("truncated"):
+            assert rc == 0  # info reads the configs only
+            continue
+        assert rc == 1, err
+        assert "Traceback" not in err and message in err and str(path / file) in err, err
+
+
+def test_a_model_directory_without_tokenizer_is_named(capsys, tmp_path):
+    from kvpop.models import load_model
+
+    model, _ = load_model("tiny-random-qwen3")
+    model.save_pretrained(tmp_path)
+    rc, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "hello")
+    assert rc == 1 and f"no tokenizer found in '{tmp_path}'" in err

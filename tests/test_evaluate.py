@@ -109,11 +109,75 @@ def test_demo_end_to_end_with_a_small_plan(tmp_path, monkeypatch, capsys):
 
 
 def test_eval_pass_at_1_with_rollouts(text_file, tmp_path, capsys):
+    trained = tmp_path / "trained"
+    model, tok = load_model("tiny-random-qwen3")
+    kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(32, scorer_hidden=16)), trained, tokenizer=tok)
     args = ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--split", "all", "--seq-len", "96",
             "--sequences", "1", "--budgets", "32", "--policies", "streaming_llm,oracle", "--rollouts", "2",
-            "--problems", "1", "--max-new-tokens", "8", "--out", str(tmp_path)]
+            "--problems", "1", "--max-new-tokens", "8", "--trained", str(trained), "--out", str(tmp_path / "o")]
     assert main(args) == 0
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "o" / "results.json").read_text())["rows"]
     by = {r["policy"]: r for r in rows}
-    assert by["streaming_llm"]["pass_at_1"] == 0.0  # a random model answers nothing right
+    # math-verify over 2 sampled answers to 1 champ problem, generated with the bounded cache of the
+    # trained directory and of a training-free policy; a random model answers nothing right
+    assert by["streaming_llm"]["pass_at_1"] == 0.0 and by["kvpop"]["pass_at_1"] == 0.0
     assert "pass_at_1" not in by["oracle"]  # teacher-forced only: it cannot generate
+
+
+def test_rollouts_score_right_answers(monkeypatch):
+    # the number is pass@1 indeed: completions that box the right answer count, per problem and sample
+    from kvpop.eval import evaluate
+
+    pytest.importorskip("math_verify")
+    model, tok = load_model("tiny-random-qwen3")
+    model = kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(32, scorer_hidden=16))
+    answers = iter(["so \\boxed{4}", "\\boxed{5}", "\\boxed{7}", "\\boxed{7}"])
+    monkeypatch.setattr(tok, "decode", lambda *a, **k: next(answers))
+    problems = [{"problem": "2+2?", "answer": "4"}, {"problem": "3+4?", "answer": "7"}]
+    score, completions = evaluate.rollouts_pass_at_1(model, tok, problems, 2, 2)
+    assert completions == [["so \\boxed{4}", "\\boxed{5}"], ["\\boxed{7}", "\\boxed{7}"]]
+    assert score == pytest.approx(0.75)
+
+
+# --- bad input, silent mismatches and progress (issue 19) ---
+
+
+def _eval(text_file, tmp_path, *extra) -> list[str]:
+    return ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--split", "all", "--seq-len", "64",
+            "--sequences", "1", "--out", str(tmp_path / "o"), *extra]
+
+
+@pytest.mark.parametrize("budgets,message", [
+    ("-5", "--budgets: -5 must lie above --sink + 1 = 5"),
+    ("5", "--budgets: 5 must lie above --sink + 1 = 5"),
+    ("32,a", "--budgets='32,a' must be comma-separated integers"),
+    ("64", "below --seq-len 64"),
+])
+def test_eval_budgets_are_checked_against_the_flags(text_file, tmp_path, capsys, budgets, message):
+    assert main(_eval(text_file, tmp_path, "--budgets", budgets)) == 1
+    err = capsys.readouterr().err
+    assert message in err and "window=" not in err
+
+
+def test_eval_refuses_a_trained_directory_of_another_base(text_file, tmp_path, capsys):
+    trained = tmp_path / "trained"
+    model, tok = load_model("tiny-random-qwen3")
+    kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(32, scorer_hidden=16)), trained, tokenizer=tok)
+    assert main(_eval(text_file, tmp_path, "--model", "tiny-random-llama", "--policies", "none",
+                      "--trained", str(trained))) == 1
+    err = capsys.readouterr().err
+    assert f"{trained} was trained from another base model" in err and "architecture: model_type qwen3 vs llama" in err
+    # a directory from before the record: evaluated, with a note that it cannot be checked
+    (trained / "kvpop_base.json").unlink()
+    assert main(_eval(text_file, tmp_path, "--policies", "none", "--trained", str(trained))) == 0
+    assert "records no base model" in capsys.readouterr().err
+
+
+def test_eval_shows_each_pass_and_announces_untrained_scorers(text_file, tmp_path, capsys):
+    assert main(_eval(text_file, tmp_path, "--budgets", "32", "--policies", "streaming_llm,kvpop")) == 0
+    err = capsys.readouterr().err
+    assert "--policies kvpop: its scorers are untrained (random)" in err
+    # the dense pass, then each of the two entries: three ticks for the one sequence
+    assert "3/3" in err and "pass" in err
+    assert main(_eval(text_file, tmp_path, "--budgets", "32", "--policies", "streaming_llm", "--no-progress")) == 0
+    assert "kvpop eval" not in capsys.readouterr().err

@@ -6,10 +6,8 @@ import pytest
 import torch
 
 import kvpop
-from kvpop.models import PRESETS, byte_tokenizer, load_model
-
-HAS_RETROFIT = hasattr(kvpop, "retrofit") and hasattr(kvpop, "save")
-needs_retrofit = pytest.mark.skipif(not HAS_RETROFIT, reason="retrofit not available yet")
+from kvpop.files import FileFormatError
+from kvpop.models import PRESETS, byte_tokenizer, load_model, resolve_device
 
 TEXTS = ["", "Hello, world!", "  leading and trailing spaces  ", "tabs\tand\nnew lines\r\n",
          "naïve café, 你好, 🙂", "<|im_start|>user\nhi<|im_end|>"]
@@ -122,7 +120,6 @@ def test_local_hf_directory_without_tokenizer(tmp_path):
         load_model(str(tmp_path))
 
 
-@needs_retrofit
 def test_kvpop_directory_comes_back_retrofitted(tmp_path):
     model, tok = load_model("tiny-random-qwen3")
     torch.manual_seed(0)
@@ -134,3 +131,32 @@ def test_kvpop_directory_comes_back_retrofitted(tmp_path):
     ids = torch.arange(40)[None]
     assert torch.equal(model(ids).logits, again(ids).logits)
     assert len(tok2) == len(tok)
+
+
+def test_an_incomplete_save_is_an_error_not_a_plain_model(tmp_path):
+    model, tok = load_model("tiny-random-qwen3")
+    kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig(sink=2, window=4, topk=4, scorer_hidden=8)), tmp_path,
+               tokenizer=tok)
+    (tmp_path / "kvpop_config.json").unlink()
+    # it would load as the base model with fresh random scorers and another budget
+    with pytest.raises(FileFormatError, match="kvpop_config.json: missing, but .* incomplete kvpop.save directory"):
+        load_model(str(tmp_path))
+
+
+def test_a_tokenizer_that_encodes_nothing_is_refused(tmp_path):
+    model, _ = load_model("tiny-random-llama")
+    model.save_pretrained(tmp_path)
+    # a config alone: transformers builds a tokenizer with one token that turns every text into nothing
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "Qwen2Tokenizer"}')
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_model(str(tmp_path))
+
+
+def test_resolve_device():
+    assert resolve_device(None) == resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="'gpu' is not a device"):
+        resolve_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            load_model("tiny-random-qwen3", device="cuda:0")

@@ -120,7 +120,9 @@ def test_unsupported_model_type_is_named():
     import transformers as tf
 
     gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
-    with pytest.raises(ValueError, match="'gpt2' is not supported"):
+    # its real reason: the layers hold GPT-2's own attention, not a self_attn with grouped key/value heads
+    with pytest.raises(ValueError, match=r"'gpt2' is not supported: its decoder layers have no `self_attn` module "
+                                         r"with grouped key/value heads \(they hold GPT2Attention as .attn\)"):
         kvpop.retrofit(gpt2, kvpop.KVpopConfig(sink=1, window=2, topk=2))
 
 
@@ -169,3 +171,40 @@ def test_flex_path_on_cuda_equals_cpu_path():
         decoded = torch.cat([first, *rest], 1).cpu()
     assert_close(gpu, cpu, 2e-4, "flex vs cpu")
     assert_close(decoded, cpu, 2e-4, "cuda decode vs cpu")
+
+
+def test_save_records_the_base_it_was_retrofitted_on(tmp_path):
+    from kvpop.retrofit import base_identity, read_base, same_base
+
+    base = tiny_model("qwen3")
+    original = base_identity(base)
+    model = kvpop.retrofit(base, kvpop.KVpopConfig(sink=2, window=4, topk=4, scorer_hidden=8))
+    with torch.no_grad():  # training changes the weights; the record stays the original base's
+        for p in model.parameters():
+            p.add_(1.0)
+    kvpop.save(model, tmp_path / "m")
+    assert read_base(tmp_path / "m") == original
+    assert kvpop.load(tmp_path / "m").kvpop.base == original
+    assert same_base(original, base_identity(tiny_model("qwen3").to(torch.bfloat16))) is None
+    assert "weights" in same_base(original, base_identity(tiny_model("qwen3", seed=1)))
+    assert "architecture" in same_base(original, base_identity(tiny_model("llama")))
+    # a directory from before the record still loads, without one
+    (tmp_path / "m" / "kvpop_base.json").unlink()
+    assert kvpop.load(tmp_path / "m").kvpop.base is None
+
+
+def test_load_names_a_damaged_file(tmp_path):
+    from kvpop.files import FileFormatError
+
+    kvpop.save(retrofitted("qwen3"), tmp_path / "m")
+    scorers = tmp_path / "m" / "kvpop_scorers.safetensors"
+    scorers.write_bytes(scorers.read_bytes()[:-10])
+    with pytest.raises(FileFormatError, match="kvpop_scorers.safetensors: the scorer weights is not a readable"):
+        kvpop.load(tmp_path / "m")
+    kvpop.save(retrofitted("qwen3", kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=8)), tmp_path / "m")
+    (tmp_path / "m" / "kvpop_config.json").write_text('{"sink": 2, "window": 5, "topk": 7, "scorer_hidden": 16}')
+    with pytest.raises(FileFormatError, match="kvpop_scorers.safetensors: the scorer weights do not fit"):
+        kvpop.load(tmp_path / "m")
+    (tmp_path / "m" / "kvpop_config.json").write_text('{"sink": -1}')
+    with pytest.raises(FileFormatError, match=r"kvpop_config.json: KVpopConfig.sink=-1 is invalid"):
+        kvpop.load(tmp_path / "m")

@@ -3,9 +3,11 @@
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 import kvpop
 from kvpop.cli import main
+from kvpop.train import checkpoint as ckpt
 from kvpop.train import distill
 from kvpop.train.distill import TrainConfig, TrainingError, kl_divergence, scorer_lr_factor
 
@@ -111,7 +114,7 @@ def test_interrupt_saves_and_resume_is_exact(text_file, tmp_path, monkeypatch, r
     monkeypatch.setattr(distill.Distiller, "train_step", ctrl_c_at_step_4)
     with pytest.raises(KeyboardInterrupt, match="step 3"):
         distill.train(_cfg(text_file, out, save_every=0), kcfg, progress=False)
-    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 3
+    assert ckpt.latest(out).step == 3
     monkeypatch.setattr(distill.Distiller, "train_step", real)
     distill.train(_cfg(text_file, out, save_every=0), kcfg, resume=True, progress=False)
     assert [(r["loss_score"], r["loss_kl"]) for r in _log(out)] == [
@@ -133,8 +136,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(text_file, tmp_path
     monkeypatch.setattr(distill, "kl_divergence", kl_nan_at_third_step)
     with pytest.raises(TrainingError, match=r"non-finite loss at step 3.*step 2\)"):
         distill.train(_cfg(text_file, out, save_every=2), kvpop.KVpopConfig(**KCFG), progress=False)
-    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert ckpt["step"] == 2
+    assert ckpt.latest(out).read()["step"] == 2
     assert not (out / "final").exists()
 
 
@@ -144,7 +146,7 @@ def test_resume_refuses_a_different_run(text_file, tmp_path):
     with pytest.raises(TrainingError, match="seq_len"):
         distill.train(_cfg(text_file, out, seq_len=96, freeze_base=True), kvpop.KVpopConfig(**KCFG), resume=True,
                       progress=False)
-    with pytest.raises(TrainingError, match="no checkpoint"):
+    with pytest.raises(TrainingError, match="no complete checkpoint"):
         distill.train(_cfg(text_file, tmp_path / "none"), kvpop.KVpopConfig(**KCFG), resume=True, progress=False)
 
 
@@ -308,8 +310,7 @@ def test_sigterm_twice_stops_at_a_step_boundary_with_a_checkpoint(text_file, tmp
     assert proc.returncode in (130, -signal.SIGTERM), err[-2000:]
     assert "checkpoint saved" in err
     steps = len(log.read_text().splitlines())
-    state = torch.load(out / "checkpoint.pt", weights_only=False)
-    assert state["step"] == steps
+    assert ckpt.latest(out).read()["step"] == steps
 
 
 @pytest.mark.parametrize("policy", [dict(scorer="mlp"), dict(scorer="mlstm", mlstm_hidden=16), dict(policy="dms")],
@@ -338,8 +339,175 @@ def test_resume_with_more_steps_goes_on_over_the_same_documents(text_file, tmp_p
     short, longer = (_cfg(records, tmp_path / "run", steps=n, max_tokens=0, save_every=0) for n in (3, 6))
     assert short.pool_tokens < longer.pool_tokens
     distill.train(short, kcfg, progress=False)
-    trained_on = distill.Distiller(short, kcfg).tokens
+    # (overwrite: a fresh run in the same --out, built but never run, so nothing is moved)
+    trained_on = distill.Distiller(short, kcfg, overwrite=True).tokens
     resumed = distill.Distiller(longer, kcfg, resume=True)
     assert resumed.step == 3
     assert torch.equal(resumed.tokens, trained_on)
-    assert len(distill.Distiller(longer, kcfg).tokens) > len(trained_on)  # a fresh 6-step run packs more
+    assert len(distill.Distiller(longer, kcfg, overwrite=True).tokens) > len(trained_on)  # a fresh 6-step run packs more
+
+
+# --- the run directory under mistakes and faults (issue 19) ---
+
+
+def _argv(text_file, out, *extra) -> list[str]:
+    return ["train", "--model", "tiny-random-qwen3", "--data", str(text_file), "--seq-len", "128", "--window", "8",
+            "--topk", "16", "--steps", "4", "--batch-size", "2", "--max-tokens", str(128 * 16), "--freeze-base",
+            "--no-progress", "--out", str(out), *extra]
+
+
+def _snapshot(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def _interrupted(monkeypatch, at_step: int) -> Callable:
+    """Patch the trainer so that Ctrl-C comes during step `at_step + 1` (a checkpoint of `at_step` is saved)."""
+    real = distill.Distiller.train_step
+
+    def ctrl_c(self, micro):
+        if self.step == at_step:
+            raise KeyboardInterrupt
+        return real(self, micro)
+
+    monkeypatch.setattr(distill.Distiller, "train_step", ctrl_c)
+    return real
+
+
+def test_train_into_a_run_without_resume_or_overwrite_is_refused_and_changes_nothing(text_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_argv(text_file, out)) == 0
+    before = _snapshot(out)
+    assert {"train_log.jsonl", "config.json", "final/kvpop_config.json"} <= before.keys()
+    capsys.readouterr()
+    assert main(_argv(text_file, out, "--seed", "1")) == 1
+    err = capsys.readouterr().err
+    assert f"--out {out} holds a run" in err and "--resume" in err and "--overwrite" in err
+    assert _snapshot(out) == before
+
+
+def test_forgetting_resume_after_an_interruption_keeps_the_checkpoint(text_file, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    _interrupted(monkeypatch, 3)
+    assert main(_argv(text_file, out, "--save-every", "0")) == 130
+    monkeypatch.undo()
+    assert ckpt.latest(out).step == 3
+    capsys.readouterr()
+    assert main(_argv(text_file, out, "--save-every", "0")) == 1
+    assert "a checkpoint of step 3" in capsys.readouterr().err
+    assert ckpt.latest(out).step == 3 and [r["step"] for r in ckpt.read_log(out)] == [1, 2, 3]
+    assert main(_argv(text_file, out, "--save-every", "0", "--resume")) == 0
+    assert f"resuming from step 3 of 4 ({out / 'checkpoints' / 'step-00000003'})" in capsys.readouterr().err
+    assert [r["step"] for r in ckpt.read_log(out)] == [1, 2, 3, 4]
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(text_file, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert main(_argv(text_file, out)) == 0
+    (out / "notes.md").write_text("not the run's: stays where it is")
+    before = _snapshot(out)
+    real = distill.Distiller.train_step
+
+    def fail_in_step_1(self, micro):
+        raise RuntimeError("simulated failure before the first checkpoint")
+
+    monkeypatch.setattr(distill.Distiller, "train_step", fail_in_step_1)
+    capsys.readouterr()
+    assert main(_argv(text_file, out, "--overwrite", "--seed", "1")) == 1
+    err = capsys.readouterr().err
+    assert "simulated failure" in err and f"the previous run is back in {out}" in err
+    assert _snapshot(out) == before
+    monkeypatch.setattr(distill.Distiller, "train_step", real)
+    assert main(_argv(text_file, out, "--overwrite", "--seed", "1")) == 0
+    assert "removed the replaced run" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["train"]["seed"] == 1
+    assert (out / "notes.md").read_text() == "not the run's: stays where it is"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing left aside
+
+
+def test_resume_matches_paths_and_devices_however_spelled(text_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text(text_file.read_text())
+    real = _interrupted(monkeypatch, 2)
+    assert main(_argv("notes.txt", "runs/x")) == 130
+    monkeypatch.setattr(distill.Distiller, "train_step", real)
+    capsys.readouterr()
+    assert main(_argv("./notes.txt", "./runs/x", "--resume", "--device", "cpu")) == 0, capsys.readouterr().err
+    assert "resuming from step 2" in capsys.readouterr().err
+
+
+def test_a_moved_run_resumes_to_the_same_losses(text_file, tmp_path, capsys, monkeypatch):
+    kcfg = kvpop.KVpopConfig(**KCFG)
+    straight = tmp_path / "straight"
+    distill.train(_cfg(text_file, straight, save_every=0), kcfg, progress=False)
+    _interrupted(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        distill.train(_cfg(text_file, tmp_path / "first", save_every=0), kcfg, progress=False)
+    monkeypatch.undo()
+    # the run and its data both moved (another disk, another machine)
+    os.rename(tmp_path / "first", tmp_path / "moved")
+    data = tmp_path / "elsewhere.txt"
+    data.write_text(text_file.read_text())
+    distill.train(_cfg(data, tmp_path / "moved", save_every=0), kcfg, resume=True, progress=False)
+    assert [(r["loss_score"], r["loss_kl"]) for r in _log(tmp_path / "moved")] == [
+        (r["loss_score"], r["loss_kl"]) for r in _log(straight)]
+    # the data are matched by content: other text under the old name is refused
+    os.rename(tmp_path / "moved", tmp_path / "again")
+    data.write_text(text_file.read_text().replace("cat", "dog"))
+    with pytest.raises(TrainingError, match="the data changed"):
+        distill.train(_cfg(data, tmp_path / "again", save_every=0, steps=8), kcfg, resume=True, progress=False)
+
+
+def test_a_torn_last_log_line_is_cut_off_on_resume(text_file, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    _interrupted(monkeypatch, 2)
+    assert main(_argv(text_file, out, "--save-every", "0")) == 130
+    monkeypatch.undo()
+    with open(out / "train_log.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 0.12')  # the process died while writing this line
+    capsys.readouterr()
+    assert main(_argv(text_file, out, "--save-every", "0", "--resume")) == 0
+    err = capsys.readouterr().err
+    assert f"{out / 'train_log.jsonl'}: its last line was cut off" in err
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]
+
+
+def test_train_from_a_kvpop_directory_refuses_another_config(text_file, tmp_path, capsys):
+    from kvpop.models import load_model
+
+    model, tok = load_model("tiny-random-qwen3")
+    saved = tmp_path / "saved"
+    kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig(**KCFG)), saved, tokenizer=tok)
+    base = ["train", "--model", str(saved), "--data", str(text_file), "--seq-len", "128", "--steps", "1",
+            "--max-tokens", str(128 * 8), "--freeze-base", "--no-progress"]
+    for flags, named in ((["--budget", "30"], "--budget 30 (the directory has 26)"),
+                         (["--window", "16"], "--window 16 (the directory has 8)"),
+                         (["--scorer", "mlstm"], "--scorer mlstm (the directory has mlp)")):
+        assert main(base + ["--out", str(tmp_path / "o"), *flags]) == 1
+        err = capsys.readouterr().err
+        assert "already retrofitted" in err and named in err
+    # the flags it already has are no conflict
+    assert main(base + ["--out", str(tmp_path / "ok"), "--budget", "26", "--sink", "2"]) == 0
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda out: (out / "checkpoint.pt").write_bytes(b""), "checkpoint.pt: the checkpoint is empty"),
+    (lambda out: (out / "checkpoint.pt").write_bytes(b"\x80garbage"), "checkpoint.pt: the checkpoint is not a readable"),
+    (lambda out: (ckpt.latest(out).path / "model.pt").write_bytes(b"garbage"), "model.pt: 7 bytes, but the manifest"),
+])
+def test_a_damaged_checkpoint_is_a_clear_error(text_file, tmp_path, capsys, damage, message):
+    out = tmp_path / "run"
+    assert main(_argv(text_file, out, "--steps", "2")) == 0
+    if "checkpoint.pt" in message:
+        shutil.rmtree(out / "checkpoints")
+    damage(out)
+    capsys.readouterr()
+    assert main(_argv(text_file, out, "--steps", "3", "--resume")) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_device_cuda_without_cuda_is_a_clear_error(text_file, tmp_path, capsys):
+    assert main(_argv(text_file, tmp_path / "o", "--device", "cuda")) == 1
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

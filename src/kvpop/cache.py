@@ -481,8 +481,9 @@ class KVpopCache(Cache):
         if dynamic_prefill not in ("walk", "replay"):
             raise ValueError(f"dynamic_prefill={dynamic_prefill!r} must be 'walk' or 'replay'")
         self.config = config
-        super().__init__(layers=[KVpopLayerCache(config.sink, config.window, config.topk, dynamic_prefill)
-                                 for _ in range(num_layers)])
+        config.check_layers(num_layers)
+        layers = [config.for_layer(i) for i in range(num_layers)]
+        super().__init__(layers=[KVpopLayerCache(c.sink, c.window, c.topk, dynamic_prefill) for c in layers])
 
     @property
     def is_compileable(self) -> bool:

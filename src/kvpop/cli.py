@@ -5,8 +5,10 @@
     kvpop generate --model tiny-random-qwen3 --prompt "Once upon a time" --window 32 --topk 64
 
 A subcommand is one function decorated with `@command(name, help, args)`: `args` lists its flags,
-the function receives the parsed namespace and returns the exit status. `kvpop` itself is imported
-inside the functions, so `kvpop --help` does not pay for torch and transformers.
+the function receives the parsed namespace (with `given`, the flags written on the command line)
+and returns the exit status. An expected failure (bad input, a missing or damaged file, a run that
+cannot resume) is one line `kvpop <command>: error: ...` and exit status 1; `--debug` shows the
+traceback instead.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from kvpop.config import DEFAULT_BUDGET, DEFAULT_SINK
 
 
 @dataclass(frozen=True)
@@ -50,22 +54,59 @@ MODEL = arg("--model", required=True, metavar="PATH_OR_PRESET",
 DEVICE = arg("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
 DTYPE = arg("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
             help="model dtype (default: float32 for presets, the checkpoint's own otherwise)")
+NO_PROGRESS = arg("--no-progress", action="store_true", help="no progress bars (transformers' own included)")
+BUDGET_HELP = (f"entries kept per layer and KV head, sink + window + topk (default {DEFAULT_BUDGET}: the CPU scale, "
+               f"a quarter of a 2048-token sequence; the paper's GPU setting is 2048 of 8192)")
+RULE = [
+    arg("--budget", type=int, default=None, help=BUDGET_HELP),
+    arg("--sink", type=int, default=None, help=f"sink tokens always kept (default {DEFAULT_SINK})"),
+    arg("--window", type=int, default=None,
+        help="most recent tokens always kept (default a quarter of the budget; all of it past the sinks for "
+             "streaming_llm policies)"),
+    arg("--topk", type=int, default=None, help="slots for the best-scored older tokens (default: the rest of the budget)"),
+]
+RULE_FLAGS = ("budget", "sink", "window", "topk")
 
 
 def _device(name: str | None) -> str:
-    import torch
+    from kvpop.models import resolve_device
 
-    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_device(name)
+
+
+def _rule(args: argparse.Namespace, **kw: Any):
+    """`--budget/--sink/--window/--topk` as a KVpopConfig: `KVpopConfig.for_budget` derives what is not given."""
+    import kvpop
+
+    given = {k: getattr(args, k) for k in RULE_FLAGS if getattr(args, k, None) is not None}
+    return kvpop.KVpopConfig.for_budget(**given, **kw)
+
+
+def _note(args: argparse.Namespace, message: str) -> None:
+    print(f"kvpop {args.command}: note: {message}", file=sys.stderr)
+
+
+def _untrained(args: argparse.Namespace, cfg) -> None:
+    """Say so when a policy with learned parts runs with the random initialisation of a fresh retrofit."""
+    if cfg.policy in ("kvpop", "dms"):
+        _note(args, f"{args.model} has no trained {cfg.policy} {'scorers' if cfg.policy == 'kvpop' else 'gates'}: "
+                    f"they are untrained (random), at budget {cfg.budget} (sink {cfg.sink}, window {cfg.window}, "
+                    f"topk {cfg.topk}); train them with kvpop train and pass its OUT/final as --model")
+
+
+def _ignored_rule_flags(args: argparse.Namespace) -> None:
+    given = [f"--{k}" for k in RULE_FLAGS if k in args.given]
+    if given:
+        _note(args, f"{args.model} is already retrofitted; ignoring {' '.join(given)}")
 
 
 @command("generate", "generate text with a bounded KVpop cache, streaming tokens as they come", [
     MODEL,
     arg("--prompt", required=True, help="the prompt text"),
     arg("--chat", action="store_true", help="wrap the prompt as a user turn with the tokenizer's chat template"),
-    arg("--sink", type=int, default=None, help="sink tokens always kept (default 4)"),
-    arg("--window", type=int, default=None, help="most recent tokens always kept (default 32)"),
-    arg("--topk", type=int, default=None, help="slots for the best-scored older tokens (default 64)"),
-    arg("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)"),
+    *RULE,
+    arg("--max-new-tokens", type=int, default=64,
+        help="tokens to generate (default 64; fewer when the model's positions run out first)"),
     arg("--do-sample", action="store_true", help="sample instead of greedy decoding"),
     arg("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample)"),
     arg("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --do-sample)"),
@@ -74,6 +115,7 @@ def _device(name: str | None) -> str:
         help="greedy decoding with a compiled one-token step (torch.compile; CUDA graphs on CUDA), no streaming"),
     DEVICE,
     DTYPE,
+    NO_PROGRESS,
 ])
 def generate(args: argparse.Namespace) -> int:
     import time
@@ -89,18 +131,19 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError("--prompt is empty")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")
+    if not (0 < args.top_p <= 1):
+        raise ValueError(f"--top-p={args.top_p} must lie in (0, 1] (the share of probability mass sampled from)")
+    if not (0 < args.temperature < float("inf")):
+        raise ValueError(f"--temperature={args.temperature} must be a finite number > 0")
     # seeds the scorers of a fresh retrofit as well as sampling, so a run repeats exactly
     torch.manual_seed(args.seed)
+    cfg = None if is_kvpop_dir(args.model) else _rule(args)  # bad flags fail before the model loads
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device))
-    rule = {"sink": args.sink, "window": args.window, "topk": args.topk}
-    if is_kvpop_dir(args.model):
-        given = [f"--{k}" for k, v in rule.items() if v is not None]
-        if given:
-            print(f"kvpop: {args.model} is already retrofitted; ignoring {' '.join(given)}", file=sys.stderr)
+    if cfg is None:
+        _ignored_rule_flags(args)
     else:
-        defaults = {"sink": 4, "window": 32, "topk": 64}
-        cfg = kvpop.KVpopConfig(**{k: defaults[k] if v is None else v for k, v in rule.items()})
         model = kvpop.retrofit(model, cfg)
+        _untrained(args, cfg)
 
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
@@ -109,6 +152,7 @@ def generate(args: argparse.Namespace) -> int:
         text = args.prompt
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).to(model.device)
     n_prompt = inputs["input_ids"].shape[1]
+    args.max_new_tokens = _fit_new_tokens(args, model, n_prompt)
 
     cache = kvpop.KVpopCache(model)
     if args.compile:
@@ -133,6 +177,25 @@ def generate(args: argparse.Namespace) -> int:
           f"cache: {used} of {cache.config.budget} slots per layer and KV head used for "
           f"{int(cache.get_seq_length())} tokens seen", file=sys.stderr)
     return 0
+
+
+def _fit_new_tokens(args: argparse.Namespace, model, n_prompt: int) -> int:
+    """`--max-new-tokens`, or fewer where the model's positions end first (said on stderr).
+
+    The last generated token is returned but never run through the model: `k` new tokens need
+    `n_prompt + k - 1` positions.
+    """
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None:
+        return args.max_new_tokens
+    if n_prompt > limit:
+        raise ValueError(f"the prompt has {n_prompt} tokens, more than the model's max_position_embeddings={limit}")
+    fits = limit - n_prompt + 1
+    if args.max_new_tokens > fits:
+        _note(args, f"the prompt has {n_prompt} tokens and the model {limit} positions: generating {fits} tokens, "
+                    f"not --max-new-tokens {args.max_new_tokens}")
+        return fits
+    return args.max_new_tokens
 
 
 def _generate_compiled(args: argparse.Namespace, model, tokenizer, input_ids, cache) -> int:
@@ -176,10 +239,8 @@ def _supported(config) -> str:
 
 @command("info", "show a model's architecture and whether kvpop supports it", [MODEL])
 def info(args: argparse.Namespace) -> int:
-    import json
-    import os
-
-    from kvpop.models import KVPOP_CONFIG_FILE, is_kvpop_dir, load_config
+    from kvpop.models import is_kvpop_dir, load_config
+    from kvpop.retrofit import read_config
 
     config = load_config(args.model)
     config = getattr(config, "text_config", None) or config
@@ -198,8 +259,7 @@ def info(args: argparse.Namespace) -> int:
         "kvpop supports it": _supported(config),
     }
     if is_kvpop_dir(args.model):
-        with open(os.path.join(args.model, KVPOP_CONFIG_FILE)) as f:
-            c = json.load(f)
+        c = read_config(args.model).to_dict()
         rows["retrofitted with"] = (f"sink={c['sink']} window={c['window']} topk={c['topk']} "
                                     f"(budget {c['sink'] + c['window'] + c['topk']}), policy {c['policy']}, "
                                     f"scorer {c['scorer']}")
@@ -217,11 +277,9 @@ def info(args: argparse.Namespace) -> int:
     arg("--data", default="champ", help="champ, a .txt/.jsonl/.parquet file or directory, or a dataset name"),
     arg("--text-field", default=None, help="record field holding the text (jsonl/parquet/datasets)"),
     arg("--chat", action="store_true", help="format conversations with the tokenizer's chat template"),
-    arg("--seq-len", type=int, default=512, help="tokens per packed training sequence (default 512)"),
-    arg("--sink", type=int, default=4, help="sink tokens (default 4)"),
-    arg("--window", type=int, default=None, help="protected window (default a quarter of the budget)"),
-    arg("--topk", type=int, default=None, help="long-range top-k slots (default: budget - sink - window)"),
-    arg("--budget", type=int, default=None, help="sink + window + topk; give this or --window/--topk"),
+    arg("--seq-len", type=int, default=2048,
+        help="tokens per packed training sequence, above the budget (default 2048: four times the default budget)"),
+    *RULE,
     arg("--policy", default="kvpop", choices=["kvpop", "streaming_llm_plus", "dms"],
         help="kvpop (learned scorer), streaming_llm_plus (sinks + window only, base distilled; topk 0) or dms "
              "(learned per-token eviction gates, Dynamic Memory Sparsification)"),
@@ -238,6 +296,8 @@ def info(args: argparse.Namespace) -> int:
     arg("--match-mlp-memory", action="store_true",
         help="mlstm: reduce topk by the state's size in KV entries, the MLP variant's total memory"),
     arg("--query-fraction", type=float, default=1.0, help="share of boundary queries used per sequence (default 1)"),
+    arg("--layer-budgets", default=None, metavar="FILE",
+        help="per-layer budgets at the same total memory, from `kvpop budgets` (its budget must equal --budget)"),
     arg("--steps", type=int, default=100, help="optimizer steps (default 100)"),
     arg("--batch-size", type=int, default=1, help="sequences per micro-batch over all ranks (default 1)"),
     arg("--grad-accum", type=int, default=1, help="micro-batches per step (default 1)"),
@@ -248,8 +308,11 @@ def info(args: argparse.Namespace) -> int:
     arg("--grad-clip", type=float, default=1.0, help="gradient-norm clip, 0 disables (default 1)"),
     arg("--freeze-base", action="store_true", help="train the scorers only: no teacher copy, no KL (CPU mode)"),
     arg("--kl-topk", type=int, default=0, help="KL over the teacher's top-N logits only (default 0: full vocab)"),
-    arg("--out", default="runs/train", help="output directory (default runs/train)"),
-    arg("--resume", action="store_true", help="continue the run in --out from its checkpoint"),
+    arg("--out", default="runs/train", help="output directory (default runs/train); one that holds a run needs "
+                                            "--resume or --overwrite"),
+    arg("--resume", action="store_true", help="continue the run in --out from its last complete checkpoint"),
+    arg("--overwrite", action="store_true",
+        help="replace the run in --out: it is moved aside, and deleted once the new run has its first checkpoint"),
     arg("--save-every", type=int, default=50, help="checkpoint every N steps (default 50)"),
     arg("--seed", type=int, default=0),
     arg("--max-tokens", type=int, default=0,
@@ -258,16 +321,19 @@ def info(args: argparse.Namespace) -> int:
     arg("--deterministic", action="store_true",
         help="deterministic kernels only: a run repeats bitwise on the same GPU and software (slower)"),
     arg("--device", default="auto", help="auto, cpu, cuda, ... (default auto)"),
-    arg("--no-progress", action="store_true", help="no progress bar"),
+    NO_PROGRESS,
 ])
 def train(args: argparse.Namespace) -> int:
-    import kvpop
     from kvpop.models import is_kvpop_dir
     from kvpop.train.distill import TrainConfig
     from kvpop.train.distill import train as run_training
 
     kcfg = None
-    if not is_kvpop_dir(args.model):
+    if is_kvpop_dir(args.model):
+        _refuse_other_config(args)
+        if args.layer_budgets:
+            raise ValueError(f"--layer-budgets applies to a fresh retrofit; {args.model} already has its budgets")
+    else:
         scorer = dict(scorer=args.scorer, scorer_hidden=args.scorer_hidden, policy=args.policy,
                       loss_query_fraction=args.query_fraction)
         if args.scorer == "mlstm":
@@ -277,14 +343,9 @@ def train(args: argparse.Namespace) -> int:
             raise ValueError("--delay, --mlstm-dim and --match-mlp-memory need --scorer mlstm")
         if args.policy == "dms":
             scorer.update(dms_temperature=args.dms_temperature, dms_target_retention=args.dms_target_retention)
-        if args.budget is not None:
-            if args.topk is not None:
-                raise ValueError("give --budget or --topk, not both")
-            kcfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window, **scorer)
-        else:
-            window = 256 if args.window is None else args.window
-            topk = (0 if args.policy == "streaming_llm_plus" else 64) if args.topk is None else args.topk
-            kcfg = kvpop.KVpopConfig(sink=args.sink, window=window, topk=topk, **scorer)
+        kcfg = _rule(args, **scorer)
+        if args.layer_budgets:
+            kcfg = kcfg.with_layer_budgets(_layer_budgets(args.layer_budgets, kcfg.budget))
     tcfg = TrainConfig(
         model=args.model, data=args.data, text_field=args.text_field, chat=args.chat, seq_len=args.seq_len,
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr_base=args.lr_base,
@@ -294,7 +355,7 @@ def train(args: argparse.Namespace) -> int:
         deterministic=args.deterministic,
     )
     try:
-        final = run_training(tcfg, kcfg, resume=args.resume, progress=not args.no_progress,
+        final = run_training(tcfg, kcfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
                              argv=args.command_line.split())
     except KeyboardInterrupt as err:
         print(f"kvpop train: {err or 'interrupted'}", file=sys.stderr)
@@ -304,6 +365,28 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+# train's flags that set the KVpop config, and the field each sets (budget: the property)
+CONFIG_FLAGS = {"budget": "budget", "sink": "sink", "window": "window", "topk": "topk", "policy": "policy",
+                "scorer": "scorer", "scorer_hidden": "scorer_hidden", "delay": "delay", "mlstm_dim": "mlstm_dim",
+                "mlstm_hidden": "mlstm_hidden", "match_mlp_memory": "match_mlp_memory",
+                "dms_temperature": "dms_temperature", "dms_target_retention": "dms_target_retention",
+                "query_fraction": "loss_query_fraction"}
+
+
+def _refuse_other_config(args: argparse.Namespace) -> None:
+    """`train --model <kvpop dir>` trains at the directory's config: a flag asking for another is an error."""
+    from kvpop.retrofit import read_config
+
+    saved = read_config(args.model)
+    conflicts = [f"--{flag.replace('_', '-')} {getattr(args, flag)} (the directory has {getattr(saved, field)})"
+                 for flag, field in CONFIG_FLAGS.items()
+                 if flag in args.given and getattr(args, flag) != getattr(saved, field)]
+    if conflicts:
+        raise ValueError(f"--model {args.model} is already retrofitted (sink {saved.sink}, window {saved.window}, "
+                         f"topk {saved.topk}: budget {saved.budget}, policy {saved.policy}, scorer {saved.scorer}) and "
+                         f"trains at that config; drop {', '.join(conflicts)}, or start from the base model")
+
+
 @command("eval", "compare eviction policies and budgets side by side on held-out text (teacher-forced, + pass@1)", [
     MODEL,
     arg("--data", default="champ", help="champ (held-out problems), a file, a directory or a dataset name"),
@@ -311,18 +394,24 @@ def train(args: argparse.Namespace) -> int:
     arg("--split", default="eval", choices=["eval", "train", "all"], help="which split of --data (default eval)"),
     arg("--seq-len", type=int, default=2048, help="tokens per evaluated sequence (default 2048)"),
     arg("--sequences", type=int, default=4, help="number of sequences (default 4)"),
-    arg("--budgets", default="512,256", help="comma-separated budgets for the training-free policies"),
+    arg("--budgets", default="512,256",
+        help="comma-separated budgets for the training-free policies, each above --sink + 1 and below --seq-len "
+             "(default 512,256: CR 75 %% and 88 %% of 2048 tokens)"),
     arg("--policies", default="streaming_llm,tova,h2o,oracle",
         help="comma-separated training-free policies (streaming_llm, tova, h2o, oracle), or none"),
     arg("--trained", action="append", default=[], metavar="DIR",
         help="a kvpop.save directory (e.g. OUT/final of kvpop train), evaluated at its own budget; repeatable"),
     arg("--sink", type=int, default=4),
+    arg("--layer-budgets", action="append", default=[], metavar="FILE",
+        help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
+             "(the same total memory as the uniform row); repeatable"),
     arg("--rollouts", type=int, default=0, help="pass@1: sampled answers per champ problem (default 0: skip)"),
     arg("--problems", type=int, default=8, help="pass@1: held-out champ problems (default 8)"),
     arg("--max-new-tokens", type=int, default=512, help="pass@1: tokens per answer (default 512)"),
     arg("--out", default="runs/eval", help="output directory (default runs/eval)"),
     arg("--device", default=None),
     arg("--seed", type=int, default=0),
+    NO_PROGRESS,
 ])
 def evaluate(args: argparse.Namespace) -> int:
     import json
@@ -331,22 +420,24 @@ def evaluate(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from kvpop.eval.evaluate import Evaluator, format_table, from_directory, headline, training_free
+    from kvpop.eval.evaluate import Evaluator, check_base, format_table, from_directory, headline
     from kvpop.models import load_model
     from kvpop.train.data import load_texts, pack_sequences
 
     device = _device(args.device)
     torch.manual_seed(args.seed)
+    entries = [from_directory(d) for d in args.trained] + _training_free_entries(args)
+    entries += _layer_budget_entries(args, entries)
     base, tokenizer = load_model(args.model, device=device)
     if getattr(base, "kvpop", None) is not None:
         raise ValueError(f"--model must be the base model; pass kvpop directories with --trained ({args.model})")
+    for d in args.trained:
+        if not check_base(d, base):
+            _note(args, f"--trained {d} records no base model (saved by an older kvpop): whether it was trained from "
+                        f"--model {args.model} cannot be checked")
     limit = getattr(base.config, "max_position_embeddings", None)
     if limit is not None and args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings={limit}")
-    policies = [p for p in args.policies.split(",") if p and p != "none"]
-    budgets = [int(b) for b in args.budgets.split(",") if b]
-    entries = [from_directory(d) for d in args.trained]
-    entries += [training_free(p, b, sink=args.sink) for b in budgets for p in policies]
     if not entries:
         raise ValueError("nothing to evaluate: give --policies and --budgets, or --trained")
     for e in entries:
@@ -355,8 +446,11 @@ def evaluate(args: argparse.Namespace) -> int:
     texts = load_texts(args.data, split=args.split, text_field=args.text_field, tokenizer=tokenizer, seed=args.seed)
     tokens = pack_sequences(texts, tokenizer, args.seq_len)[: args.sequences]
     evaluator = Evaluator(base, entries, device=device)
-    for row in tqdm(tokens, desc="kvpop eval", unit="seq"):
-        evaluator.add(row[None])
+    # one tick per pass (the dense reference, then each entry) of each sequence: a long pass shows as it ends
+    with tqdm(total=len(tokens) * (len(entries) + 1), desc="kvpop eval", unit="pass", disable=args.no_progress) as bar:
+        for i, row in enumerate(tokens):
+            bar.set_postfix(sequence=f"{i + 1}/{len(tokens)}")
+            evaluator.add(row[None], progress=bar)
     rows = evaluator.rows(args.seq_len)
     if args.rollouts:
         from kvpop.eval.evaluate import rollouts_pass_at_1
@@ -385,6 +479,113 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _training_free_entries(args: argparse.Namespace) -> list:
+    """`--policies` x `--budgets` as evaluation entries; a bad value is an error naming the flag and what is allowed."""
+    from kvpop.eval.evaluate import training_free
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip() and p.strip() != "none"]
+    if not policies:
+        return []
+    try:
+        budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    except ValueError:
+        raise ValueError(f"--budgets={args.budgets!r} must be comma-separated integers") from None
+    for b in budgets:
+        if b <= args.sink + 1:
+            raise ValueError(f"--budgets: {b} must lie above --sink + 1 = {args.sink + 1} (room for a window and a "
+                             f"top-k slot) and below --seq-len {args.seq_len}")
+        if b >= args.seq_len:
+            raise ValueError(f"--budgets: {b} is not below --seq-len {args.seq_len}: nothing is evicted")
+    entries = []
+    for b in budgets:
+        for p in policies:
+            try:
+                entries.append(training_free(p, b, sink=args.sink))
+            except ValueError as err:
+                raise ValueError(f"--policies {p} at --budgets {b}: {err}") from None
+    for p in dict.fromkeys(p for p in policies if p in ("kvpop", "dms")):
+        _note(args, f"--policies {p}: its {'scorers' if p == 'kvpop' else 'gates'} are untrained (random) here; "
+                    "pass a trained directory with --trained")
+    return entries
+
+
+def _layer_budget_entries(args: argparse.Namespace, entries: list) -> list:
+    """`--layer-budgets FILE`: the same rows at per-layer budgets of equal memory (`<name>+layers`)."""
+    from kvpop.eval.budgets import read
+    from kvpop.eval.evaluate import training_free, with_layer_budgets
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip() not in ("", "none", "streaming_llm")]
+    out = []
+    for path in args.layer_budgets:
+        budget, per_layer = read(path)
+        out += [training_free(p, budget, sink=args.sink, layer_budgets=per_layer) for p in policies]
+        # a trained static scorer ranks the same way at any top-k: the same weights, per-layer slots
+        out += [with_layer_budgets(e, per_layer) for e in entries
+                if e.trained and e.budget == budget and e.cfg.layer_topk is None and e.cfg.policy == "kvpop"]
+    return out
+
+
+def _layer_budgets(path: str, budget: int) -> list[int]:
+    from kvpop.eval.budgets import read
+
+    file_budget, per_layer = read(path)
+    if file_budget != budget:
+        raise ValueError(f"--layer-budgets {path} allocates budget {file_budget}, but the run's budget is {budget}")
+    return per_layer
+
+
+@command("budgets", "allocate per-layer budgets at the same total memory from each layer's measured sensitivity", [
+    MODEL,
+    arg("--data", default="champ", help="text to measure on (default champ, its training split)"),
+    arg("--text-field", default=None),
+    arg("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)"),
+    arg("--sequences", type=int, default=2, help="sequences to measure on (default 2)"),
+    arg("--budget", type=int, default=None, help="the uniform per-layer budget B; the layers' budgets sum to L x B"),
+    arg("--trained", default=None, metavar="DIR",
+        help="measure where this trained kvpop directory's own scorer loses attention mass (its budget and split), "
+             "instead of the oracle's rule at --budget"),
+    arg("--sink", type=int, default=4),
+    arg("--window", type=int, default=None, help="protected window (default a quarter of the budget)"),
+    arg("--out", required=True, help="JSON file to write (for --layer-budgets of train and eval)"),
+    arg("--device", default=None),
+    arg("--seed", type=int, default=0),
+])
+def budgets(args: argparse.Namespace) -> int:
+    import kvpop
+    from kvpop.eval import budgets as alloc
+    from kvpop.models import load_model
+    from kvpop.train.data import load_texts, pack_sequences
+
+    if (args.budget is None) == (args.trained is None):
+        raise ValueError("give --budget (the oracle's rule at that budget) or --trained DIR (its own scorer), not both")
+    base, tokenizer = load_model(args.model, device=_device(args.device))
+    if getattr(base, "kvpop", None) is not None:
+        raise ValueError(f"--model must be a base model, not a kvpop directory ({args.model}); use --trained DIR")
+    if args.trained:
+        model = kvpop.load(args.trained, device=_device(args.device))
+        cfg, measured = model.kvpop.config, model
+    else:
+        cfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window)
+        measured = base
+    if cfg.budget >= args.seq_len:
+        raise ValueError(f"budget {cfg.budget} is not below --seq-len {args.seq_len}: nothing is evicted")
+    texts = load_texts(args.data, split="train", text_field=args.text_field, tokenizer=tokenizer, seed=args.seed)
+    tokens = pack_sequences(texts[:2000], tokenizer, args.seq_len)[: args.sequences]
+    candidates, curves, n = alloc.measure(measured, (row[None] for row in tokens), None if args.trained else cfg)
+    per_layer = alloc.layer_budgets(cfg, candidates, curves)
+    path = alloc.write(args.out, cfg, per_layer, candidates, curves, command=args.command_line, queries=n,
+                       seq_len=args.seq_len, sequences=len(tokens))
+    print(f"{'layer':>5} {'budget':>7}  lost attention mass at k = {', '.join(map(str, candidates))}")
+    for layer, (b, row) in enumerate(zip(per_layer, curves.tolist())):
+        print(f"{layer:>5} {b:>7}  " + " ".join(f"{x:.4f}" for x in row))
+    low = cfg.sink + cfg.window
+    print(f"mean lost mass: uniform {alloc.mean_lost(curves, candidates, [cfg.topk] * len(per_layer)):.4f}, "
+          f"per-layer {alloc.mean_lost(curves, candidates, [b - low for b in per_layer]):.4f}")
+    print(f"kvpop budgets: wrote {path} (sum {sum(per_layer)} = {len(per_layer)} layers x {cfg.budget})",
+          file=sys.stderr)
+    return 0
+
+
 @command("viz", "plot which tokens each layer's KV heads still hold (the paper's Fig. 6) for a model, text, policy", [
     MODEL,
     arg("--text", default=None, help="the text (default: the first held-out champ solution)"),
@@ -392,22 +593,26 @@ def evaluate(args: argparse.Namespace) -> int:
     arg("--policy", default="kvpop", choices=["kvpop", "streaming_llm", "tova", "h2o", "dms"],
         help="policy for a model that is not already retrofitted (default kvpop; kvpop and dms are untrained "
              "unless --model is a trained directory)"),
-    arg("--budget", type=int, default=512, help="budget for a fresh retrofit (default 512)"),
-    arg("--sink", type=int, default=4),
+    *RULE,
     arg("--last", type=int, default=112, help="evictable tokens to show (default 112)"),
     arg("--max-tokens", type=int, default=2048, help="truncate the text to this many tokens (default 2048)"),
     arg("--out", default="eviction_pattern.png", help="PNG path (default eviction_pattern.png)"),
     arg("--device", default=None),
+    NO_PROGRESS,
 ])
 def viz(args: argparse.Namespace) -> int:
     import kvpop
     from kvpop.eval import plots
-    from kvpop.models import load_model
+    from kvpop.models import is_kvpop_dir, load_model
     from kvpop.train.data import load_texts
 
+    cfg = None if is_kvpop_dir(args.model) else _rule(args, policy=args.policy)
     model, tokenizer = load_model(args.model, device=_device(args.device))
-    if getattr(model, "kvpop", None) is None:
-        model = kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, policy=args.policy))
+    if cfg is None:
+        _ignored_rule_flags(args)
+    else:
+        model = kvpop.retrofit(model, cfg)
+        _untrained(args, cfg)
     if args.file:
         with open(args.file) as f:
             text = f.read()
@@ -454,17 +659,23 @@ def bench(args: argparse.Namespace) -> int:
     return run_bench(args, command=args.command_line)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(defaults: bool = True) -> argparse.ArgumentParser:
+    """The `kvpop` parser; with `defaults=False` a parsed namespace holds only the flags given."""
     parser = argparse.ArgumentParser(
         prog="kvpop",
         description="KVpop: a fixed-size KV cache with a learned eviction policy for Hugging Face causal LMs.",
+        argument_default=None if defaults else argparse.SUPPRESS,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help,
+                           argument_default=None if defaults else argparse.SUPPRESS)
         for flags, kwargs in cmd.args:
-            p.add_argument(*flags, **kwargs)
+            p.add_argument(*flags, **(kwargs if defaults else {**kwargs, "default": argparse.SUPPRESS}))
+        # also after the command; SUPPRESS keeps `kvpop --debug COMMAND` from being reset by the subcommand
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of an error")
         p.set_defaults(run=cmd.run)
     return parser
 
@@ -478,19 +689,61 @@ def _version() -> str:
         return "unknown"
 
 
+def _expected(err: BaseException) -> bool:
+    """A failure the user can act on (bad input, a missing or damaged file), as opposed to a bug."""
+    import pickle
+
+    if isinstance(err, (ValueError, OSError, NotImplementedError, RuntimeError, EOFError, pickle.UnpicklingError)):
+        return True
+    # safetensors' error type derives from Exception alone
+    return type(err).__name__ == "SafetensorError"
+
+
+def _progress_bars(on: bool) -> None:
+    """Turn transformers' and the hub's own bars ("Loading weights", "Writing model shards") on or off."""
+    import transformers
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+    if on:
+        transformers.utils.logging.enable_progress_bar()
+        enable_progress_bars()
+    else:
+        transformers.utils.logging.disable_progress_bar()
+        disable_progress_bars()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     # the exact command, saved beside every result
-    args.command_line = " ".join(["kvpop", *(sys.argv[1:] if argv is None else argv)])
+    args.command_line = " ".join(["kvpop", *argv])
     if args.command is None:
         parser.print_help()
         return 2
+    # the flags written on the command line, told apart from defaults (a given flag that cannot apply is named)
+    args.given = set(vars(build_parser(defaults=False).parse_args(argv))) - {"command", "run", "debug"}
+    quiet = getattr(args, "no_progress", False)
+    if quiet:
+        _progress_bars(False)
     try:
         return args.run(args)
-    except (ValueError, OSError, NotImplementedError, RuntimeError) as err:
-        print(f"kvpop {args.command}: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"kvpop {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if args.debug or not _expected(err):
+            raise
+        message = str(err).strip() or type(err).__name__
+        print(f"kvpop {args.command}: error: {message}", file=sys.stderr)
+        print(f"kvpop {args.command}: (run with --debug for the traceback)", file=sys.stderr)
         return 1
+    finally:
+        if quiet:
+            # the switch is global: a caller running more than one command (tests, scripts) gets it back
+            _progress_bars(True)
 
 
 if __name__ == "__main__":

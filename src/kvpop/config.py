@@ -17,6 +17,12 @@ RECENCY_POLICIES = ("streaming_llm", "streaming_llm_plus")
 SCORERS = ("mlp", "mlstm")
 AGGREGATIONS = ("max", "mean")
 
+DEFAULT_BUDGET = 512
+"""The budget every entry point starts from (`KVpopConfig()`, `for_budget`, the CLI's `--budget`): the
+CPU scale of the project (`DESIGN.md`), a quarter of a 2048-token sequence (CR 75 %); the paper's GPU
+setting is 2048 of 8192. Split as `for_budget` splits any budget: 4 sinks, a window of a quarter, the rest top-k."""
+DEFAULT_SINK = 4
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -34,12 +40,17 @@ class KVpopConfig:
     The cache keeps per (layer, KV head) `budget = sink + window + topk` entries.
     """
 
-    sink: int = 4
+    sink: int = DEFAULT_SINK
     """Number of sink tokens (positions `t < sink`), always retained. >= 0."""
-    window: int = 256
+    window: int = DEFAULT_BUDGET // 4
     """Protected window of the most recent tokens, the current one included. >= 1."""
-    topk: int = 1788
+    topk: int = DEFAULT_BUDGET - DEFAULT_SINK - DEFAULT_BUDGET // 4
     """Long-range slots filled by the learned ranking of older tokens. >= 0 (0 = StreamingLLM pattern)."""
+    layer_topk: tuple[int, ...] | None = None
+    """Per-layer budgets (an extension, `KVPOP.md` Sec. 7b): layer `l` keeps `sink + window + layer_topk[l]`
+    entries per KV head. Their mean must equal `topk`, so the total memory is that of the uniform split
+    (`sum_l B_l = L x budget`). None: `topk` in every layer. `kvpop budgets` allocates them from measured
+    per-layer sensitivity; `for_layer(l)` is the config layer `l` runs."""
     policy: Literal["kvpop", "streaming_llm", "streaming_llm_plus", "tova", "h2o", "oracle", "dms"] = "kvpop"
     """Eviction policy: `kvpop` (learned scorer) or a baseline (`kvpop.baselines`)."""
     scorer: Literal["mlp", "mlstm"] = "mlp"
@@ -134,6 +145,16 @@ class KVpopConfig:
                "must be a pair (c_min, c_max) with 0 < c_min <= c_max < inf")
         self.loss_balance_clip = clip
         _check(0.0 < self.loss_query_fraction <= 1.0, "loss_query_fraction", self.loss_query_fraction, "must lie in (0, 1]")
+        if self.layer_topk is not None:
+            layer_topk = tuple(self.layer_topk) if isinstance(self.layer_topk, (list, tuple)) else None
+            _check(layer_topk is not None and len(layer_topk) >= 1 and all(_is_int(k) and k >= 0 for k in layer_topk),
+                   "layer_topk", self.layer_topk, "must be None or a non-empty sequence of integers >= 0, one per layer")
+            _check(self.policy not in RECENCY_POLICIES + ("dms",), "layer_topk", self.layer_topk,
+                   f"per-layer budgets apply to ranked policies (kvpop, tova, h2o, oracle), not {self.policy!r}")
+            _check(sum(layer_topk) == len(layer_topk) * self.topk, "layer_topk", self.layer_topk,
+                   f"must sum to layers x topk = {len(layer_topk)} x {self.topk} = {len(layer_topk) * self.topk} "
+                   f"(the memory of the uniform split), got {sum(layer_topk)}")
+            self.layer_topk = layer_topk
 
     @property
     def budget(self) -> int:
@@ -170,9 +191,35 @@ class KVpopConfig:
         """
         if not self.match_mlp_memory:
             return self
-        record = {"mlp_topk": self.topk, "state_entries": self.state_entries(head_dim), "head_dim": head_dim}
-        return dataclasses.replace(self, topk=self.effective_topk(head_dim), match_mlp_memory=False,
-                                   extra={**self.extra, "match_mlp_memory": record})
+        entries = self.state_entries(head_dim)
+        record = {"mlp_topk": self.topk, "state_entries": entries, "head_dim": head_dim}
+        layer_topk = None
+        if self.layer_topk is not None:
+            _check(min(self.layer_topk) >= entries, "layer_topk", self.layer_topk,
+                   f"every layer needs >= the {entries} KV entries of the mLSTM state with match_mlp_memory=True")
+            layer_topk = tuple(k - entries for k in self.layer_topk)
+        return dataclasses.replace(self, topk=self.effective_topk(head_dim), layer_topk=layer_topk,
+                                   match_mlp_memory=False, extra={**self.extra, "match_mlp_memory": record})
+
+    def for_layer(self, layer: int) -> KVpopConfig:
+        """The config layer `layer` runs: `topk = layer_topk[layer]` (itself when the budgets are uniform)."""
+        if self.layer_topk is None:
+            return self
+        if not 0 <= layer < len(self.layer_topk):
+            raise ValueError(f"layer={layer} is out of range: layer_topk has {len(self.layer_topk)} layers")
+        return dataclasses.replace(self, topk=self.layer_topk[layer], layer_topk=None)
+
+    def with_layer_budgets(self, budgets: tuple[int, ...] | list[int]) -> KVpopConfig:
+        """This split with per-layer budgets `B_l` (`sum_l B_l = L x budget`): `layer_topk = B_l - sink - window`."""
+        low = self.sink + self.window
+        _check(all(_is_int(b) and b >= low for b in budgets), "layer_topk", budgets,
+               f"per-layer budgets must be integers >= sink + window = {low}")
+        return dataclasses.replace(self, layer_topk=tuple(b - low for b in budgets))
+
+    def check_layers(self, num_layers: int) -> None:
+        """Raise unless `layer_topk` (if given) has one entry per layer of a model with `num_layers` layers."""
+        _check(self.layer_topk is None or len(self.layer_topk) == num_layers, "layer_topk", self.layer_topk,
+               f"must have one entry per layer of the model ({num_layers}), got {len(self.layer_topk or ())}")
 
     def compression_ratio(self, seq_len: int) -> float:
         """`CR = 1 - budget / seq_len` (0 when the sequence fits the budget)."""
@@ -181,6 +228,8 @@ class KVpopConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["loss_balance_clip"] = list(self.loss_balance_clip)
+        if self.layer_topk is not None:
+            d["layer_topk"] = list(self.layer_topk)
         return d
 
     def to_json(self) -> str:
@@ -195,15 +244,27 @@ class KVpopConfig:
         return cls(**d)
 
     @classmethod
-    def for_budget(cls, budget: int, sink: int = 4, window: int | None = None, **kw: Any) -> KVpopConfig:
-        """A config with `sink + window + topk == budget`.
+    def for_budget(cls, budget: int | None = None, sink: int = DEFAULT_SINK, window: int | None = None,
+                   topk: int | None = None, **kw: Any) -> KVpopConfig:
+        """A config with `sink + window + topk == budget`, what is not given derived from the rest.
 
-        The window defaults to a quarter of the budget; for `streaming_llm(_plus)` it is everything
-        beyond the sinks.
+        The budget is `DEFAULT_BUDGET` unless given, or implied by a window and a top-k given together;
+        the window is a quarter of the budget (for `streaming_llm(_plus)`, whose top-k is 0, everything
+        beyond the sinks); the top-k is what is left. The CLI's `--budget/--sink/--window/--topk` come here.
         """
+        if topk is None and kw.get("policy") in RECENCY_POLICIES:
+            topk = 0
+        if budget is None:
+            budget = sink + window + topk if window is not None and topk is not None else DEFAULT_BUDGET
         if window is None:
-            window = budget - sink if kw.get("policy") in RECENCY_POLICIES else max(1, budget // 4)
-        topk = budget - sink - window
-        if topk < 0:
-            raise ValueError(f"budget={budget} is smaller than sink + window = {sink} + {window}")
+            window = budget - sink - topk if topk is not None else max(1, budget // 4)
+            if window < 1:
+                raise ValueError(f"budget={budget} leaves no window after sink + topk = {sink} + {topk}")
+        if topk is None:
+            topk = budget - sink - window
+            if topk < 0:
+                raise ValueError(f"budget={budget} is smaller than sink + window = {sink} + {window}")
+        if sink + window + topk != budget:
+            raise ValueError(f"budget={budget} is not sink + window + topk = {sink} + {window} + {topk}; "
+                             "give the budget, or the window and the top-k, not all three")
         return cls(sink=sink, window=window, topk=topk, **kw)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvpop import smollm2
+from kvpop.files import FileFormatError, load_pretrained
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -35,6 +36,10 @@ CHAT_TEMPLATE = (
 )
 
 KVPOP_CONFIG_FILE = "kvpop_config.json"
+KVPOP_MARKERS = ("kvpop_scorers.safetensors", "kvpop_base.json")
+"""Files only `kvpop.save` writes: with them but no `kvpop_config.json`, a directory is an incomplete save."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 
 
 @dataclass(frozen=True)
@@ -162,12 +167,39 @@ def _unknown(name_or_path: str) -> ValueError:
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    hint = "save one there, e.g. kvpop.save(model, path, tokenizer=tokenizer) or tokenizer.save_pretrained(path)"
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer found in {path!r} (none of {', '.join(TOKENIZER_FILES)}); {hint}")
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ValueError(
-            f"no tokenizer found in {path!r} ({err}); save one there, e.g. kvpop.save(model, path, tokenizer=tokenizer)"
-        ) from err
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"the tokenizer in {path!r} cannot be loaded ({err}); {hint}") from err
+    # transformers may build an empty tokenizer from a config alone; it would turn every prompt into nothing
+    if not tokenizer("Hello", add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"the tokenizer in {path!r} encodes text to no tokens ({len(tokenizer)} in its vocabulary); "
+                         f"{hint}")
+    return tokenizer
+
+
+def resolve_device(name: str | torch.device | None) -> str:
+    """`--device` as a device kvpop can use: None or "auto" picks cuda when present, else cpu; a device
+    that is not there is a clear error, not an assertion deep inside torch."""
+    if name is None or str(name) == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {name!r} is not a device: use cpu, cuda or cuda:N (or auto)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available on this machine (torch {torch.__version__}, "
+                             f"{'built without CUDA' if torch.version.cuda is None else 'no GPU visible'}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} GPUs (cuda:0 .. "
+                             f"cuda:{torch.cuda.device_count() - 1})")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {name}: MPS is not available on this machine; use --device cpu")
+    return str(device)
 
 
 def is_kvpop_dir(path: str) -> bool:
@@ -186,26 +218,36 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, dev
         device: where to put the model; None leaves it on the CPU.
     """
     dtype = _as_dtype(dtype)
+    if device is not None:
+        device = resolve_device(device)
     if name_or_path in PRESETS:
         model, tokenizer = PRESETS[name_or_path].build()
     elif os.path.isdir(name_or_path) and is_kvpop_dir(name_or_path):
         from kvpop.retrofit import load
 
-        model = load(name_or_path, device=device, dtype=dtype)
         tokenizer = _load_tokenizer(name_or_path)
+        model = load(name_or_path, device=device, dtype=dtype)
         return model, tokenizer
     elif os.path.isdir(name_or_path):
-        from transformers import AutoModelForCausalLM
-
-        kwargs = {} if dtype is None else {"dtype": dtype}
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, local_files_only=True, **kwargs)
+        _check_not_partial_save(name_or_path)
         tokenizer = _load_tokenizer(name_or_path)
+        kwargs = {} if dtype is None else {"dtype": dtype}
+        model = load_pretrained(name_or_path, "the model", **kwargs)
         model.eval()
     else:
         raise _unknown(name_or_path)
     if dtype is not None or device is not None:
         model = model.to(device=device, dtype=dtype)
     return model, tokenizer
+
+
+def _check_not_partial_save(path: str) -> None:
+    # loading it as a plain model would bring fresh random scorers and another budget, without a word
+    found = [name for name in KVPOP_MARKERS if os.path.exists(os.path.join(path, name))]
+    if found and not is_kvpop_dir(path):
+        raise FileFormatError(f"{os.path.join(path, KVPOP_CONFIG_FILE)}: missing, but {path} holds {', '.join(found)}: "
+                              "it is an incomplete kvpop.save directory (a save that did not finish, or a lost file); "
+                              "save the model again")
 
 
 def load_config(name_or_path: str):
@@ -216,5 +258,9 @@ def load_config(name_or_path: str):
     if os.path.isdir(name_or_path):
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        _check_not_partial_save(name_or_path)
+        try:
+            return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise FileFormatError(f"{name_or_path}: cannot read the model's config.json ({err})") from None
     raise _unknown(name_or_path)

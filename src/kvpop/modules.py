@@ -20,10 +20,28 @@ class KVpopModules(nn.Module):
 
     def __init__(self, cfg: KVpopConfig, num_layers: int, num_kv_heads: int, head_dim: int):
         super().__init__()
-        self.config = cfg
         self.layers = nn.ModuleList(make_policy(cfg, num_kv_heads, head_dim) for _ in range(num_layers))
+        self.config = cfg
         self.previous_attn_implementation: str | None = None
         self.hooks: list = []
+        self.base: dict | None = None
+        """What identifies the base weights the model was retrofitted on (`kvpop.retrofit.base_identity`),
+        kept through training and saved, so that a trained model is compared with its own base only."""
+
+    @property
+    def config(self) -> KVpopConfig:
+        return self._config
+
+    @config.setter
+    def config(self, cfg: KVpopConfig) -> None:
+        # the split each layer runs, made once per config (the attention hooks read it on every call)
+        cfg.check_layers(len(self.layers))
+        self._config = cfg
+        self._layer_configs = [cfg.for_layer(i) for i in range(len(self.layers))]
+
+    def layer_config(self, layer: int) -> KVpopConfig:
+        """The config layer `layer` runs (its own top-k with per-layer budgets)."""
+        return self._layer_configs[layer]
 
 
 def kvpop_modules(model: nn.Module) -> KVpopModules:

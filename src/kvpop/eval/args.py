@@ -16,7 +16,8 @@ BENCH_ARGS: list[tuple[tuple[str, ...], dict]] = [
     (("--sink",), dict(type=int, default=4, help="sink tokens (default 4)")),
     (("--window",), dict(type=int, default=None, help="protected window (default a quarter of the budget)")),
     (("--topk",), dict(type=int, default=None, help="long-range slots (default: budget - sink - window)")),
-    (("--budget",), dict(type=int, default=None, help="sink + window + topk (default 2048 unless --topk is given)")),
+    (("--budget",), dict(type=int, default=None, help="sink + window + topk (default 512, KVpopConfig.for_budget; "
+                                                    "the paper's GPU setting is 2048)")),
     (("--num-layers",), dict(type=int, default=None, help="decoder layers of a *-shape preset (default: the real count)")),
     (("--device",), dict(default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")),
     (("--dtype",), dict(default=None, choices=["float32", "bfloat16", "float16"],

@@ -389,11 +389,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _rule_config(args: argparse.Namespace) -> KVpopConfig:
-    if args.topk is not None:
-        if args.budget is not None:
-            raise ValueError("give --budget or --topk, not both")
-        return KVpopConfig(sink=args.sink, window=256 if args.window is None else args.window, topk=args.topk)
-    return KVpopConfig.for_budget(2048 if args.budget is None else args.budget, sink=args.sink, window=args.window)
+    return KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window, topk=args.topk)
 
 
 def _load(args: argparse.Namespace, device: str):

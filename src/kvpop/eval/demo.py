@@ -78,7 +78,8 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
                            save_every=0, seed=seed, device=device)
         _log(f"training KVpop-mlp, budget {budget} (sink {cfg.sink}, window {cfg.window}, topk {cfg.topk}), "
              f"{'full distillation' if cuda else 'scorer only'}, {plan.train_steps} steps")
-        trained[budget] = train(tcfg, cfg, argv=command.split())
+        # a demo run again redoes its training: the previous one is replaced (kept until the new one checkpoints)
+        trained[budget] = train(tcfg, cfg, overwrite=True, argv=command.split())
 
     # 2. evaluate every policy on held-out problems
     texts = load_texts("champ", split="eval", tokenizer=tokenizer, seed=seed)

@@ -3,9 +3,11 @@
     kvpop eval --model smollm2-135m --data champ --seq-len 2048 --budgets 512,256 \
         --policies streaming_llm,tova,h2o,oracle --trained 512=runs/b512/final --sequences 3
 
-Every policy and budget sees the same sequences; every number is teacher-forced against the dense
-model with the same weights (`kvpop_dense=True`), counted at positions `>= budget` where eviction
-acts (`DESIGN.md`, Metrics). Static-priority policies (KVpop, the oracle) also get their top-k
+Every policy and budget sees the same sequences; every number is teacher-forced against one dense
+pass of the original base model (`--model`, run with `kvpop_dense=True`), counted at positions
+`>= budget` where eviction acts (`DESIGN.md`, Metrics). A trained directory holds its own, possibly
+distilled, base weights; it is still compared with the original base, the model it must stand in
+for, and must have been trained from it (its recorded base identity is checked). Static-priority policies (KVpop, the oracle) also get their top-k
 retention recall against the oracle of the evaluated model, per layer and head (paper Fig. 7).
 DMS rows also get `avg_cache_fraction`: the entries its heads really hold / budget, averaged over
 layers, KV heads and queries `>= budget` (its per-head retention is ragged inside the fixed buffer).
@@ -23,7 +25,7 @@ from torch import Tensor, nn
 from kvpop.attention import Capture
 from kvpop.config import KVpopConfig
 from kvpop.eval.metrics import RetentionRecall, TeacherForcedStats, priorities_from_records
-from kvpop.retrofit import detach, kvpop_modules, load, retrofit
+from kvpop.retrofit import base_identity, detach, kvpop_modules, load, read_base, read_config, retrofit, same_base
 
 
 @dataclass
@@ -43,19 +45,46 @@ class Entry:
     cache_count: int = field(default=0, repr=False)
 
 
-def training_free(policy: str, budget: int, sink: int = 4) -> Entry:
-    """A baseline at `budget` with the split each policy expects (`KVpopConfig.for_budget`)."""
-    cfg = KVpopConfig.for_budget(budget, sink=sink, policy=policy)
-    return Entry(policy, budget, cfg)
+def training_free(policy: str, budget: int, sink: int = 4, layer_budgets: Sequence[int] | None = None) -> Entry:
+    """A baseline at `budget` with the split each policy expects (`KVpopConfig.for_budget`).
+
+    `layer_budgets`: per-layer budgets `B_l` at the same total memory (`sum_l B_l = L x budget`,
+    `kvpop budgets` makes them); the row is then labelled `<policy>+layers`.
+    """
+    entry = Entry(policy, budget, KVpopConfig.for_budget(budget, sink=sink, policy=policy))
+    return entry if layer_budgets is None else with_layer_budgets(entry, layer_budgets)
 
 
 def from_directory(path: str, name: str | None = None) -> Entry:
     """A trained directory, labelled `name` or else by its policy (`kvpop`, `dms`, `streaming_llm_plus`)."""
-    import json
-    from pathlib import Path
-
-    cfg = KVpopConfig.from_dict(json.loads((Path(path) / "kvpop_config.json").read_text()))
+    cfg = read_config(path)
     return Entry(name or cfg.policy, cfg.budget, cfg, trained=str(path))
+
+
+def check_base(path: str, base: nn.Module) -> bool:
+    """Refuse a trained directory whose recorded base is not `base`: its numbers against `base` would mean
+    nothing. False when the directory records no base (written by an older kvpop), True when it matches."""
+    recorded = read_base(path)
+    if recorded is None:
+        return False
+    current = base_identity(base)
+    why = None if current is None else same_base(recorded, current)
+    if why is not None:
+        name = recorded.get("name")
+        raise ValueError(f"{path} was trained from another base model than the one given ({why}); evaluate it "
+                         f"against the model it was trained from{f' ({name})' if name else ''}")
+    return True
+
+
+def with_layer_budgets(entry: Entry, budgets: Sequence[int]) -> Entry:
+    """`entry` (a trained static scorer or a training-free policy) at per-layer budgets `B_l`, the same memory.
+
+    A static scorer ranks the same way whatever the top-k, so a trained directory needs no retraining.
+    """
+    if entry.cfg.layer_topk is not None or entry.cfg.policy in ("streaming_llm", "streaming_llm_plus", "dms"):
+        raise ValueError(f"{entry.name}: per-layer budgets need a uniform ranked split, got policy "
+                         f"{entry.cfg.policy!r} with layer_topk={entry.cfg.layer_topk}")
+    return Entry(f"{entry.name}+layers", entry.budget, entry.cfg.with_layer_budgets(list(budgets)), trained=entry.trained)
 
 
 class Evaluator:
@@ -63,6 +92,9 @@ class Evaluator:
 
     def __init__(self, base: nn.Module, entries: Sequence[Entry], device: torch.device | str = "cpu"):
         self.base, self.entries, self.device = base, list(entries), torch.device(device)
+        for entry in self.entries:
+            if entry.trained is not None:
+                check_base(entry.trained, base)
         self._trained: dict[str, nn.Module] = {}
         # the dense reference: the base run with kvpop_dense=True; attached as the oracle, its capture
         # carries the oracle's decay, so training-free oracle rows reuse this pass instead of their own
@@ -72,20 +104,33 @@ class Evaluator:
         if entry.trained is None:
             return retrofit(self.base, entry.cfg)
         if entry.trained not in self._trained:
-            self._trained[entry.trained] = load(entry.trained, device=self.device)
-        return self._trained[entry.trained]
+            model = load(entry.trained, device=self.device)
+            self._trained[entry.trained] = (model, model.kvpop.config)
+        model, saved = self._trained[entry.trained]
+        # the same weights at another split (per-layer budgets, `with_layer_budgets`): swapped in for this entry
+        model.kvpop.config = entry.cfg if entry.cfg.layer_topk is not None else saved
+        return model
 
     def _release(self, entry: Entry, model: nn.Module) -> None:
         if entry.trained is None:
             detach(model)
+        else:
+            model.kvpop.config = self._trained[entry.trained][1]
 
     @torch.no_grad()
-    def add(self, input_ids: Tensor) -> None:
-        """Evaluate every entry on one batch of unpadded sequences [B, S]."""
+    def add(self, input_ids: Tensor, progress=None) -> None:
+        """Evaluate every entry on one batch of unpadded sequences [B, S].
+
+        `progress`: a tqdm bar, advanced by one after the dense pass and after each entry.
+        """
         ids = input_ids.to(self.device)
         dense, reference = self.reference(ids)
+        if progress is not None:
+            progress.update(1)
         for entry in self.entries:
             self.add_entry(entry, ids, dense, reference)
+            if progress is not None:
+                progress.update(1)
 
     @torch.no_grad()
     def reference(self, ids: Tensor) -> tuple[Tensor, Capture]:
@@ -108,7 +153,7 @@ class Evaluator:
         if recall is not None:
             if entry.recall is None:
                 c = entry.cfg
-                entry.recall = RetentionRecall(c.sink, c.window, c.topk)
+                entry.recall = RetentionRecall(c.sink, c.window, list(c.layer_topk) if c.layer_topk else c.topk)
             entry.recall.update(*recall)
 
     def _run(self, entry: Entry, model: nn.Module, ids: Tensor, reference: Capture) -> tuple[Tensor, tuple | None]:
@@ -170,6 +215,7 @@ class Evaluator:
                 "sink": e.cfg.sink,
                 "window": e.cfg.window,
                 "topk": e.cfg.topk,
+                "layer_topk": list(e.cfg.layer_topk) if e.cfg.layer_topk else None,
                 "trained": e.trained,
             }
             if e.recall is not None:
@@ -230,4 +276,5 @@ def rollouts_pass_at_1(model: nn.Module, tokenizer, problems: Sequence[dict], sa
     return pass_at_1(completions, [p["answer"] for p in problems]), completions
 
 
-__all__ = ["Entry", "Evaluator", "format_table", "from_directory", "headline", "rollouts_pass_at_1", "training_free"]
+__all__ = ["Entry", "Evaluator", "format_table", "from_directory", "headline", "rollouts_pass_at_1", "training_free",
+           "with_layer_budgets"]

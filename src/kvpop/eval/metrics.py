@@ -288,37 +288,67 @@ class RetentionRecall:
         for ids in batches:
             recall.update(oracle_priorities(model, ids), policy_priorities(model, ids))
         print(recall.result().per_layer)
+
+    With per-layer budgets (`topk` a list), layer `l` is averaged over its own queries
+    `q >= sink + window + topk[l]`; a layer with `topk[l] = 0` has no recall (NaN, left out of the means).
     """
 
-    def __init__(self, sink: int, window: int, topk: int):
-        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+    def __init__(self, sink: int, window: int, topk: int | Sequence[int]):
+        per_layer = list(topk) if isinstance(topk, (list, tuple)) else None
+        if per_layer is not None:
+            if not per_layer or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in per_layer) \
+                    or max(per_layer) < 1:
+                raise ValueError(f"topk={topk!r} must be integers >= 0, one per layer, at least one of them >= 1")
+        elif isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
             raise ValueError(f"topk={topk!r} must be an integer >= 1: recall of an empty top-k is undefined")
         self.sink, self.window, self.topk = sink, window, topk
         self._sums: Tensor | None = None  # float64 [L, H]
-        self.queries = 0
+        self._queries: Tensor | None = None  # int64 [L], (sequence, query) pairs per layer
+
+    def _layer_topk(self, layer: int) -> int:
+        return self.topk[layer] if isinstance(self.topk, (list, tuple)) else self.topk
+
+    @property
+    def queries(self) -> int:
+        """(sequence, query) pairs averaged per head (of the layers with the smallest top-k, if they differ)."""
+        return 0 if self._queries is None else int(self._queries.max())
 
     def update(self, teacher: Sequence[Tensor], model: Sequence[Tensor]) -> None:
         """Add one batch: per layer, teacher and model static priorities, each float32 [B, H, S]."""
         if len(teacher) != len(model) or not teacher:
             raise ValueError(f"need one teacher and one model priority per layer, got {len(teacher)} and {len(model)}")
-        sums, n = zip(*(recall_sums(a, b, self.sink, self.window, self.topk) for a, b in zip(teacher, model)))
-        batch = torch.stack([s.sum(0) for s in sums]).cpu()  # [L, H]
+        if isinstance(self.topk, (list, tuple)) and len(self.topk) != len(teacher):
+            raise ValueError(f"topk has {len(self.topk)} layers, the priorities {len(teacher)}")
+        sums, counts = [], []
+        for layer, (a, b) in enumerate(zip(teacher, model)):
+            k = self._layer_topk(layer)
+            if k == 0:
+                sums.append(torch.zeros(a.shape[1], dtype=torch.float64))
+                counts.append(0)
+                continue
+            layer_sums, n = recall_sums(a, b, self.sink, self.window, k)
+            sums.append(layer_sums.sum(0).cpu())
+            counts.append(n * a.shape[0])
+        batch, counts = torch.stack(sums), torch.tensor(counts)  # [L, H], [L]
         if self._sums is None:
-            self._sums = batch
+            self._sums, self._queries = batch, counts
         elif self._sums.shape != batch.shape:
             raise ValueError(f"layers x heads changed between batches: {tuple(self._sums.shape)} then {tuple(batch.shape)}")
         else:
             self._sums += batch
-        self.queries += n[0] * teacher[0].shape[0]
+            self._queries += counts
 
     def result(self) -> RecallResult:
         if self._sums is None or self.queries == 0:
+            k = max(self.topk) if isinstance(self.topk, (list, tuple)) else self.topk
             raise ValueError(
                 "no query was counted: sequences must be longer than sink + window + topk = "
-                f"{self.sink + self.window + self.topk}"
+                f"{self.sink + self.window + k}"
             )
-        per_head = self._sums / self.queries
-        return RecallResult(per_head, per_head.mean(-1), per_head.mean().item(), self.queries)
+        # a layer without queries (top-k 0, or too short for its top-k) has no recall: NaN, out of the mean
+        per_head = self._sums / self._queries[:, None].double()  # 0 / 0 = NaN
+        per_layer = per_head.mean(-1)
+        return RecallResult(per_head, per_layer, per_head.nanmean().item(), self.queries)
 
 
 def priorities_from_records(

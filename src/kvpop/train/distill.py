@@ -11,8 +11,10 @@ CPU runs in minutes. Under `torchrun` the same command runs data-parallel (DDP, 
 `--fsdp`), each rank taking its share of every global batch.
 
 Nothing is lost: a checkpoint (model, optimizer, scheduler, RNG states, step) is written
-atomically every `--save-every` steps and on Ctrl-C; `--resume` continues to the losses an
-uninterrupted run gives; a non-finite loss stops the run before anything is overwritten.
+atomically every `--save-every` steps and on Ctrl-C, the previous one kept until the new one is
+complete (`kvpop.train.checkpoint`); `--resume` continues to the losses an uninterrupted run gives,
+in the same or a moved directory; an `--out` holding a run is refused unless `--resume` or
+`--overwrite` is given; a non-finite loss stops the run before anything is overwritten.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import hashlib
 import json
 import math
 import os
@@ -42,18 +45,20 @@ from torch.utils.checkpoint import checkpoint
 
 from kvpop.attention import Capture
 from kvpop.config import KVpopConfig
+from kvpop.files import write_atomic
 from kvpop.ops.target import future_attention_target
 from kvpop.retrofit import kvpop_modules, model_head_dim, resolve_config, retrofit, save
 from kvpop.timing import timed
+from kvpop.train import checkpoint as ckpt
+from kvpop.train.checkpoint import LOG, TrainingError
 from kvpop.train.data import DataError, batches, load_texts, pack_sequences
 from kvpop.train.loss import boundary_labels, boundary_loss, teacher_priority
 
-CHECKPOINT = "checkpoint.pt"
-LOG = "train_log.jsonl"
+__all__ = ["LOG", "Distiller", "TrainConfig", "TrainingError", "kl_divergence", "scorer_lr_factor", "train"]
 
-
-class TrainingError(RuntimeError):
-    """A run that cannot go on (non-finite loss, incompatible resume, ...)."""
+RESUME_MAY_CHANGE = ("steps", "save_every")
+"""TrainConfig fields a resume may change; `out`, `model`, `data` and `device` are matched by what they
+are (the checkpoint's own directory, the base weights, the packed tokens, the device type), not spelled."""
 
 
 @dataclass
@@ -241,10 +246,14 @@ def describe_cache(kcfg: KVpopConfig, head_dim: int) -> str:
 class Distiller:
     """One training run. `run()` trains to `steps`, checkpointing as it goes, and saves `OUT/final`."""
 
-    def __init__(self, tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, argv: list[str] | None = None):
+    def __init__(self, tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, overwrite: bool = False,
+                 argv: list[str] | None = None):
         from kvpop.models import load_model
 
         self.tcfg, self.out, self.argv = tcfg, Path(tcfg.out), argv
+        # before anything is loaded: a run in --out is never reused silently
+        self.resume_from = ckpt.check_out(self.out, resume=resume, overwrite=overwrite)
+        self.overwrite, self.aside = overwrite, None
         self.dist = init_distributed(tcfg.device)
         self.device = self._device(tcfg.device)
         if tcfg.batch_size % self.dist.world:
@@ -287,6 +296,9 @@ class Distiller:
             self.teacher = base.eval().requires_grad_(False)
         if pretrained is None:
             retrofit(model, kcfg)
+        mods = kvpop_modules(model)
+        if mods.base is not None and not mods.base.get("name"):
+            mods.base["name"] = tcfg.model
         self.model = model
         self.model.train()
         scorer_ids = {id(p) for p in kvpop_modules(model).parameters()}
@@ -308,21 +320,27 @@ class Distiller:
         self.sampler = torch.Generator(device="cpu").manual_seed(tcfg.seed + 1)
         self.step = 0
         self.last_saved: int | None = None
+        self.last_checkpoint: Path | None = None
         # SIGTERM on this rank, and on any rank as of the last step's all-reduce (ranks must stop together)
         self.stop_requested = False
         self.stop_agreed = False
         self.pool_tokens = tcfg.pool_tokens  # a resumed run keeps the one it started with
-        if resume:
-            self._load_checkpoint()
+        resumed = self._load_checkpoint(self.resume_from) if self.resume_from is not None else None
         self.tokens = self._training_tokens()
+        self.data_sha256 = hashlib.sha256(self.tokens.numpy().tobytes()).hexdigest()
+        if resumed is not None:
+            self._check_same_data(resumed)
+            if self.dist.main:
+                print(f"kvpop train: resuming from step {self.step} of {tcfg.steps} ({self.resume_from.path})",
+                      file=sys.stderr)
 
     # --- setup ---
     def _device(self, name: str) -> torch.device:
-        if name == "auto":
-            if torch.cuda.is_available():
-                return torch.device("cuda", self.dist.local_rank)
-            return torch.device("cpu")
-        return torch.device(name)
+        from kvpop.models import resolve_device
+
+        if name == "auto" and torch.cuda.is_available():
+            return torch.device("cuda", self.dist.local_rank)
+        return torch.device(resolve_device(name))
 
     def _check_lengths(self, model: nn.Module) -> None:
         limit = getattr(model.config, "max_position_embeddings", None)
@@ -396,16 +414,22 @@ class Distiller:
             losses.append(loss)
             keep.append(extra["retention"])
         for rec in records if k.topk > 0 and k.policy != "dms" else []:
+            lk = k.for_layer(rec.layer_idx)  # per-layer budgets: this layer's own top-k
+            if lk.topk == 0:
+                # a layer given no long-range slots has no ranking to learn; a zero loss keeps its scorer in
+                # the graph (DDP expects a gradient for every parameter)
+                losses.append(rec.priority.sum() * 0.0)
+                continue
             with timed("kvpop.target"):
                 r_tgt = future_attention_target(
-                    rec.query.detach(), rec.key.detach(), rec.lse.detach(), k.window, scale=rec.scale,
-                    eps=k.target_eps, agg=k.target_agg, count_norm=k.target_count_norm,
+                    rec.query.detach(), rec.key.detach(), rec.lse.detach(), lk.window, scale=rec.scale,
+                    eps=lk.target_eps, agg=lk.target_agg, count_norm=lk.target_count_norm,
                 )
             with timed("kvpop.boundary_loss"):
-                pi_tgt = teacher_priority(r_tgt, rec.log_gamma, k.decay_step)
-                pairs = boundary_labels(pi_tgt, k.sink, k.window, k.topk, k.loss_query_fraction, self.sampler)
+                pi_tgt = teacher_priority(r_tgt, rec.log_gamma, lk.decay_step)
+                pairs = boundary_labels(pi_tgt, lk.sink, lk.window, lk.topk, lk.loss_query_fraction, self.sampler)
                 loss, stats = boundary_loss(
-                    rec.priority, pairs, k.loss_tau, k.loss_margin_delta, k.loss_balance, k.loss_balance_clip,
+                    rec.priority, pairs, lk.loss_tau, lk.loss_margin_delta, lk.loss_balance, lk.loss_balance_clip,
                     reduce_counts=self.dist.all_sum if self.dist.distributed else None,
                 )
             losses.append(loss)
@@ -443,7 +467,7 @@ class Distiller:
         loss_kl, loss_score, keep_rate, accuracy, stop = stats.tolist()
         self.stop_agreed = stop > 0
         if not all(math.isfinite(x) for x in (loss_kl, loss_score)):
-            where = f"{self.out / CHECKPOINT} (step {self.last_saved})" if self.last_saved is not None else "none yet"
+            where = f"{self.last_checkpoint} (step {self.last_saved})" if self.last_checkpoint is not None else "none yet"
             raise TrainingError(
                 f"non-finite loss at step {self.step + 1} (loss_kl={loss_kl}, loss_score={loss_score}); "
                 f"stopped without saving. Last good checkpoint: {where}"
@@ -487,11 +511,25 @@ class Distiller:
 
     # --- the loop ---
     def run(self, progress: bool = True) -> Path:
-        t = self.tcfg
-        self.out.mkdir(parents=True, exist_ok=True)
         if self.dist.main:
+            if self.overwrite and ckpt.holds_run(self.out):
+                self.aside = ckpt.move_aside(self.out)
+            self.out.mkdir(parents=True, exist_ok=True)
             self._write_config()
-            self._trim_log()
+            if self.resume_from is not None:
+                ckpt.trim_log(self.out, self.step)
+        self._barrier()
+        try:
+            return self._loop(progress)
+        except BaseException:
+            if self.aside is not None:
+                # --overwrite, and the new run has no checkpoint yet: the replaced run comes back whole
+                ckpt.restore(self.out, self.aside)
+                self.aside = None
+            raise
+
+    def _loop(self, progress: bool) -> Path:
+        t = self.tcfg
         interrupted = False
 
         def on_sigterm(*_):
@@ -533,22 +571,28 @@ class Distiller:
         return final
 
     # --- persistence ---
-    def _state(self) -> dict[str, Any]:
-        model_state = self._trained_state()
+    def _checkpoint_parts(self) -> dict[str, dict[str, Any]]:
+        """The files of a checkpoint: the trained weights, and the optimizer, scheduler and RNG states."""
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                "sampler": self.sampler.get_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
-            "step": self.step,
-            "model": model_state,
-            "optimizer": self._optimizer_state(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": rng,
+            "model.pt": {"model": self._trained_state()},
+            "train_state.pt": {"step": self.step, "optimizer": self._optimizer_state(),
+                               "scheduler": self.scheduler.state_dict(), "rng": rng},
+        }
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What a resume must match, as JSON in the manifest: a moved directory still resumes."""
+        return {
             "train_config": dataclasses.asdict(self.tcfg),
             "kvpop_config": self.kcfg.to_dict(),
             "world": self.dist.world,
             "pool_tokens": self.pool_tokens,
+            "device_type": self.device.type,
+            "data_sha256": self.data_sha256,
+            "base": kvpop_modules(self.model).base,
         }
 
     def _trained_state(self) -> dict[str, Tensor]:
@@ -584,6 +628,7 @@ class Distiller:
                 model, _ = load_model(self.tcfg.model, device="cpu")
                 if getattr(model, "kvpop", None) is None:
                     retrofit(model, self.kcfg)
+                model.kvpop.base = kvpop_modules(self.model).base
                 model.load_state_dict(state)
                 save(model, path, tokenizer=self.tokenizer)
         elif self.dist.main:
@@ -591,38 +636,56 @@ class Distiller:
         self._barrier()
 
     def save_checkpoint(self) -> None:
-        """Write `OUT/checkpoint.pt` atomically (temp file, fsync, rename): a crash never leaves half a file."""
-        state = self._state()
+        """Write the checkpoint of this step (`kvpop.train.checkpoint.write`): the previous one stays until it is complete."""
+        parts = self._checkpoint_parts()  # every rank: FSDP2 gathers the full state together
         if self.dist.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            path = self.out / CHECKPOINT
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            written = ckpt.write(self.out, self.step, parts, self._checkpoint_meta())
+            self.last_checkpoint = written.path
+            if self.aside is not None:
+                ckpt.discard(self.aside)
+                self.aside = None
         self.last_saved = self.step
         self._barrier()
 
-    def _load_checkpoint(self) -> None:
-        path = self.out / CHECKPOINT
-        if not path.exists():
-            raise TrainingError(f"--resume: no checkpoint at {path}")
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        saved = TrainConfig(**state["train_config"])
+    def _load_checkpoint(self, checkpoint: ckpt.Checkpoint) -> dict[str, Any]:
+        """Restore the run from `checkpoint` after checking it is this run's; returns its state."""
+        state = checkpoint.read()
+        path = checkpoint.path
+        try:
+            saved = TrainConfig(**state["train_config"])
+            saved_kcfg = KVpopConfig.from_dict(state["kvpop_config"])
+        except (TypeError, ValueError) as err:
+            raise TrainingError(f"--resume: {path} holds a config this kvpop cannot read ({err})") from None
         mine = dataclasses.asdict(self.tcfg)
-        differ = [k for k, v in dataclasses.asdict(saved).items() if k not in ("steps", "save_every") and mine[k] != v]
-        if differ or KVpopConfig.from_dict(state["kvpop_config"]) != self.kcfg:
+        differ = [k for k, v in dataclasses.asdict(saved).items()
+                  if k not in (*RESUME_MAY_CHANGE, "out", "model", "data", "device") and mine[k] != v]
+        if state.get("device_type", _device_type(saved.device)) != self.device.type:
+            differ.append(f"device ({state.get('device_type', saved.device)} then, {self.device.type} now)")
+        recorded, mine_base = state.get("base"), kvpop_modules(self.model).base
+        if recorded is not None and mine_base is not None:
+            from kvpop.retrofit import same_base
+
+            why = same_base(recorded, mine_base)
+            if why is not None:
+                differ.append(f"model ({why})")
+        elif not _same_place(saved.model, self.tcfg.model):
+            differ.append(f"model ({saved.model!r} then, {self.tcfg.model!r} now)")
+        if "data_sha256" not in state and not _same_place(saved.data, self.tcfg.data):
+            differ.append(f"data ({saved.data!r} then, {self.tcfg.data!r} now)")
+        if differ or saved_kcfg != self.kcfg:
             raise TrainingError(
                 f"--resume: {path} was written by a different run (differs in {differ or ['kvpop config']}); "
-                "resume with the same arguments (only --steps and --save-every may change)"
+                f"resume with the same arguments (only {' and '.join('--' + k.replace('_', '-') for k in RESUME_MAY_CHANGE)} "
+                "may change)"
             )
         if state.get("world", 1) != self.dist.world:
             raise TrainingError(f"--resume: checkpoint from {state['world']} ranks, now {self.dist.world}")
-        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        try:
+            missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        except RuntimeError as err:
+            raise TrainingError(f"--resume: {path} does not fit the model ({err})") from None
         if unexpected or (not self.tcfg.freeze_base and missing):
-            raise TrainingError(f"--resume: checkpoint does not fit the model (missing {missing}, unexpected {unexpected})")
+            raise TrainingError(f"--resume: {path} does not fit the model (missing {missing}, unexpected {unexpected})")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         rng = state["rng"]
@@ -633,9 +696,20 @@ class Distiller:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = self.last_saved = state["step"]
+        self.last_checkpoint = path
         # the data the run has trained on: a resume with more --steps goes on over the same documents
         # (another epoch where it runs out) rather than repacking a larger set in another order
         self.pool_tokens = state.get("pool_tokens", saved.pool_tokens)
+        return state
+
+    def _check_same_data(self, state: dict[str, Any]) -> None:
+        recorded = state.get("data_sha256")
+        if recorded is not None and recorded != self.data_sha256:
+            raise TrainingError(
+                f"--resume: the training tokens from --data {self.tcfg.data!r} differ from those the run in {self.out} "
+                f"trained on (--data {state['train_config']['data']!r} then): the data changed; resume with the "
+                "same data"
+            )
 
     def _write_config(self) -> None:
         resolved = {
@@ -648,15 +722,7 @@ class Distiller:
             "backend": dist.get_backend() if self.dist.distributed else None,
             "torch": torch.__version__,
         }
-        (self.out / "config.json").write_text(json.dumps(resolved, indent=2))
-
-    def _trim_log(self) -> None:
-        """On resume, drop log lines of steps after the checkpoint (they will be run again)."""
-        log = self.out / LOG
-        if not log.exists():
-            return
-        lines = [ln for ln in log.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
-        log.write_text("".join(ln + "\n" for ln in lines))
+        write_atomic(self.out / ckpt.RUN_CONFIG, json.dumps(resolved, indent=2))
 
     def _progress(self, progress: bool):
         if not (progress and self.dist.main):
@@ -676,8 +742,20 @@ class Distiller:
         return threading.current_thread() is threading.main_thread()
 
 
-def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, progress: bool = True,
-          argv: list[str] | None = None) -> Path:
+def _device_type(name: str) -> str:
+    """The device type a TrainConfig.device of an older checkpoint resolved to."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name).type
+
+
+def _same_place(a: str, b: str) -> bool:
+    """The same preset, or the same file or directory however it is spelled (`./runs/x` and `runs/x`)."""
+    return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
+
+
+def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, overwrite: bool = False,
+          progress: bool = True, argv: list[str] | None = None) -> Path:
     """Run (or resume) a distillation and return the directory of the final model."""
     distiller = None
     previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
@@ -686,7 +764,7 @@ def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, 
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     try:
-        distiller = Distiller(tcfg, kcfg, resume=resume, argv=argv)
+        distiller = Distiller(tcfg, kcfg, resume=resume, overwrite=overwrite, argv=argv)
         return distiller.run(progress=progress)
     finally:
         # a process group left to the interpreter's exit can abort the process (SIGABRT in gloo's

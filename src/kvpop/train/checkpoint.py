@@ -1,0 +1,335 @@
+"""A training run's directory: checkpoints of which none is ever lost, the step log, and the guard on `--out`.
+
+    OUT/config.json                    the resolved configs and the command (rewritten at each start)
+    OUT/train_log.jsonl                one JSON line per optimizer step
+    OUT/checkpoints/step-00000042/     model.pt, train_state.pt, then manifest.json
+    OUT/final/                         `kvpop.save` of the trained model
+
+A checkpoint is written into a hidden directory: its parts, each fsynced, then `manifest.json` with
+the step, every part's size and SHA-256 and what a resume must match; then the directory is renamed
+into place in one step. A crash at any point leaves either no new checkpoint (a hidden partial
+directory, ignored and later removed) or a complete one; older checkpoints are removed only after the
+new one is complete, so the last complete checkpoint always survives. "Complete" is checkable: the
+manifest exists and every part has the size and hash it records.
+
+An `--out` that holds a run is never reused silently: `--resume` continues it, `--overwrite` moves it
+aside in one rename and deletes it once the new run has written its first checkpoint (and puts it
+back if the new run fails before that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpop.files import FileFormatError, fsync_dir, read_json_object, read_torch, write_atomic
+
+CHECKPOINTS = "checkpoints"
+LOG = "train_log.jsonl"
+RUN_CONFIG = "config.json"
+FINAL = "final"
+MANIFEST = "manifest.json"
+LEGACY_CHECKPOINT = "checkpoint.pt"
+"""Checkpoints of kvpop before the parts and manifest: one torch file, still resumable."""
+RUN_ENTRIES = (CHECKPOINTS, LEGACY_CHECKPOINT, LOG, RUN_CONFIG, FINAL)
+"""What a run writes into OUT: a directory holding any of them holds a run."""
+FORMAT = 1
+_STEP_DIR = re.compile(r"step-(\d{8})")
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot start or go on (its --out, a resume that does not match, a non-finite loss, ...)."""
+
+
+def _say(message: str) -> None:
+    print(f"kvpop train: {message}", file=sys.stderr)
+
+
+# --- checkpoints ---
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One complete checkpoint on disk: a step directory with its manifest, or a legacy `checkpoint.pt`."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any] | None
+    """None for a legacy `checkpoint.pt` (its step is read from the file)."""
+
+    def read(self) -> dict[str, Any]:
+        """Everything the checkpoint holds, every part checked against the manifest first."""
+        if self.manifest is None:
+            state = read_torch(self.path, "the checkpoint")
+            _require(state, ("step", "model", "optimizer", "scheduler", "rng", "train_config", "kvpop_config"),
+                     self.path)
+            return state
+        state = {k: v for k, v in self.manifest.items() if k != "parts"}
+        for name, meta in self.manifest["parts"].items():
+            path = self.path / name
+            _verify_part(path, meta)
+            part = read_torch(path, "a checkpoint part")
+            if not isinstance(part, dict):
+                raise FileFormatError(f"{path}: a checkpoint part must hold a dict, found {type(part).__name__}")
+            state.update(part)
+        _require(state, ("model", "optimizer", "scheduler", "rng"), self.path)
+        return state
+
+
+def _require(state: Any, keys: tuple[str, ...], path: Path) -> None:
+    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise FileFormatError(f"{path}: not a kvpop checkpoint (missing {missing})")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verify_part(path: Path, meta: dict[str, Any]) -> None:
+    if not path.is_file():
+        raise FileFormatError(f"{path}: a part of the checkpoint is missing")
+    size = path.stat().st_size
+    if size != meta["bytes"]:
+        raise FileFormatError(f"{path}: {size} bytes, but the manifest records {meta['bytes']}: the file was cut "
+                              "off or changed after it was written")
+    if _sha256(path) != meta["sha256"]:
+        raise FileFormatError(f"{path}: its SHA-256 differs from the manifest's: the file changed after it was written")
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    manifest = read_json_object(path / MANIFEST, "the checkpoint manifest")
+    parts = manifest.get("parts")
+    ok = (manifest.get("format") == FORMAT and isinstance(manifest.get("step"), int) and isinstance(parts, dict)
+          and all(isinstance(m, dict) and {"bytes", "sha256"} <= m.keys() for m in parts.values()))
+    if not ok:
+        raise FileFormatError(f"{path / MANIFEST}: not a kvpop checkpoint manifest (format {FORMAT}: step, parts "
+                              "with bytes and sha256)")
+    return manifest
+
+
+def checkpoints(out: str | Path) -> list[Checkpoint]:
+    """The complete checkpoints in `out`, oldest first (a legacy `checkpoint.pt` counts as the oldest)."""
+    out = Path(out)
+    found = []
+    legacy = out / LEGACY_CHECKPOINT
+    if legacy.is_file():
+        found.append(Checkpoint(legacy, -1, None))
+    root = out / CHECKPOINTS
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        m = _STEP_DIR.fullmatch(path.name)
+        # the manifest is written last: a step directory without one was never renamed into place
+        if m and (path / MANIFEST).is_file():
+            found.append(Checkpoint(path, int(m.group(1)), _read_manifest(path)))
+    return found
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """The checkpoint at `path`: a step directory (its manifest checked) or a legacy `checkpoint.pt`."""
+    path = Path(path)
+    if path.is_file():
+        return Checkpoint(path, -1, None)
+    m = _STEP_DIR.fullmatch(path.name)
+    if not m:
+        raise FileFormatError(f"{path}: not a checkpoint (a {CHECKPOINTS}/step-NNNNNNNN directory or a "
+                              f"{LEGACY_CHECKPOINT})")
+    return Checkpoint(path, int(m.group(1)), _read_manifest(path))
+
+
+def latest(out: str | Path) -> Checkpoint | None:
+    """The newest complete checkpoint in `out`, or None."""
+    found = checkpoints(out)
+    return found[-1] if found else None
+
+
+def _write_part(path: Path, obj: Any) -> dict[str, Any]:
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    with open(path / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(path)
+
+
+def _prune(out: Path, keep: Checkpoint) -> None:
+    """Remove every checkpoint older than `keep`, and partial directories of earlier, crashed saves."""
+    for old in checkpoints(out):
+        if old.path == keep.path:
+            continue
+        if old.path.is_dir():
+            shutil.rmtree(old.path)
+        else:
+            old.path.unlink()
+    for partial in (out / CHECKPOINTS).glob(".step-*"):
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def write(out: str | Path, step: int, parts: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Checkpoint:
+    """Write the checkpoint of `step` (`parts`: file name -> dict to torch.save; `meta`: JSON for the manifest).
+
+    The new checkpoint is complete before any older one is removed. A complete checkpoint of the same
+    step is kept as it is: no optimizer step ran since it was written or resumed from.
+    """
+    out = Path(out)
+    root = out / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    if (final / MANIFEST).is_file():
+        return Checkpoint(final, step, _read_manifest(final))
+    tmp = root / f".step-{step:08d}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    manifest = {"format": FORMAT, "step": step, **meta, "parts": {}}
+    for name, obj in parts.items():
+        manifest["parts"][name] = _write_part(tmp / name, obj)
+    manifest["written"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    _write_manifest(tmp, manifest)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    checkpoint = Checkpoint(final, step, manifest)
+    _prune(out, checkpoint)
+    return checkpoint
+
+
+# --- the step log ---
+
+
+def read_log(out: str | Path, *, repair: bool = False) -> list[dict[str, Any]]:
+    """The rows of `OUT/train_log.jsonl`. A torn last line (a crash while it was written) is an error
+    naming the file, or with `repair` is cut off the file, with a message."""
+    path = Path(out) / LOG
+    if not path.exists():
+        return []
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError as err:
+            if i == len(lines) - 1 and repair:
+                _say(f"{path}: its last line was cut off (a crash while writing it); dropped it: {line[:60]!r}")
+                break
+            where = "its last line was cut off" if i == len(lines) - 1 else f"line {i + 1} is not a log row ({err})"
+            raise FileFormatError(f"{path}: {where}: {line[:60]!r}") from None
+        rows.append(row)
+    return rows
+
+
+def trim_log(out: str | Path, step: int) -> None:
+    """On resume: keep the log rows of steps up to the checkpoint's `step` (the later ones run again)."""
+    path = Path(out) / LOG
+    if not path.exists():
+        return
+    rows = [r for r in read_log(out, repair=True) if r["step"] <= step]
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+# --- the guard on --out ---
+
+
+def describe(out: Path) -> str:
+    """What the run in `out` holds, for messages: its checkpoint, log, final model."""
+    what = []
+    try:
+        last = latest(out)
+    except FileFormatError as err:
+        what.append(f"a damaged checkpoint ({err})")
+        last = None
+    if last is not None:
+        step = last.step if last.manifest is not None else "?"
+        what.append(f"a checkpoint of step {step} ({last.path.relative_to(out)})")
+    try:
+        rows = read_log(out, repair=False)
+        if rows:
+            what.append(f"{LOG} up to step {rows[-1]['step']}")
+    except FileFormatError:
+        what.append(f"{LOG} (its last line cut off)")
+    if (out / FINAL).exists():
+        what.append(f"{FINAL}/")
+    if not what:
+        what = [e for e in RUN_ENTRIES if (out / e).exists()]
+    return ", ".join(what)
+
+
+def holds_run(out: str | Path) -> bool:
+    out = Path(out)
+    return out.is_dir() and any((out / e).exists() for e in RUN_ENTRIES)
+
+
+def check_out(out: str | Path, *, resume: bool, overwrite: bool) -> Checkpoint | None:
+    """Refuse an `--out` that cannot serve the run as asked; return the checkpoint to resume from."""
+    out = Path(out)
+    if resume and overwrite:
+        raise TrainingError("give --resume (continue the run in --out) or --overwrite (replace it), not both")
+    if out.exists() and not out.is_dir():
+        raise TrainingError(f"--out {out} is a file, not a directory")
+    if resume:
+        last = latest(out)
+        if last is None:
+            there = f"it holds {describe(out)}" if holds_run(out) else "it holds no run"
+            raise TrainingError(f"--resume: no complete checkpoint in {out} ({there}); start it without --resume "
+                              "(and --overwrite to replace what is there)")
+        return last
+    if holds_run(out) and not overwrite:
+        raise TrainingError(f"--out {out} holds a run ({describe(out)}): add --resume to continue it, --overwrite to "
+                          "replace it, or choose another --out")
+    if holds_run(out) and Path.cwd().resolve().is_relative_to(out.resolve()):
+        raise TrainingError(f"--overwrite: --out {out} is the current directory or holds it; run from elsewhere")
+    return None
+
+
+def move_aside(out: str | Path) -> Path:
+    """Move the run in `out` aside in one rename; files that are not the run's come back into a fresh `out`."""
+    out = Path(out).resolve()
+    aside = out.with_name(f".{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    os.rename(out, aside)
+    fsync_dir(out.parent)
+    out.mkdir()
+    # an open file keeps working across renames: a log a wrapper holds open in OUT still receives its lines
+    for entry in aside.iterdir():
+        if entry.name not in RUN_ENTRIES:
+            os.rename(entry, out / entry.name)
+    _say(f"--overwrite: moved the run in {out} to {aside}; it is deleted once this run writes its first checkpoint")
+    return aside
+
+
+def restore(out: str | Path, aside: Path) -> None:
+    """Undo `move_aside` (the new run failed before its first checkpoint): `out` is as it was."""
+    out = Path(out).resolve()
+    for entry in out.iterdir():
+        if entry.name not in RUN_ENTRIES:
+            os.rename(entry, aside / entry.name)
+    shutil.rmtree(out)
+    os.rename(aside, out)
+    _say(f"the new run failed before its first checkpoint; the previous run is back in {out}")
+
+
+def discard(aside: Path) -> None:
+    """The new run has a checkpoint: the run it replaced goes."""
+    shutil.rmtree(aside, ignore_errors=True)
+    _say(f"--overwrite: removed the replaced run ({aside})")
