@@ -48,3 +48,72 @@ def test_padding_rows_are_zero_in_both_backends():
     for fn in (masked_attention, cpu_masked_attention):
         out, lse = fn(q, k, v, mask, 0.3, return_lse=True)
         assert (out[:, :, :2] == 0).all() and torch.isinf(lse[:, :, :2]).all() and torch.isfinite(out).all()
+
+
+def _cache_like(B, Hq, Hkv, slots, C, D, sink, window, topk, seed=0):
+    """A cache's chunk: `slots` keys with per-head positions (some empty) followed by `C` new tokens."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, C, D, generator=g)
+    k, v = (torch.randn(B, Hkv, slots + C, D, generator=g) for _ in range(2))
+    seen = 3 * slots
+    old = torch.stack([torch.randperm(seen, generator=g)[:slots] for _ in range(B * Hkv)]).reshape(B, Hkv, slots)
+    old = torch.where(torch.rand(B, Hkv, slots, generator=g) < 0.2, -1, old)
+    valid = torch.ones(B, C, dtype=torch.bool)
+    valid[-1, : C // 3] = False
+    pos = seen + valid.long().cumsum(-1) - 1
+    k_pos = torch.cat([old, torch.where(valid, pos, -1)[:, None].expand(B, Hkv, C)], -1)
+    evict = eviction_positions(torch.randn(B, Hkv, slots + C, generator=g), k_pos, k_pos >= 0, sink, window, topk)
+    return q, k, v, pos, valid, k_pos, k_pos >= 0, evict
+
+
+@pytest.mark.skipif(not available(torch.zeros(1)), reason="no fused CPU attention op in this torch")
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,sink,window,topk,pad,block", [
+    (1, 4, 2, 63, 16, 2, 5, 7, 0, 16), (2, 6, 2, 500, 8, 0, 1, 20, 9, 64), (2, 3, 3, 257, 32, 4, 16, 0, 0, 256),
+    (1, 4, 1, 40, 16, 4, 64, 64, 3, 7),
+])
+def test_cpu_block_kernel_matches_reference(B, Hq, Hkv, S, D, sink, window, topk, pad, block):
+    from kvpop.ops.attention.cpu import cpu_block_sparse_attention
+
+    q, k, v, pos, valid, evict = _inputs(B, Hq, Hkv, S, D, sink, window, topk, pad)
+    args = (pos, valid, pos, valid, evict, sink, window, D**-0.5)
+    qs = [q.clone().requires_grad_() for _ in range(2)]
+    o1, l1 = sparse_attention(qs[0], k, v, *args, return_lse=True, backend="reference")
+    o2, l2 = cpu_block_sparse_attention(qs[1], k, v, *args, return_lse=True, block=block)
+    assert (o1 - o2).abs().max() < ATOL, (o1 - o2).abs().max()
+    assert torch.equal(torch.isinf(l1), torch.isinf(l2))
+    fin = torch.isfinite(l1)
+    assert (l1[fin] - l2[fin]).abs().max() < ATOL
+    grad = torch.randn_like(o1)
+    (o1 * grad).sum().backward()
+    (o2 * grad).sum().backward()
+    assert (qs[0].grad - qs[1].grad).abs().max() < ATOL
+
+
+@pytest.mark.skipif(not available(torch.zeros(1)), reason="no fused CPU attention op in this torch")
+@pytest.mark.parametrize("backend", ["cpu", "cpu_blocks", "sdpa"])
+@pytest.mark.parametrize("B,Hq,Hkv,slots,C,D,sink,window,topk", [(2, 4, 2, 14, 33, 16, 2, 5, 7), (1, 6, 3, 9, 300, 8, 0, 1, 8)])
+def test_per_head_key_positions(backend, B, Hq, Hkv, slots, C, D, sink, window, topk):
+    # a cache's chunk: its slots' positions differ per KV head
+    q, k, v, pos, valid, k_pos, k_valid, evict = _cache_like(B, Hq, Hkv, slots, C, D, sink, window, topk)
+    args = (pos, valid, k_pos, k_valid, evict, sink, window, D**-0.5)
+    want, _ = sparse_attention(q, k, v, *args, backend="reference")
+    got, _ = sparse_attention(q, k, v, *args, backend=backend)
+    assert (want - got).abs().max() < ATOL
+    assert (got[-1, :, : C // 3] == 0).all()  # padding queries
+    with pytest.raises(ValueError, match="shared"):
+        sparse_attention(q, k, v, *args, backend="flex")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_reference(dtype):
+    from kvpop.ops.attention import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 6, 1, 16, generator=g), torch.randn(3, 2, 40, 16, generator=g), torch.randn(3, 2, 40, 16, generator=g)
+    occupied = torch.rand(3, 2, 40, generator=g) < 0.6
+    occupied[2, 1] = False  # a row with no slot yet (padding before its first token)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    want, _ = masked_attention(q, k, v, occupied[:, :, None, :], 0.25)
+    got = decode_attention(q, k, v, occupied, 0.25)
+    assert got.dtype == dtype and torch.isfinite(got).all() and (got[2, 3:] == 0).all()
+    assert (got.float() - want.float()).abs().max() < (ATOL if dtype == torch.float32 else 2e-2)

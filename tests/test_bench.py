@@ -58,8 +58,8 @@ def test_cache_bytes_counts_every_slot():
         model(torch.randint(3, 300, (2, 20)), **cache_kwargs(cache))
     c = model.config
     per_slot = 2 * 16 * 4 + 8 + 4  # float32 key and value of dim 16, int64 position, float32 priority
-    # budget + 1 slots: the decode step's scratch slot is memory too; + `seen`, int64 [B]
-    want = c.num_hidden_layers * (2 * c.num_key_value_heads * (CFG.budget + 1) * per_slot + 2 * 8)
+    # budget + 1 slots: the decode step's scratch slot is memory too; + `seen`, int64 [B], and the length, int64
+    want = c.num_hidden_layers * (2 * c.num_key_value_heads * (CFG.budget + 1) * per_slot + 2 * 8 + 8)
     assert cache_bytes(cache) == want
 
 
@@ -73,7 +73,7 @@ def test_cache_bytes_counts_the_mlstm_memory():
     c, d = model.config, 16
     per_slot = 2 * 16 * 4 + 8 + 4
     state = (d * d + d + 1) * 4
-    want = c.num_hidden_layers * (2 * c.num_key_value_heads * ((cfg.budget + 1) * per_slot + state) + 2 * 8)
+    want = c.num_hidden_layers * (2 * c.num_key_value_heads * ((cfg.budget + 1) * per_slot + state) + 2 * 8 + 8)
     assert cache_bytes(cache) == want
 
 
@@ -171,3 +171,14 @@ def test_unknown_shape():
     assert set(SHAPE_PRESETS) == {"qwen3-4b-shape", "qwen3-8b-shape", "tiny-qwen3-shape"}
     with pytest.raises(ValueError, match="unknown shape preset"):
         shape_config("qwen3-70b-shape")
+
+
+def test_a_budget_covering_the_context_is_flagged(capsys):
+    model = tiny_model("qwen3")
+    with quiet():
+        out = bench_decode(model, (8, 32), new_tokens=1, warmup=0, device="cpu", config=CFG)
+    assert "budget 12 is not below context 8" in capsys.readouterr().err
+    assert [(r["cache"], r["context"], r["no_eviction"]) for r in out] == [
+        ("dense", 8, False), ("kvpop", 8, True), ("dense", 32, False), ("kvpop", 32, False)]
+    table = format_table(out)
+    assert "12*" in table and table.splitlines()[-1].startswith("* budget not below the context")

@@ -258,3 +258,30 @@ def test_match_mlp_memory_cache_and_refusal():
         cached, cache = run_cached(model, ids, (31,))
     assert_close(cached, full, LOGIT_ATOL, "match_mlp_memory")
     assert max(int(u.max()) for u in cache.slots_used()) == 28
+
+
+@pytest.mark.parametrize("cfg_name", ["base", "tova"])
+@torch.no_grad()
+def test_generate_compiles_the_kvpop_step_like_a_static_cache(models, cfg_name):
+    # transformers' generate compiles the decode step of a compileable cache (on CUDA by default; here forced
+    # on the CPU, with a backend that traces without code generation): one graph for every step, no graph
+    # break, no recompilation as the cache fills, and the tokens of the eager run
+    from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = models[("qwen3", cfg_name)]
+    a, b = _ids(7, 30)[0], _ids(8, 21)[0]
+    ids, mask, _ = padded_batch([a, b])
+    config = CompileConfig(backend="aot_eager", mode=None, fullgraph=True, dynamic=False)
+    config._compile_all_devices = True
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert kvpop.KVpopCache(model).is_compileable
+    with quiet():
+        eager = model.generate(ids, **kw, **cache_kwargs(kvpop.KVpopCache(model)), disable_compile=True)
+        torch._dynamo.reset()
+        counters.clear()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            compiled = model.generate(ids, **kw, **cache_kwargs(kvpop.KVpopCache(model)), compile_config=config)
+        torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
+    assert torch.equal(compiled, eager)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from kvpop.ops.attention import sparse_attention
+from kvpop.ops.dynamic import dynamic_eviction_positions
 from kvpop.ops.topk import NEVER, eviction_positions
 from kvpop.timing import timed
 
@@ -70,11 +71,19 @@ class Capture:
 
 
 def padding_mask_passthrough(*args, attention_mask: Tensor | None = None, **kwargs) -> Tensor | None:
-    """Mask factory registered for "kvpop": hand the 2D padding mask [B, L] through untouched.
+    """Mask factory registered for "kvpop": hand through the 2D padding mask of the new tokens, [B, q].
 
     The rule builds its own per-layer, per-head masks; it only needs to know which tokens are real.
+    Only the last `q` columns matter (`_padding`), and keeping just those gives the compiled decode step
+    a mask of one static shape instead of one that grows every token. transformers 5.2x passes
+    `q_length`, 5.17 `cache_position` (of length q).
     """
-    return attention_mask
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask
+    q = kwargs.get("q_length")
+    if q is None and isinstance(kwargs.get("cache_position"), Tensor):
+        q = kwargs["cache_position"].shape[0]
+    return attention_mask if q is None else attention_mask[:, -q:]
 
 
 def _padding(attention_mask: Tensor | None, batch: int, length: int, device) -> Tensor:
@@ -118,17 +127,20 @@ def kvpop_attention(
     if key.shape[-2] != Q:
         raise ValueError(
             f"a kvpop model got a {type(cache).__name__} holding {key.shape[-2] - Q} past tokens; decoding needs the "
-            "bounded cache: pass past_key_values=kvpop.KVpopCache(model)"
+            "bounded cache: pass cache=kvpop.KVpopCache(model) (past_key_values= on transformers 5.17)"
         )
 
     valid = _padding(attention_mask, B, Q, query.device)
-    if policy.dynamic and not kwargs.get("kvpop_dense", False):
-        # TOVA / H2O: the teacher-forced forward is their decode loop over a fresh cache
-        from kvpop.cache import KVpopLayerCache
-
-        layer = KVpopLayerCache(cfg.sink, cfg.window, cfg.topk)
-        return layer.attend(query, key, value, valid, policy, scale).transpose(1, 2), None
     position = torch.cumsum(valid.long(), dim=-1) - 1  # [B, S]
+    if policy.dynamic and not kwargs.get("kvpop_dense", False):
+        # TOVA / H2O: the decode step's decisions over the sequence (a walk), then one sparse attention
+        priority = policy.priority(key, value, position.clamp(min=0)).detach()
+        with timed("kvpop.dynamic_walk"):
+            evict = dynamic_eviction_positions(query, key, position, valid, priority, cfg.sink, cfg.window, cfg.topk,
+                                               scale, policy.score)
+        out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict, cfg.sink, cfg.window,
+                                  scale, backend=kwargs.get("kvpop_backend", "auto"))
+        return out.transpose(1, 2), None
     capture = kwargs.get("kvpop_capture")
     if cfg.policy == "dms" and policy.training and not kwargs.get("kvpop_dense", False):
         # DMS learns its gates through a soft eviction mask (an additive bias), not the boolean rule

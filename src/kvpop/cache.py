@@ -33,8 +33,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
-from kvpop.ops.attention import attention_with_probs, masked_attention
-from kvpop.ops.topk import eviction_positions, mask_from_eviction
+from kvpop.ops.attention import attention_with_probs, decode_attention, sparse_attention
+from kvpop.ops.dynamic import candidate_index, dynamic_walk, eviction_from_steps
+from kvpop.ops.topk import eviction_positions
 from kvpop.policy import LayerPolicy
 
 
@@ -49,21 +50,27 @@ def cache_kwargs(model, cache: Cache) -> dict:
 class KVpopLayerCache(CacheLayerMixin):
     """One layer's slots. `keys`/`values`: [B, Hkv, slots, D]; `pos`: int64 and `pri`: float32 [B, Hkv, slots]."""
 
-    is_compileable = False
+    # static shapes, in-place updates and a tensor length: `generate` compiles the decode step as it does
+    # for `StaticCache` (on CUDA), and `kvpop.decode.Decoder` captures it
+    is_compileable = True
     is_sliding = False
 
-    def __init__(self, sink: int, window: int, topk: int):
+    def __init__(self, sink: int, window: int, topk: int, dynamic_prefill: str = "walk"):
         super().__init__()
         self.sink, self.window, self.topk = sink, window, topk
+        # how a dynamic policy (TOVA, H2O) takes a chunk: "walk" (its decisions, then one attention) or
+        # "replay" (the decode step token by token: the reference, and the path before the walk)
+        self.dynamic_prefill = dynamic_prefill
         self.slots = sink + window + topk
         self.pos: Tensor | None = None
         self.pri: Tensor | None = None
         self.seen: Tensor | None = None  # [B] real tokens so far, per row
         self.state: tuple[Tensor, ...] | None = None  # a stateful policy's memory, batch first (made on first use)
-        self.processed = 0  # tokens given to the model so far, padding included (what generate counts)
-        # while True, `update` leaves `processed` alone: a compiled step would otherwise specialise on
-        # (and recompile for) every value of this Python int; `KVpopCache.static_length` sets it
-        self.frozen = False
+        # tokens given to the model so far, padding included (what generate counts): an int64 scalar tensor
+        # updated in place, so a compiled step neither specialises on it nor recompiles as it grows
+        self.length: Tensor | None = None
+        # True until the first token is inserted: a chunk into empty slots attends its own tokens only
+        self.fresh = True
         # the compiled `decode_step` this layer decodes with (`KVpopCache.fuse`), or None: eager
         self.fused = None
 
@@ -83,24 +90,49 @@ class KVpopLayerCache(CacheLayerMixin):
         )
         self._views()
         self.seen = torch.zeros(B, dtype=torch.long, **kw)
+        self._length(key_states.device)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
+        if not torch.compiler.is_compiling():
+            # fixed addresses: a compiled step with CUDA graphs updates these in place instead of copying them
+            for t in self.static_tensors():
+                torch._dynamo.mark_static_address(t)
+
+    def _length(self, device) -> Tensor:
+        if self.length is None:
+            self.length = torch.zeros((), dtype=torch.long, device=device)
+        return self.length
 
     def _views(self) -> None:
         self.keys, self.values, self.pos, self.pri = (b[:, :, : self.slots] for b in self.buffers)
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         # the real work needs priorities and padding, which only the attention call has: see `attend`
-        if not self.frozen:
-            self.processed += key_states.shape[-2]
+        self._length(key_states.device).add_(key_states.shape[-2])
         return key_states, value_states
 
-    def get_seq_length(self) -> int:
-        return self.processed
+    def get_seq_length(self) -> Tensor | int:
+        """Tokens given so far (padding included): an int64 scalar tensor, as `StaticCache` returns in transformers 5.2x."""
+        return 0 if self.length is None else self.length
+
+    @property
+    def processed(self) -> int:
+        """`get_seq_length()` as a Python int (a host sync)."""
+        return 0 if self.length is None else int(self.length)
+
+    @processed.setter
+    def processed(self, value: int) -> None:
+        self.fresh = self.fresh and value == 0
+        if self.length is None:
+            self.length = torch.tensor(value, dtype=torch.long, device=self.seen.device if self.seen is not None else None)
+        else:
+            self.length.fill_(value)
 
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        # `update` hands the attention only the new tokens (the slots are the cache's business): kv length = q,
+        # static while decoding
         q = query_length if isinstance(query_length, int) else query_length.shape[-1]
-        return self.processed + q, 0
+        return q, 0
 
     def get_max_length(self) -> int:
         return -1
@@ -116,7 +148,9 @@ class KVpopLayerCache(CacheLayerMixin):
             self.pri.fill_(float("-inf"))
             self.seen.zero_()
         self.state = None
-        self.processed = 0
+        self.fresh = True
+        if self.length is not None:
+            self.length.zero_()
 
     def _map_rows(self, fn) -> None:
         """Apply `fn` to every per-row buffer (batch dim 0), the stateful policy's memory included."""
@@ -165,8 +199,9 @@ class KVpopLayerCache(CacheLayerMixin):
             priority = torch.full((B, H, C), float("-inf"), dtype=torch.float32, device=key.device)
         else:
             priority = policy.priority(policy.scorer_key(key, rope), value, position.clamp(min=0)).detach()  # [B, Hkv, C]
-        if C == 1 or policy.dynamic:
-            # dynamic policies re-rank after every token, so even a prefill runs their step semantics
+        if C == 1:
+            out = self._decode(query, key, value, position[:, 0], valid[:, 0], priority[..., 0], scale, policy, rope)
+        elif policy.dynamic and self.dynamic_prefill == "replay":
             outs = [
                 self._decode(query[:, :, j : j + 1], key[:, :, j : j + 1], value[:, :, j : j + 1],
                              position[:, j], valid[:, j], priority[..., j], scale, policy,
@@ -174,10 +209,13 @@ class KVpopLayerCache(CacheLayerMixin):
                 for j in range(C)
             ]
             out = torch.cat(outs, dim=2)
+        elif policy.dynamic:
+            out = self._dynamic_chunk(query, key, value, position, valid, priority, scale, policy)
         else:
             out = self._chunk(query, key, value, position, valid, priority, scale, policy, rope)
         # in place, like every per-step update here: a captured CUDA graph keeps the buffers' addresses
         self.seen.add_(valid.sum(-1))
+        self.fresh = False
         return out
 
     def _decode(self, query, key, value, p: Tensor, real: Tensor, pri_new: Tensor, scale: float,
@@ -263,7 +301,50 @@ class KVpopLayerCache(CacheLayerMixin):
         """Every tensor a decode step updates in place (slots, counters, the policy's memory)."""
         if not self.is_initialized:
             return []
-        return [*self.buffers, self.seen, *(self.state or ())]
+        return [*self.buffers, self.seen, self.length, *(self.state or ())]
+
+    def _dynamic_chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float,
+                       policy: LayerPolicy) -> Tensor:
+        """A dynamic policy's chunk: the decode step's decisions (`ops.dynamic.dynamic_walk`), then one attention.
+
+        The walk decides which token each step evicts (and leaves the slots exactly as token-by-token
+        decoding would); a token once evicted never returns, so those decisions are eviction
+        positions, and the chunk attends its slots and tokens under the rule's mask, as `_chunk` does.
+        """
+        s, w = self.sink, self.window
+        B, H, C, D = key.shape
+        evicted, pos, pri = dynamic_walk(query, key, self.keys, self.pos, self.pri, position, valid, priority,
+                                         s, w, self.topk, scale, policy.score)
+        new_pos = torch.where(valid, position, -1)[:, None, :].expand(B, H, C)
+        cand_pos = torch.cat([self.pos, new_pos], dim=2)  # [B, H, slots + C]
+        cand_k = torch.cat([self.keys, key.to(self.keys.dtype)], dim=2)
+        cand_v = torch.cat([self.values, value.to(self.values.dtype)], dim=2)
+        evict = eviction_from_steps(evicted, position, cand_pos)
+        out = self._chunk_attention(query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_pos >= 0, evict,
+                                    scale)
+        # the slots the walk left, filled from the candidates (empty slots stay zero)
+        src = candidate_index(pos, cand_pos)[..., None]
+        held = (pos >= 0)[..., None]
+        self.keys.copy_(torch.where(held, cand_k.gather(2, src.expand(-1, -1, -1, D)), 0.0))
+        self.values.copy_(torch.where(held, cand_v.gather(2, src.expand(-1, -1, -1, cand_v.shape[-1])), 0.0))
+        self.pos.copy_(pos)
+        self.pri.copy_(pri)
+        return out
+
+    def _chunk_attention(self, query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict,
+                         scale: float) -> Tensor:
+        """A chunk's attention over its candidates (the slots, then its tokens) under their eviction positions.
+
+        Into a fresh cache the slots are all empty: the chunk attends its own tokens, whose positions every
+        head shares (FlexAttention on CUDA rather than a dense `[chunk, slots + chunk]` mask).
+        """
+        s, w, n_slots = self.sink, self.window, self.slots
+        if self.fresh:
+            out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict[..., n_slots:], s, w,
+                                      scale)
+        else:
+            out, _ = sparse_attention(query, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict, s, w, scale)
+        return out
 
     def _chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float,
                policy: LayerPolicy, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -287,8 +368,8 @@ class KVpopLayerCache(CacheLayerMixin):
             cand_pri = cache_evidence.chunk_readout(self, query, key, value, position, valid, cand_pri, scale, policy,
                                                     rope)
         evict = eviction_positions(cand_pri, cand_pos, cand_valid, s, w, self.topk)
-        mask = mask_from_eviction(position, valid, cand_pos, cand_valid, evict, s, w)  # [B, H, C, slots + C]
-        out, _ = masked_attention(query, cand_k, cand_v, mask, scale)
+        out = self._chunk_attention(query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict,
+                                    scale)
 
         # what the rule retains after the chunk's last real token goes back into the slot layout
         last = (self.seen + valid.sum(-1) - 1)[:, None, None]  # [B, 1, 1]
@@ -371,8 +452,7 @@ def decode_step(
         buf.scatter_(2, d, new.to(buf.dtype))
     occupied = pos >= 0
     if not with_probs:
-        out, _ = masked_attention(query, keys, values, occupied[:, :, None, :], scale)
-        return out, None
+        return decode_attention(query, keys, values, occupied, scale), None
     return attention_with_probs(query, keys, values, occupied, scale)
 
 
@@ -393,12 +473,14 @@ def fused_decode_step(backend: str = "inductor"):
 
 
 class KVpopCache(Cache):
-    """The bounded cache for a model prepared by `kvpop.retrofit`; pass it as `past_key_values=`.
+    """The bounded cache for a model prepared by `kvpop.retrofit`; pass it as `cache=` (`past_key_values=` on 5.17).
 
     Memory is `layers x Hkv x (sink + window + topk)` key/value slots whatever the generation length.
+    `dynamic_prefill`: how TOVA / H2O take a prompt: "walk" (`ops.dynamic`, the default) or "replay"
+    (the decode step token by token; the same slots, slower: the reference).
     """
 
-    def __init__(self, model=None, *, config=None):
+    def __init__(self, model=None, *, config=None, dynamic_prefill: str = "walk"):
         if config is None:
             if model is None:
                 raise ValueError("KVpopCache needs the retrofitted model (or config=KVpopConfig and num_layers)")
@@ -409,14 +491,16 @@ class KVpopCache(Cache):
         if config.match_mlp_memory:
             raise ValueError("KVpopCache needs a resolved config (its effective topk): pass the retrofitted model, "
                              "or config=cfg.resolve(head_dim)")
+        if dynamic_prefill not in ("walk", "replay"):
+            raise ValueError(f"dynamic_prefill={dynamic_prefill!r} must be 'walk' or 'replay'")
         self.config = config
         config.check_layers(num_layers)
         layers = [config.for_layer(i) for i in range(num_layers)]
-        super().__init__(layers=[KVpopLayerCache(c.sink, c.window, c.topk) for c in layers])
+        super().__init__(layers=[KVpopLayerCache(c.sink, c.window, c.topk, dynamic_prefill) for c in layers])
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        return True
 
     def fuse(self, backend: str | None = "inductor") -> None:
         """Decode every layer with `decode_step` compiled (`fused_decode_step`); `None` goes back to eager.
@@ -429,22 +513,8 @@ class KVpopCache(Cache):
 
     @contextlib.contextmanager
     def static_length(self) -> Iterator[None]:
-        """Within: `get_seq_length()` stays at its value on entry, so a compiled step sees a constant.
-
-        The tokens given meanwhile are counted on exit, so `generate`-style bookkeeping is right afterwards.
-        Positions inside the cache come from the `seen` tensor, which keeps counting.
-        """
-        start = [layer.seen.clone() if layer.is_initialized else None for layer in self.layers]
-        for layer in self.layers:
-            layer.frozen = True
-        try:
-            yield
-        finally:
-            for layer, before in zip(self.layers, start):
-                layer.frozen = False
-                if before is not None:
-                    # one host sync, once per generation: the tokens decoded while frozen
-                    layer.processed += int((layer.seen - before).max())
+        """Kept for callers of earlier versions: the length is a tensor now, so a compiled step sees no changing int."""
+        yield
 
     def slots_used(self) -> list[Tensor]:
         """Per layer, the number of occupied slots per (batch row, KV head): int64 [B, Hkv]."""

@@ -175,7 +175,7 @@ def generate(args: argparse.Namespace) -> int:
     used = int(cache.slots_used()[0].max())
     print(f"[kvpop] {n_new} tokens in {elapsed:.2f} s ({n_new / elapsed:.1f} tokens/s, prefill included); "
           f"cache: {used} of {cache.config.budget} slots per layer and KV head used for "
-          f"{cache.get_seq_length()} tokens seen", file=sys.stderr)
+          f"{int(cache.get_seq_length())} tokens seen", file=sys.stderr)
     return 0
 
 
@@ -217,7 +217,7 @@ def _generate_compiled(args: argparse.Namespace, model, tokenizer, input_ids, ca
     used = int(cache.slots_used()[0].max())
     print(f"[kvpop] {n_new} tokens in {elapsed:.2f} s ({n_new / elapsed:.1f} tokens/s, prefill and compilation "
           f"included); cache: {used} of {cache.config.budget} slots per layer and KV head used for "
-          f"{cache.get_seq_length()} tokens seen", file=sys.stderr)
+          f"{int(cache.get_seq_length())} tokens seen", file=sys.stderr)
     return 0
 
 

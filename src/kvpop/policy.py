@@ -99,6 +99,9 @@ class LayerPolicy(nn.Module):
     """
 
     dynamic = False
+    score: str | None = None
+    """Dynamic policies: how a step's probabilities become priorities, one of `ops.dynamic.SCORES`; the
+    prefill walk (`ops/dynamic`) runs it, and `update` must equal `ops.dynamic.score_update(score, ...)`."""
     stateful = False
     evidence = False
     teacher_forced_only = False

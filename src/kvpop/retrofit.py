@@ -134,7 +134,12 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
 
 
 def _check_inputs(model, args, kwargs):
-    """Clear errors for inputs the rule cannot serve (empty, or longer than the model's positions)."""
+    """Clear errors for inputs the rule cannot serve (empty, or longer than the model's positions).
+
+    Skipped inside a compiled step: it would branch on the cache's length tensor (its eager prefill was checked).
+    """
+    if torch.compiler.is_compiling():
+        return None
     ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     x = ids if ids is not None else embeds
@@ -144,7 +149,7 @@ def _check_inputs(model, args, kwargs):
     if x.numel() == 0 or n == 0:
         raise ValueError(f"empty input: got {'input_ids' if ids is not None else 'inputs_embeds'} of shape {tuple(x.shape)}")
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    past = cache.get_seq_length() if cache is not None else 0
+    past = int(cache.get_seq_length()) if cache is not None else 0
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and past + n > limit:
         raise ValueError(

@@ -10,11 +10,13 @@ kvpop's earlier variant (4 sinks, a window of B/4), kept for comparison (`h2o_wi
 
 from torch import Tensor
 
+from kvpop.ops.dynamic import score_update
 from kvpop.policy import LayerPolicy
 
 
 class H2OPolicy(LayerPolicy):
     dynamic = True
+    score = "sum"
 
     def update(self, priority: Tensor, probs: Tensor, occupied: Tensor) -> Tensor:
-        return (priority + probs.sum(dim=2)).where(occupied, priority)
+        return score_update(self.score, priority, probs, occupied)

@@ -16,6 +16,7 @@ earlier variant (4 sinks, a window of B/4, per KV head), kept for comparison (`t
 from torch import Tensor
 
 from kvpop.config import KVpopConfig
+from kvpop.ops.dynamic import score_update
 from kvpop.policy import LayerPolicy
 
 
@@ -26,9 +27,9 @@ class TOVAPolicy(LayerPolicy):
         super().__init__(cfg, num_kv_heads, head_dim)
         self.head_average = cfg.tova_head_average
 
+    @property
+    def score(self) -> str:
+        return "mean" if self.head_average else "max"
+
     def update(self, priority: Tensor, probs: Tensor, occupied: Tensor) -> Tensor:
-        if self.head_average:
-            score = probs.mean(dim=(1, 2), keepdim=True)[:, 0].expand_as(priority)
-        else:
-            score = probs.amax(dim=2)
-        return score.where(occupied, priority)
+        return score_update(self.score, priority, probs, occupied)

@@ -262,7 +262,8 @@ def bench_decode(
         One dict per (context, cache kind, compiled): "cache", "compiled", "fill", "context", "batch",
         "new_tokens", "ms_per_token", "ms_min", "tokens_per_s", "prefill_s", "compile_s" (compiled rows),
         "peak_mb", "cache_mb", "memory_kind", "budget" (None for dense), "vs_dense" (latency ratio to the
-        dense row of the same "compiled"), and "error" (None, "out of memory", or the exception).
+        dense row of the same "compiled"), "no_eviction" (the budget is not below the context: nothing
+        was evicted, a warning went to stderr) and "error" (None, "out of memory", or the exception).
     """
     if fill not in ("prefill", "random"):
         raise ValueError(f"fill={fill!r} must be 'prefill' or 'random'")
@@ -276,6 +277,14 @@ def bench_decode(
     if limit is not None and max(contexts) + warmup + new_tokens > limit:
         raise ValueError(f"context {max(contexts)} + {warmup + new_tokens} decode steps exceeds the model's "
                          f"max_position_embeddings={limit}")
+    budget = None if config is None else config.budget
+    if budget is None and _is_retrofitted(model):
+        budget = model.kvpop.config.budget
+    covered = [n for n in contexts if budget is not None and budget >= n]
+    if covered and any(kind != DENSE for kind in cache_kinds):
+        print(f"kvpop bench: warning: budget {budget} is not below context {', '.join(map(str, covered))}: nothing "
+              "is evicted there, so those rows measure a dense cache of the budget's size, not KVpop "
+              "(marked no_eviction)", file=sys.stderr)
     device = torch.device(device) if device is not None else next(model.parameters()).device
     model.to(device)
     model.eval()
@@ -299,6 +308,9 @@ def bench_decode(
             torch._dynamo.reset()
     order = {kind: i for i, kind in enumerate(cache_kinds)}
     rows.sort(key=lambda r: (r["context"], order[r["cache"]], r["compiled"]))
+    for r in rows:
+        # a budget that holds the whole context evicts nothing: the row measures a dense cache of `budget` slots
+        r["no_eviction"] = r["budget"] is not None and r["budget"] >= r["context"]
     dense = {(r["context"], r["compiled"]): r["ms_per_token"] for r in rows if r["cache"] == DENSE}
     for r in rows:
         base = dense.get((r["context"], r["compiled"]))
@@ -347,13 +359,16 @@ def format_table(rows: Sequence[dict]) -> str:
             lines.append((r["cache"], str(r["context"]), fmt(r["budget"], "d"), mode(r), r["error"].splitlines()[0][:60],
                           "", "", "", "", ""))
             continue
-        lines.append((r["cache"], str(r["context"]), fmt(r["budget"], "d"), mode(r), fmt(r["ms_per_token"], ".2f"),
+        budget = fmt(r["budget"], "d") + ("*" if r.get("no_eviction") else "")
+        lines.append((r["cache"], str(r["context"]), budget, mode(r), fmt(r["ms_per_token"], ".2f"),
                       fmt(r["vs_dense"], ".2f"), fmt(r["tokens_per_s"], ".1f"), fmt(r["prefill_s"], ".2f"),
                       mb(r["cache_mb"]), mb(r["peak_mb"])))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
            for line in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
+    if any(r.get("no_eviction") for r in rows):
+        out.append("* budget not below the context: nothing was evicted (a dense cache of that size)")
     return "\n".join(out)
 
 

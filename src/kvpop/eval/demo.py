@@ -135,7 +135,7 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
         "figures": figures,
         "bench": bench_rows,
         "sample": {"problem": problem["problem"], "reference_answer": problem["answer"], "answer": answer,
-                   "budget": min(plan.budgets), "tokens_seen": cache.get_seq_length(),
+                   "budget": min(plan.budgets), "tokens_seen": int(cache.get_seq_length()),
                    "slots": cache.config.budget},
         "seconds": round(time.perf_counter() - start, 1),
         "torch": torch.__version__,
@@ -144,7 +144,7 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
     (out / "results.json").write_text(json.dumps(result, indent=2))
     (out / "table.txt").write_text(table + "\n")
     print(table)
-    print(f"\nSample answer (bounded cache, B = {min(plan.budgets)}, {cache.get_seq_length()} tokens seen):")
+    print(f"\nSample answer (bounded cache, B = {min(plan.budgets)}, {int(cache.get_seq_length())} tokens seen):")
     print(f"  problem: {problem['problem'][:300]}")
     print(f"  answer:  {answer.strip()[:600]}")
     print(f"\nplots: {', '.join(figures.values())}; everything in {out} ({result['seconds']} s)")

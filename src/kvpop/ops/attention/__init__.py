@@ -1,20 +1,35 @@
-"""Sparse attention under the retention rule: the dense-mask reference and FlexAttention.
+"""Sparse attention under the retention rule: the dense-mask reference, FlexAttention and the CPU kernels.
 
 `sparse_attention` checks nothing expensive and picks the backend: FlexAttention on CUDA (block
-mask built from the known structure), PyTorch's fused CPU kernel with the dense mask on CPU
-(FlexAttention has no backward there), and the explicit reference otherwise. Fast backends are
-imported lazily and never import the reference.
+mask built from the known structure; SDPA under the dense mask when key positions differ per head,
+as a cache's slots do), on the CPU PyTorch's fused kernel over the keys each block of queries needs
+(inference) or under the dense mask (training: FlexAttention has no backward there), and the
+explicit reference otherwise. Fast backends are imported lazily and never import the reference.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from torch import Tensor
 
-from kvpop.ops.attention.reference import attention_with_probs, masked_attention
+from kvpop.ops.attention.reference import attention_with_probs, masked_attention, slot_probs, step_probs
 
-Backend = Literal["auto", "reference", "cpu", "flex"]
+Backend = Literal["auto", "reference", "cpu", "cpu_blocks", "flex", "sdpa"]
+
+
+def decode_attention(
+    query: Tensor,  # [B, Hq, 1, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    occupied: Tensor,  # [B, Hkv, N] bool
+    scale: float,
+) -> Tensor:
+    """A decode step's attention over its occupied slots (`sdpa.decode_attention`; reference: `masked_attention`)."""
+    from kvpop.ops.attention.sdpa import decode_attention as fused
+
+    return fused(query, key, value, occupied, scale)
 
 
 def sparse_attention(
@@ -23,8 +38,8 @@ def sparse_attention(
     value: Tensor,  # [B, Hkv, N, D]
     q_pos: Tensor,  # [B, Q]
     q_valid: Tensor,  # [B, Q]
-    k_pos: Tensor,  # [B, N]
-    k_valid: Tensor,  # [B, N]
+    k_pos: Tensor,  # [B, N] or [B, Hkv, N]
+    k_valid: Tensor,  # [B, N] or [B, Hkv, N]
     evict: Tensor,  # [B, Hkv, N]
     sink: int,
     window: int,
@@ -34,29 +49,65 @@ def sparse_attention(
 ) -> tuple[Tensor, Tensor | None]:
     """Attention of each query over the keys the rule keeps for it (see `policy.mask_from_eviction`).
 
+    Key positions are shared by the heads ([B, N]: a sequence) or per KV head ([B, Hkv, N]: a cache's
+    slots followed by a chunk). Backends: "flex" (CUDA, shared positions), "sdpa" (CUDA, per-head
+    positions: `scaled_dot_product_attention` under the dense mask), "cpu_blocks" (the CPU's fused
+    kernel over the keys each block of queries needs; the CPU default when nothing needs a gradient),
+    "cpu" (the fused kernel under the dense mask; the CPU default for training), "reference".
+
     Returns:
         out [B, Hq, Q, D] and, if asked, lse float32 [B, Hq, Q].
     """
+    shared = k_pos.dim() == 2
     if backend == "auto":
         from kvpop.ops.attention.cpu import available
 
-        backend = "flex" if query.is_cuda else ("cpu" if available(query) else "reference")
+        if query.is_cuda:
+            backend = "flex" if shared else "sdpa"
+        elif available(query):
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            backend = "cpu" if grad else "cpu_blocks"
+        else:
+            backend = "reference"
     if backend == "flex":
+        if not shared:
+            raise ValueError("backend='flex' needs key positions shared by the heads ([B, N]); use 'sdpa'")
         from kvpop.ops.attention.flex import flex_sparse_attention
 
         return flex_sparse_attention(
             query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale, return_lse=return_lse
         )
-    if backend not in ("reference", "cpu"):
-        raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'cpu', 'flex'")
+    if backend == "cpu_blocks":
+        from kvpop.ops.attention.cpu import cpu_block_sparse_attention
+
+        return cpu_block_sparse_attention(
+            query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale, return_lse=return_lse
+        )
+    if backend not in ("reference", "cpu", "sdpa"):
+        raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'cpu', 'cpu_blocks', 'flex', 'sdpa'")
     from kvpop.ops.topk import mask_from_eviction
 
-    mask = mask_from_eviction(q_pos, q_valid, k_pos[:, None], k_valid[:, None], evict, sink, window)
+    if shared:
+        k_pos, k_valid = k_pos[:, None], k_valid[:, None]
+    mask = mask_from_eviction(q_pos, q_valid, k_pos, k_valid, evict, sink, window)
     if backend == "cpu":
         from kvpop.ops.attention.cpu import cpu_masked_attention
 
         return cpu_masked_attention(query, key, value, mask, scale, return_lse=return_lse)
+    if backend == "sdpa":
+        if return_lse:
+            raise ValueError("backend='sdpa' returns no lse; use 'flex' or 'reference'")
+        from kvpop.ops.attention.sdpa import sdpa_masked_attention
+
+        return sdpa_masked_attention(query, key, value, mask, scale), None
     return masked_attention(query, key, value, mask, scale, return_lse=return_lse)
 
 
-__all__ = ["attention_with_probs", "masked_attention", "sparse_attention"]
+__all__ = [
+    "attention_with_probs",
+    "decode_attention",
+    "masked_attention",
+    "slot_probs",
+    "sparse_attention",
+    "step_probs",
+]

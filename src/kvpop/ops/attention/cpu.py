@@ -47,3 +47,62 @@ def cpu_masked_attention(
     if not return_lse:
         return out, None
     return out, lse.reshape(B, Hq, Q).float().masked_fill(empty_q, float("-inf"))
+
+
+_MIN = torch.iinfo(torch.int64).min
+_MAX = torch.iinfo(torch.int64).max
+BLOCK = 256
+"""Queries per block of `cpu_block_sparse_attention`."""
+
+
+def cpu_block_sparse_attention(
+    query: Tensor,  # [B, Hq, Q, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    q_pos: Tensor,  # [B, Q]
+    q_valid: Tensor,  # [B, Q]
+    k_pos: Tensor,  # [B, N] or [B, Hkv, N]
+    k_valid: Tensor,  # [B, N] or [B, Hkv, N]
+    evict: Tensor,  # [B, Hkv, N]
+    sink: int,
+    window: int,
+    scale: float,
+    return_lse: bool = False,
+    block: int = BLOCK,
+) -> tuple[Tensor, Tensor | None]:
+    """`sparse_attention` on the CPU without the `Q x N` mask: per block of queries, only the keys alive in it.
+
+    Key `t` is visible to query `q` on `pos_t <= pos_q < alive_t` (`block_mask.alive_until`), so a block
+    of queries sees at most the `budget` keys retained at its first query plus the block's own tokens.
+    Each block gathers those keys per (batch, KV head) - padded to the largest count, the padding
+    masked - and runs the fused kernel over them: `O(Q * (budget + block))` work and mask instead of
+    `O(Q * N)`, and no causal half computed in vain. Same contract as `cpu_masked_attention` over
+    `mask_from_eviction`'s mask (rows with no key give zeros and `lse = -inf`); one host sync per block.
+    """
+    B, Hq, Q, D = query.shape
+    Hkv, N = key.shape[1], key.shape[2]
+    if k_pos.dim() == 2:
+        k_pos, k_valid = k_pos[:, None], k_valid[:, None]
+    kp = k_pos.expand(B, Hkv, N)
+    alive = torch.where(kp < sink, _MAX, torch.maximum(evict, kp + window))
+    alive = torch.where(k_valid.expand(B, Hkv, N), alive, _MIN)  # [B, Hkv, N]; invalid keys: never visible
+    q_eff = torch.where(q_valid, q_pos, _MIN)  # [B, Q]; invalid queries see nothing
+    outs, lses = [], []
+    for i in range(0, Q, block):
+        qb = q_eff[:, i : i + block]  # [B, bq]
+        q_hi = qb.amax(-1)[:, None, None]
+        q_lo = torch.where(qb > _MIN, qb, _MAX).amin(-1)[:, None, None]
+        needed = (kp <= q_hi) & (alive > q_lo)  # [B, Hkv, N]: visible to some query of the block
+        M = max(int(needed.sum(-1).amax()), 1)
+        # the needed keys first, in their order; the padding after them stays masked
+        idx = torch.sort(needed.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :M]
+        kb = key.gather(2, idx[..., None].expand(-1, -1, -1, D))
+        vb = value.gather(2, idx[..., None].expand(-1, -1, -1, value.shape[-1]))
+        kpb, ab, nb = kp.gather(2, idx), alive.gather(2, idx), needed.gather(2, idx)
+        qv = qb[:, None, :, None]
+        mask = (kpb[:, :, None, :] <= qv) & (qv < ab[:, :, None, :]) & nb[:, :, None, :]  # [B, Hkv, bq, M]
+        out, lse = cpu_masked_attention(query[:, :, i : i + block], kb, vb, mask, scale, return_lse)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs, dim=2)
+    return out, (torch.cat(lses, dim=2) if return_lse else None)

@@ -43,6 +43,38 @@ def masked_attention(
     return out, (lse.reshape(B, Hq, Q) if return_lse else None)
 
 
+def slot_probs(
+    query: Tensor,  # [B, Hkv, G, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    occupied: Tensor | None,  # [B, Hkv, N] bool
+) -> Tensor:
+    """Softmax of `query . key` over `N` slots; `query` float32 and already scaled; `occupied=None`: all slots.
+
+    The one computation the dynamic policies (TOVA, H2O) rank by: the decode step (`step_probs`) and
+    the prefill walk (`ops/dynamic/walk.py`) both call it on the same slot layout, so their decisions
+    agree bit for bit. Leaving out an all-True `occupied` changes no bit.
+
+    Returns:
+        float32 [B, Hkv, G, N], 0 on empty slots.
+    """
+    logits = torch.matmul(query, key.float().transpose(-1, -2))
+    if occupied is not None:
+        logits = logits.masked_fill(~occupied[:, :, None], float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def step_probs(
+    query: Tensor,  # [B, Hq, 1, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    occupied: Tensor,  # [B, Hkv, N] bool
+    scale: float,
+) -> Tensor:
+    """The attention probabilities of one query per row over `N` slots, float32 [B, Hkv, G, N] (`slot_probs`)."""
+    B, Hq, _, D = query.shape
+    Hkv = key.shape[1]
+    return slot_probs(query.reshape(B, Hkv, Hq // Hkv, D).float() * scale, key, occupied)
+
+
 def attention_with_probs(
     query: Tensor,  # [B, Hq, 1, D]
     key: Tensor,  # [B, Hkv, N, D]
@@ -56,9 +88,6 @@ def attention_with_probs(
         out [B, Hq, 1, D] and probs float32 [B, Hkv, G, N] (0 on empty slots).
     """
     B, Hq, _, D = query.shape
-    Hkv = key.shape[1]
-    q = query.reshape(B, Hkv, Hq // Hkv, D).float()
-    logits = torch.einsum("bhgd,bhnd->bhgn", q, key.float()) * scale
-    probs = torch.softmax(logits.masked_fill(~occupied[:, :, None], float("-inf")), dim=-1)
+    probs = step_probs(query, key, occupied, scale)
     out = torch.einsum("bhgn,bhnd->bhgd", probs, value.float()).to(query.dtype)
     return out.reshape(B, Hq, 1, D), probs

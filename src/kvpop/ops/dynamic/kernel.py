@@ -1,0 +1,200 @@
+"""The dynamic policies' prefill walk in Triton: a program per row of slots walks the positions.
+
+Same decisions as `walk.dynamic_walk_torch` (the reference of this kernel), for every score: "max"
+(TOVA) and "sum" (H2O) with a program per (batch, KV head); "mean" (TOVA averaged over all query
+heads of the layer) with a program per batch row, since all KV heads of a row then hold the same
+slots (the program averages the heads' probabilities).
+
+The walk goes in blocks of `BLOCK_C` tokens. Per block, one batched GEMM (cuBLAS, float32) gives the
+logits of the block's queries against its candidates: the slots as they are at the block's start
+(column `n` = slot `n`) followed by the block's own tokens (column `N + j`). Then one launch walks
+the block with the slots' positions, priorities and candidate columns in registers. Per token it
+moves the token leaving the window (to the weakest long-range slot or out), inserts the new token,
+reads the query's logits at its slots' columns (`G x N` floats from L2), and updates every priority
+from the softmax over the occupied slots. After the block the slot keys are gathered from the
+candidates for the next one.
+
+Its floats are its own (a blocked GEMM and another softmax order than PyTorch's per-token matmul),
+so it can differ from the torch walk where two priorities are within rounding of each other; exact
+ties (equal keys, uniform attention) it resolves identically (newer token wins). Triton is optional:
+`available()` says whether this path can run (CUDA, or Triton's interpreter on the CPU with
+`TRITON_INTERPRET=1`, which is how the CPU tests check it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs have no Triton; the torch walk serves them
+    triton = None
+
+SCORES = {"max": 0, "sum": 1, "mean": 2}
+"""The scores this kernel implements, as its `SCORE` constant."""
+
+
+def available(t: Tensor) -> bool:
+    """Whether the kernel can run on `t`'s device: Triton on CUDA, or Triton's interpreter on CPU."""
+    if triton is None:
+        return False
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+BLOCK_C = 256
+"""Tokens per launch: the logits of a block are `B x Hkv x G x BLOCK_C x (N + BLOCK_C)` float32."""
+
+
+if triton is not None:
+
+    @triton.jit
+    def dynamic_walk_fwd_kernel(
+        l_ptr,  # [B, H, G, CB, N + CB] float32: the block's logits over its candidates
+        pos_ptr,  # [B, H, N] int64, in and out
+        pri_ptr,  # [B, H, N] float32, in and out
+        col_ptr,  # [B, H, N] int64, out: each slot's candidate column after the block
+        position_ptr,  # [B, C] int64, the block's tokens
+        valid_ptr,  # [B, C] int8
+        new_pri_ptr,  # [B, H, C] float32
+        ev_ptr,  # [B, H, C] int64, out
+        C, CB, H, N, SINK, WINDOW, TOPK,
+        G: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, SCORE: tl.constexpr, NH: tl.constexpr,
+    ):
+        # the row of slots this program walks: (batch, KV head), or with SCORE 2 (mean) the batch row's
+        # first head, whose slots every head of the row shares; NH heads' probabilities are read
+        if SCORE == 2:
+            i_b = tl.program_id(0)
+            i_bh = i_b * H
+        else:
+            i_bh = tl.program_id(0)
+            i_b = i_bh // H
+        o_n = tl.arange(0, BN)
+        o_g = tl.arange(0, BG)
+        m_n = o_n < N
+        m_g = o_g < G
+        M = N + CB
+        p_pos = pos_ptr + i_bh.to(tl.int64) * N + o_n
+        p_pri = pri_ptr + i_bh.to(tl.int64) * N + o_n
+        b_pos = tl.load(p_pos, mask=m_n, other=-1)  # [BN]
+        b_pri = tl.load(p_pri, mask=m_n, other=float("-inf"))  # [BN]
+        b_col = o_n.to(tl.int64)  # [BN] slot n starts in candidate column n
+        top = m_n & (o_n >= SINK + WINDOW)  # [BN] the long-range slots
+        j = 0
+        # a while loop: Triton's interpreter cannot `range` over a runtime bound
+        while j < C:
+            p = tl.load(position_ptr + i_b.to(tl.int64) * C + j)
+            real = tl.load(valid_ptr + i_b.to(tl.int64) * C + j) != 0
+            slot = tl.where(p < SINK, tl.maximum(p, 0), SINK + tl.maximum(p - SINK, 0) % WINDOW)
+            at = o_n == slot
+            leave_pos = tl.sum(tl.where(at, b_pos, 0))
+            leave_pri = tl.sum(tl.where(at, b_pri, 0.0))
+            leave_col = tl.sum(tl.where(at, b_col, 0))
+            leaving = real & (p >= SINK + WINDOW)
+            # the weakest long-range slot: lowest priority, then oldest, then first; empty slots (-inf, -1) first
+            weakest_pri = tl.min(tl.where(top, b_pri, float("inf")))
+            ties = top & (b_pri == weakest_pri)
+            weakest_pos = tl.min(tl.where(ties, b_pos, 1 << 62))
+            widx = tl.min(tl.where(ties & (b_pos == weakest_pos), o_n, BN))
+            # the leaving token is newer than every long-range token: it wins ties; a -inf token never enters
+            promote = leaving & (TOPK > 0) & (leave_pri >= weakest_pri) & (leave_pri > float("-inf"))
+            gone = tl.where(promote, weakest_pos, leave_pos)
+            tl.store(ev_ptr + i_bh.to(tl.int64) * C + j, tl.where(leaving, gone, -1))
+            moved = promote & (o_n == widx)
+            b_pos = tl.where(moved, leave_pos, b_pos)
+            b_pri = tl.where(moved, leave_pri, b_pri)
+            b_col = tl.where(moved, leave_col, b_col)
+            # the new token takes its sink or window-ring slot
+            here = real & at
+            b_pos = tl.where(here, p, b_pos)
+            b_pri = tl.where(here, tl.load(new_pri_ptr + i_bh.to(tl.int64) * C + j), b_pri)
+            b_col = tl.where(here, N + j, b_col)
+            # the query's probabilities over the occupied slots, from its logits at the slots' columns
+            occupied = m_n & (b_pos >= 0)
+            b_acc = tl.zeros([BN], dtype=tl.float32)
+            for h in tl.static_range(NH):
+                p_l = l_ptr + (((i_bh + h).to(tl.int64) * G + o_g[:, None]) * CB + j) * M + b_col[None, :]
+                b_s = tl.load(p_l, mask=m_g[:, None] & occupied[None, :], other=float("-inf"))  # [BG, BN]
+                b_m = tl.max(b_s, axis=1)  # [BG]
+                b_e = tl.exp(b_s - b_m[:, None])
+                b_p = b_e / tl.sum(b_e, axis=1)[:, None]
+                if SCORE == 0:
+                    b_acc = tl.max(tl.where(m_g[:, None], b_p, float("-inf")), axis=0)
+                else:
+                    b_acc += tl.sum(tl.where(m_g[:, None], b_p, 0.0), axis=0)
+            if SCORE == 0:
+                b_new_pri = b_acc
+            elif SCORE == 1:
+                b_new_pri = b_pri + b_acc
+            else:
+                b_new_pri = b_acc / (NH * G)
+            b_pri = tl.where(real & occupied, b_new_pri, b_pri)
+            j += 1
+        tl.store(p_pos, b_pos, mask=m_n)
+        tl.store(p_pri, b_pri, mask=m_n)
+        tl.store(col_ptr + i_bh.to(tl.int64) * N + o_n, b_col, mask=m_n)
+
+
+def dynamic_walk_triton(
+    query: Tensor,  # [B, Hq, C, D]
+    key: Tensor,  # [B, H, C, D]
+    slot_keys: Tensor,  # [B, H, N, D]
+    slot_pos: Tensor,  # [B, H, N]
+    slot_pri: Tensor,  # [B, H, N]
+    position: Tensor,  # [B, C]
+    valid: Tensor,  # [B, C]
+    priority: Tensor,  # [B, H, C]
+    sink: int,
+    window: int,
+    topk: int,
+    scale: float,
+    score: str,
+    block: int = BLOCK_C,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """See `ops.dynamic.dynamic_walk`."""
+    if triton is None:
+        raise RuntimeError("the Triton walk needs `triton` (pip install triton)")
+    if score not in SCORES:
+        raise ValueError(f"score={score!r} must be one of {tuple(SCORES)}")
+    mean = score == "mean"
+    if mean and not (torch.equal(slot_pos, slot_pos[:, :1].expand_as(slot_pos))
+                     and torch.equal(slot_pri, slot_pri[:, :1].expand_as(slot_pri))):
+        raise ValueError("score='mean' ranks alike in every KV head, but these slots differ between heads; "
+                         "use backend='torch'")
+    B, Hq, C, D = query.shape
+    H, N = key.shape[1], slot_pos.shape[-1]
+    G = Hq // H
+    q = query.reshape(B, H, G, C, D).float() * scale
+    keys = slot_keys.float()
+    pos = slot_pos.to(torch.int64).contiguous().clone()
+    pri = slot_pri.float().contiguous().clone()
+    col = torch.empty_like(pos)
+    ev = torch.full((B, H, C), -1, dtype=torch.int64, device=key.device)
+    position = position.to(torch.int64)
+    valid = valid.to(torch.int8)
+    priority = priority.float()
+    BN = triton.next_power_of_2(max(N, 1))
+    warps = 4 if BN <= 512 else (8 if BN <= 1024 else 16)
+    for c0 in range(0, C, block):
+        cb = min(block, C - c0)
+        cand = torch.cat([keys, key[:, :, c0 : c0 + cb].float()], dim=2)  # [B, H, N + cb, D]
+        # [B, H, G, cb, N + cb]
+        logits = torch.matmul(q[:, :, :, c0 : c0 + cb], cand[:, :, None].transpose(-1, -2)).contiguous()
+        evb = torch.empty(B, H, cb, dtype=torch.int64, device=key.device)
+        dynamic_walk_fwd_kernel[(B,) if mean else (B * H,)](
+            logits, pos, pri, col, position[:, c0 : c0 + cb].contiguous(), valid[:, c0 : c0 + cb].contiguous(),
+            priority[:, :, c0 : c0 + cb].contiguous(), evb,
+            cb, cb, H, N, sink, window, topk,
+            G=G, BG=triton.next_power_of_2(G), BN=BN, SCORE=SCORES[score], NH=H if mean else 1, num_warps=warps,
+        )
+        if mean:
+            # the program walked each row's first head; the others hold the same slots
+            for t in (pos, pri, col, evb):
+                t[:, 1:] = t[:, :1]
+        ev[:, :, c0 : c0 + cb] = evb
+        # the slots' keys for the next block; an empty slot's key is never read (its logit is masked)
+        keys = cand.gather(2, col[..., None].expand(-1, -1, -1, D))
+    return ev, pos, pri

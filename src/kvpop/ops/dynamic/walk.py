@@ -1,0 +1,112 @@
+"""The dynamic policies' prefill walk in PyTorch: the decode step's decisions with few operations per token.
+
+Same contract and the same floats as `reference.dynamic_walk_reference` (so the slots equal a
+token-by-token replay bit for bit), but per token it runs only what a decision needs (about 20 small
+operations instead of the decode step's 70): no values and no attention output; every index, view,
+scaled query and per-token input prepared once per chunk; the decision skipped at steps where no row
+has a token leaving the window; the occupancy mask dropped once every slot is taken (it then changes
+no bit); padding handled only when a chunk has any. The loop over positions remains, since each
+decision depends on the last; everything inside it is vectorised over the batch and the heads.
+The chunk's attention output is computed afterwards, in one sparse-attention call.
+
+Why the comparison with the weakest slot needs no position tie-break: the token leaving the window is
+newer than every long-range token (those left the window earlier), so under "ties go to the newer
+token" it wins every tie; the reference's two-part comparison reduces to `leave_pri >= weakest_pri`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvpop.ops.attention.reference import slot_probs
+from kvpop.ops.dynamic.score import Score, score_update
+
+_LAST = torch.iinfo(torch.long).max
+
+
+def dynamic_walk_torch(
+    query: Tensor,  # [B, Hq, C, D]
+    key: Tensor,  # [B, H, C, D]
+    slot_keys: Tensor,  # [B, H, N, D]
+    slot_pos: Tensor,  # [B, H, N]
+    slot_pri: Tensor,  # [B, H, N]
+    position: Tensor,  # [B, C]
+    valid: Tensor,  # [B, C]
+    priority: Tensor,  # [B, H, C]
+    sink: int,
+    window: int,
+    topk: int,
+    scale: float,
+    score: Score,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """See `ops.dynamic.dynamic_walk`."""
+    s, w, k = sink, window, topk
+    B, Hq, C, D = query.shape
+    H, N = key.shape[1], slot_pos.shape[-1]
+    G = Hq // H
+    dev = key.device
+    # the decode step's buffers (the slots and a scratch slot), so `slot_probs` sees the same layout
+    keys = torch.cat([slot_keys, slot_keys.new_zeros(B, H, 1, D)], dim=2)
+    pos = torch.cat([slot_pos, slot_pos.new_full((B, H, 1), -1)], dim=2)
+    pri = torch.cat([slot_pri.float(), slot_pri.new_full((B, H, 1), float("-inf"), dtype=torch.float32)], dim=2)
+    keys_n, pos_n, pri_n = keys[:, :, :N], pos[:, :, :N], pri[:, :, :N]
+    # the long-range slots followed by the scratch slot: a write to index `k` of these views is dropped
+    keys_top, pos_top, pri_top = keys[:, :, s + w :], pos[:, :, s + w :], pri[:, :, s + w :]
+    top_pos, top_pri = pos[:, :, s + w : N], pri[:, :, s + w : N]
+
+    # per-token inputs, prepared once; each list holds C views
+    slot = torch.where(position < s, position.clamp(min=0), s + (position - s).clamp(min=0) % w)  # [B, C]
+    padded = not bool(valid.all())  # host syncs: a few per chunk, none per token
+    leaving = valid & (position >= s + w)  # [B, C]
+    decide = leaving.any(0).tolist()
+    # a token of priority -inf never takes a long-range slot: only then is that test needed
+    finite = bool((priority > float("-inf")).all()) and bool(((slot_pri > float("-inf")) | (slot_pos < 0)).all())
+    # once a row's position reaches N - 1 its slots may be full; checked from there until they are
+    may_fill = (position.amin(0) >= N - 1).tolist()
+    dst = torch.where(valid, slot, N) if padded else slot
+    idx = slot[:, None, :, None].expand(B, H, C, 1).unbind(2)  # [B, H, 1] each
+    idx4 = slot[:, None, :, None, None].expand(B, H, C, 1, D).unbind(2)  # [B, H, 1, D]
+    dst1 = dst[:, None, :, None].expand(B, H, C, 1).unbind(2)
+    dst4 = dst[:, None, :, None, None].expand(B, H, C, 1, D).unbind(2)
+    leave = leaving[:, None, :, None].unbind(2)  # [B, 1, 1]
+    real = valid[:, None, :, None].unbind(2)
+    new_key = key.to(keys.dtype)[:, :, :, None].unbind(2)  # [B, H, 1, D]
+    new_pos = position[:, None, :, None].expand(B, H, C, 1).unbind(2)
+    new_pri = priority.float()[..., None].unbind(2)
+    # the decode step scales each query (elementwise: the same bits for the whole chunk at once)
+    queries = (query.reshape(B, H, G, C, D).float() * scale).transpose(2, 3).contiguous().unbind(2)  # [B, H, G, D]
+    last = torch.tensor(_LAST, device=dev)
+    scratch = torch.tensor(k, device=dev)
+    evicted = torch.full((B, H, C, 1), -1, dtype=torch.long, device=dev)
+    ev = evicted.unbind(2)
+    full = False
+
+    for j in range(C):
+        if decide[j]:
+            leave_pos, leave_pri = pos.gather(2, idx[j]), pri.gather(2, idx[j])
+            if k > 0:
+                weakest_pri = top_pri.amin(-1, keepdim=True)
+                # among equal weakest priorities the older token is weaker; empty slots (-inf, -1) go first
+                widx = torch.where(top_pri == weakest_pri, top_pos, last).argmin(-1, keepdim=True)
+                promote = (leave_pri >= weakest_pri) & leave[j]
+                if not finite:
+                    promote &= leave_pri > float("-inf")
+                torch.where(promote, top_pos.gather(2, widx), leave_pos, out=ev[j])
+                to = torch.where(promote, widx, scratch)
+                keys_top.scatter_(2, to[..., None].expand(B, H, 1, D), keys.gather(2, idx4[j]))
+                pos_top.scatter_(2, to, leave_pos)
+                pri_top.scatter_(2, to, leave_pri)
+            else:
+                ev[j].copy_(leave_pos)
+            if padded:
+                ev[j].masked_fill_(~leave[j], -1)
+        keys.scatter_(2, dst4[j], new_key[j])
+        pos.scatter_(2, dst1[j], new_pos[j])
+        pri.scatter_(2, dst1[j], new_pri[j])
+        if not full and may_fill[j]:
+            full = bool((pos_n >= 0).all())
+        occupied = None if full else pos_n >= 0
+        updated = score_update(score, pri_n, slot_probs(queries[j], keys_n, occupied), occupied)
+        pri_n.copy_(torch.where(real[j], updated, pri_n) if padded else updated)
+    return evicted[..., 0], pos_n, pri_n

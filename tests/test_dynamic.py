@@ -1,0 +1,289 @@
+"""The dynamic policies' prefill walk (`ops/dynamic`) against today's path: the decode step, token by token.
+
+The claim: a chunk prefilled through the walk leaves the cache's slots (keys, values, positions,
+priorities) *bit for bit* as feeding the same tokens one at a time through `KVpopLayerCache`'s decode
+step does, its eviction record is what that replay evicts, and its output equals the replay's up to
+float rounding. Inputs include exact ties (duplicate and all-zero keys), odd sizes, the paper's splits
+(sink 0 / window 1), left padding and several chunks in a row.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kvpop
+from helpers import assert_close
+from kvpop.baselines import make_policy
+from kvpop.cache import KVpopLayerCache
+from kvpop.ops.attention import sparse_attention
+from kvpop.ops.dynamic import (
+    NEVER,
+    dynamic_eviction_positions,
+    dynamic_walk,
+    eviction_from_steps,
+    score_update,
+)
+
+OUT_ATOL = 2e-5  # the chunk's attention output against the replay's per-step outputs, float32
+
+POLICIES = {"tova": dict(policy="tova"), "tova-mean": dict(policy="tova", tova_head_average=True),
+            "h2o": dict(policy="h2o")}
+# (sink, window, topk): the defaults in small, the paper's TOVA (0, 1, B - 1) and H2O (0, B/2, B/2) splits,
+# no long-range slots, a budget above the sequence
+SPLITS = [(2, 3, 9), (0, 1, 7), (0, 5, 5), (3, 2, 0), (4, 30, 30)]
+
+
+def _inputs(B, Hkv, G, S, D, ties: str | None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, S, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    if ties == "duplicates":
+        # every third key repeats an earlier one, and queries repeat in pairs: exactly equal probabilities
+        k[:, :, 2::3] = k[:, :, 0:1]
+        k[:, :, 4::5] = k[:, :, 1:2]
+        q[:, :, 1::2] = q[:, :, 0::2][:, :, : S // 2]
+    elif ties == "zeros":
+        # uniform attention: every priority ties, so age alone decides
+        k.zero_()
+    return q, k, v
+
+
+def _layer_and_policy(sink, window, topk, Hkv, D, **policy):
+    cfg = kvpop.KVpopConfig(sink=sink, window=window, topk=topk, **policy)
+    return KVpopLayerCache(sink, window, topk), make_policy(cfg, Hkv, D)
+
+
+def _replay(layer, policy, q, k, v, valid, scale):
+    """Today's path: one `attend` per token (the decode step). Returns outputs [B, Hq, S, D], slots after each step."""
+    outs, held = [], []
+    for j in range(q.shape[2]):
+        outs.append(layer.attend(q[:, :, j : j + 1], k[:, :, j : j + 1], v[:, :, j : j + 1], valid[:, j : j + 1],
+                                 policy, scale))
+        held.append(layer.pos.clone())
+    return torch.cat(outs, 2), held
+
+
+def _state(layer):
+    return [t.clone() for t in (layer.keys, layer.values, layer.pos, layer.pri, layer.seen)]
+
+
+def _assert_same_state(a, b, what):
+    for name, x, y in zip(("keys", "values", "pos", "pri", "seen"), a, b):
+        assert torch.equal(x, y), f"{what}: {name} differ"
+
+
+def _left_padded(B, S, seed):
+    """bool [B, S]: row 0 full, the others left-padded by a few tokens."""
+    g = torch.Generator().manual_seed(seed)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    for b in range(1, B):
+        valid[b, : int(torch.randint(1, max(2, S // 3), (1,), generator=g))] = False
+    return valid
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("sink,window,topk", SPLITS)
+@pytest.mark.parametrize("ties", [None, "duplicates", "zeros"])
+@torch.no_grad()
+def test_one_chunk_equals_the_token_by_token_replay(name, sink, window, topk, ties):
+    B, Hkv, G, S, D = 2, 2, 3, 41, 8
+    q, k, v = _inputs(B, Hkv, G, S, D, ties)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    scale = D**-0.5
+    replay, policy = _layer_and_policy(sink, window, topk, Hkv, D, **POLICIES[name])
+    want, held = _replay(replay, policy, q, k, v, valid, scale)
+    fast, _ = _layer_and_policy(sink, window, topk, Hkv, D, **POLICIES[name])
+    got = fast.attend(q, k, v, valid, policy, scale)
+    _assert_same_state(_state(fast), _state(replay), f"{name} {sink}/{window}/{topk} {ties}")
+    assert_close(got, want, OUT_ATOL, "chunk output")
+    # the walk's eviction record is what the replay evicted: gone from the slots at that step, never back
+    position = torch.arange(S)[None].expand(B, S)
+    evict = dynamic_eviction_positions(q, k, position, valid, torch.zeros(B, Hkv, S), sink, window, topk, scale,
+                                       policy.score)
+    present = torch.stack(held, -1)[..., None, :] == torch.arange(S)[:, None]  # [B, H, N, token, step]
+    present = present.any(2) | (torch.arange(S)[:, None] > torch.arange(S))  # not yet inserted counts as present
+    gone = torch.where(present.all(-1), NEVER, (~present).long().argmax(-1))
+    assert torch.equal(evict, gone)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("sink,window,topk", [(2, 3, 9), (0, 1, 7), (0, 4, 4), (1, 2, 0)])
+@pytest.mark.parametrize("split", [(17, 30, 1, 1, 1, 13), (1, 5, 40, 1, 1, 15)], ids=str)
+@torch.no_grad()
+def test_chunks_and_decode_steps_with_left_padding(name, sink, window, topk, split):
+    B, Hkv, G, D = 3, 2, 2, 16
+    S = sum(split)
+    q, k, v = _inputs(B, Hkv, G, S, D, "duplicates", seed=1)
+    valid = _left_padded(B, S, seed=2)
+    scale = D**-0.5
+    replay, policy = _layer_and_policy(sink, window, topk, Hkv, D, **POLICIES[name])
+    want, _ = _replay(replay, policy, q, k, v, valid, scale)
+    fast, _ = _layer_and_policy(sink, window, topk, Hkv, D, **POLICIES[name])
+    outs, start = [], 0
+    for n in split:
+        sl = slice(start, start + n)
+        outs.append(fast.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl], policy, scale))
+        start += n
+    _assert_same_state(_state(fast), _state(replay), f"{name} {split}")
+    got = torch.cat(outs, 2)
+    real = valid[:, None, :, None].expand_as(got)
+    assert_close(got[real], want[real], OUT_ATOL, "outputs at real tokens")
+
+
+@pytest.mark.parametrize("score", ["max", "mean", "sum"])
+@pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk", [
+    (1, 1, 1, 1, 4, 0, 1, 0), (2, 3, 1, 37, 4, 1, 1, 5), (1, 2, 4, 100, 8, 0, 50, 50), (2, 1, 2, 70, 8, 3, 7, 11),
+])
+@pytest.mark.parametrize("neg_inf", [False, True])
+def test_torch_walk_equals_the_reference_walk(score, B, Hkv, G, S, D, sink, window, topk, neg_inf):
+    # the op level, with arbitrary slots before the chunk and -inf priorities (never promoted)
+    g = torch.Generator().manual_seed(S)
+    q, k, v = _inputs(B, Hkv, G, S, D, None, seed=S)
+    N = sink + window + topk
+    valid = _left_padded(B, S, seed=3)
+    seen = torch.randint(0, 2 * N, (B,), generator=g)
+    position = seen[:, None] + valid.long().cumsum(-1) - 1
+    # slots as decoding leaves them: fill a layer by a replay of `seen` random tokens first
+    layer, policy = _layer_and_policy(sink, window, topk, Hkv, D, policy="h2o" if score == "sum" else "tova",
+                                      tova_head_average=score == "mean")
+    m = int(seen.max())
+    pre_valid = torch.arange(m)[None] >= (m - seen)[:, None]
+    if m:
+        _replay(layer, policy, *_inputs(B, Hkv, G, m, D, None, seed=S + 1), pre_valid, D**-0.5)
+    priority = torch.zeros(B, Hkv, S)
+    if neg_inf:
+        priority = torch.where(torch.rand(B, Hkv, S, generator=g) < 0.3, float("-inf"), priority)
+    args = (q, k, layer.keys, layer.pos, layer.pri, position, valid, priority, sink, window, topk, D**-0.5, score)
+    want = dynamic_walk(*args, backend="reference")
+    got = dynamic_walk(*args, backend="torch")
+    for a, b, what in zip(got, want, ("evicted", "pos", "pri")):
+        assert torch.equal(a, b), what
+
+
+def test_eviction_from_steps():
+    evicted = torch.tensor([[[-1, 3, -1, 0, 5]]])
+    position = torch.tensor([[10, 11, 12, 13, 14]])
+    cand = torch.tensor([[[0, 1, 3, 5, 7, -1]]])
+    assert eviction_from_steps(evicted, position, cand).tolist() == [[[13, NEVER, 11, 14, NEVER, NEVER]]]
+
+
+def test_bad_inputs_are_refused():
+    q, k = torch.zeros(1, 4, 5, 8), torch.zeros(1, 2, 5, 8)
+    slots = (torch.zeros(1, 2, 6, 8), torch.full((1, 2, 6), -1), torch.zeros(1, 2, 6))
+    pos, valid, pri = torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool), torch.zeros(1, 2, 5)
+    with pytest.raises(ValueError, match="sink \\+ window \\+ topk"):
+        dynamic_walk(q, k, *slots, pos, valid, pri, 1, 2, 2, 1.0, "max")
+    with pytest.raises(ValueError, match="score="):
+        dynamic_walk(q, k, *slots, pos, valid, pri, 1, 2, 3, 1.0, "median")
+    with pytest.raises(ValueError, match="backend="):
+        dynamic_walk(q, k, *slots, pos, valid, pri, 1, 2, 3, 1.0, "max", backend="cuda")
+    with pytest.raises(ValueError, match="multiple"):
+        dynamic_walk(torch.zeros(1, 3, 5, 8), k, *slots, pos, valid, pri, 1, 2, 3, 1.0, "max")
+    with pytest.raises(ValueError, match="score="):
+        score_update("median", pri, torch.zeros(1, 2, 1, 5), torch.ones(1, 2, 5, dtype=torch.bool))
+
+
+@torch.no_grad()
+def test_teacher_forced_sparse_attention_equals_the_replay():
+    # the teacher-forced path (attention.py): eviction positions, then FlexAttention / the CPU kernel
+    B, Hkv, G, S, D = 2, 2, 2, 50, 8
+    q, k, v = _inputs(B, Hkv, G, S, D, "duplicates", seed=4)
+    valid = _left_padded(B, S, seed=5)
+    position = valid.long().cumsum(-1) - 1
+    layer, policy = _layer_and_policy(0, 1, 9, Hkv, D, policy="tova", tova_head_average=True)
+    want, _ = _replay(layer, policy, q, k, v, valid, D**-0.5)
+    evict = dynamic_eviction_positions(q, k, position, valid, torch.zeros(B, Hkv, S), 0, 1, 9, D**-0.5, "mean")
+    got, _ = sparse_attention(q, k, v, position, valid, position, valid, evict, 0, 1, D**-0.5)
+    real = valid[:, None, :, None].expand_as(got)
+    assert_close(got[real], want[real], OUT_ATOL, "teacher-forced")
+
+
+# --- the Triton walk (ops/dynamic/kernel.py): under Triton's interpreter on the CPU, natively on CUDA ---
+
+TRITON_CHECK = textwrap.dedent(
+    """
+    import torch
+    from kvpop.ops.dynamic import dynamic_walk
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def case(B, H, G, C, D, s, w, k, score, ties, pad, seed):
+        g = torch.Generator().manual_seed(seed)
+        q, key = torch.randn(B, H * G, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
+        if ties == "duplicates":
+            key[:, :, 2::3] = key[:, :, 0:1]
+        elif ties == "zeros":
+            key.zero_()
+        valid = torch.ones(B, C, dtype=torch.bool)
+        if pad:
+            valid[-1, : C // 4] = False
+        # slots before the chunk: a first walk over an empty cache, then this chunk from where it left off
+        N = s + w + k
+        slots = (torch.zeros(B, H, N, D), torch.full((B, H, N), -1), torch.full((B, H, N), float("-inf")))
+        position = valid.long().cumsum(-1) - 1
+        half = C // 2
+        first = dynamic_walk(q[:, :, :half], key[:, :, :half], *slots, position[:, :half], valid[:, :half],
+                             torch.zeros(B, H, half), s, w, k, D**-0.5, score, backend="torch")
+        keys = torch.zeros(B, H, N, D)  # the slot keys are not the walk's business; any values do for the check
+        args = [t.to(device) for t in (q[:, :, half:], key[:, :, half:], keys, first[1], first[2], position[:, half:],
+                                       valid[:, half:], torch.zeros(B, H, C - half))]
+        want = dynamic_walk(*args, s, w, k, D**-0.5, score, backend="torch")
+        got = dynamic_walk(*args, s, w, k, D**-0.5, score, backend="triton")
+        what = (B, H, G, C, D, s, w, k, score, ties, pad, seed)
+        # several launches: blocks of 8 tokens
+        from kvpop.ops.dynamic.kernel import dynamic_walk_triton
+        blocks = dynamic_walk_triton(*args, s, w, k, D**-0.5, score, block=8)
+        assert torch.equal(blocks[0], got[0]) and torch.equal(blocks[1], got[1]), what
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), what
+        assert (got[2] - want[2]).abs().max() <= 1e-5 * max(1.0, float(want[2].abs().max())), what
+
+    for i, (B, H, G, C, D, s, w, k) in enumerate(SHAPES):
+        for score in ("max", "sum", "mean"):
+            case(B, H, G, C, D, s, w, k, score, (None, "duplicates", "zeros")[i % 3], pad=i % 2 == 1, seed=i)
+    print("ok")
+    """
+)
+
+
+def _run_triton_check(shapes) -> None:
+    code = TRITON_CHECK.replace("SHAPES", repr(shapes))
+    if torch.cuda.is_available():
+        exec(compile(code, "<triton walk check>", "exec"), {})
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+
+
+def test_triton_walk_makes_the_torch_walks_decisions():
+    pytest.importorskip("triton", reason="the Triton walk is optional (pip install triton)")
+    # (B, H, G, C, D, sink, window, topk): odd lengths, the paper's splits, no long-range slots, GQA groups
+    _run_triton_check([(1, 2, 2, 31, 16, 2, 3, 5), (2, 2, 3, 40, 12, 0, 1, 7), (2, 1, 4, 37, 16, 0, 4, 4),
+                       (1, 2, 1, 25, 8, 2, 3, 0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_walk_at_size_on_cuda():
+    pytest.importorskip("triton")
+    _run_triton_check([(1, 8, 4, 2048, 128, 4, 256, 1788), (4, 8, 4, 1024, 128, 0, 512, 512),
+                       (1, 3, 3, 2048, 64, 0, 1, 511)])
+
+
+def test_triton_walk_refuses_what_it_does_not_implement():
+    pytest.importorskip("triton")
+    from kvpop.ops.dynamic.kernel import dynamic_walk_triton
+
+    q, k = torch.zeros(1, 2, 3, 16), torch.zeros(1, 1, 3, 16)
+    slots = (torch.zeros(1, 1, 6, 16), torch.full((1, 1, 6), -1), torch.zeros(1, 1, 6))
+    rest = (torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool), torch.zeros(1, 1, 3), 1, 2, 3, 0.25)
+    with pytest.raises(ValueError, match="differ between heads"):
+        dynamic_walk_triton(q, torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 6, 16), torch.tensor([[[0] * 6, [1] * 6]]),
+                            torch.zeros(1, 2, 6), *rest, "mean")
+    with pytest.raises(ValueError, match="score="):
+        dynamic_walk_triton(q, k, *slots, *rest, "median")
