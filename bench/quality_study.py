@@ -52,8 +52,8 @@ from pathlib import Path
 TRAINING_FREE = ("streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "oracle")
 DYNAMIC = ("tova", "tova_windowed", "h2o", "h2o_windowed")
 ROW_ORDER = ("dense", "streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "streaming_llm_plus", "dms",
-             "kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0", "oracle")
-LEARNED = ("kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0")
+             "kvpop-mlp", "kvpop-evidence", "kvpop-evidence-prerope", "kvpop-mlstm", "kvpop-mlstm-delay0", "oracle")
+LEARNED = ("kvpop-mlp", "kvpop-evidence", "kvpop-evidence-prerope", "kvpop-mlstm", "kvpop-mlstm-delay0")
 START = time.time()
 
 
@@ -88,6 +88,8 @@ class Run:
     name: str
     row: str
     budget: int
+    label: str
+    """The table's name of the row: `row`, or `row/sN` for a seed after the first (`--seeds`)."""
     args: list[str]
     out: Path
     status: dict = field(default_factory=dict)
@@ -131,17 +133,23 @@ def row_args(row: str, window: int) -> list[str]:
         "streaming_llm_plus": ["--policy", "streaming_llm_plus"],
         "dms": ["--policy", "dms", *w],
         "kvpop-mlp": ["--scorer", "mlp", *w],
+        # extensions (issue 17): the delayed evidence scorer, with cached or pre-RoPE keys
+        "kvpop-evidence": ["--scorer", "evidence", *w],
+        "kvpop-evidence-prerope": ["--scorer", "evidence", "--scorer-keys", "pre_rope", *w],
         "kvpop-mlstm": ["--scorer", "mlstm", "--match-mlp-memory", *w],
         "kvpop-mlstm-delay0": ["--scorer", "mlstm", "--match-mlp-memory", "--delay", "0", *w],
     }[row]
 
 
-TRAINED = ("streaming_llm_plus", "dms", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0")
+TRAINED = ("streaming_llm_plus", "dms", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0", "kvpop-evidence",
+           "kvpop-evidence-prerope")
+DEFAULT_TRAINED = TRAINED[:5]
+"""The rows trained unless `--rows` names others: the paper's (the evidence scorer is an opt-in extension)."""
 
 
 def trained_rows(args) -> list[str]:
     """The trained rows of this study: `--rows` (default all), without StreamingLLM+ when the base is frozen."""
-    rows = [r for r in (args.rows.split(",") if args.rows else TRAINED) if r]
+    rows = [r for r in (args.rows.split(",") if args.rows else DEFAULT_TRAINED) if r]
     unknown = sorted(set(rows) - set(TRAINED))
     if unknown:
         raise SystemExit(f"--rows: unknown {unknown}; choose from {', '.join(TRAINED)}")
@@ -152,16 +160,18 @@ def trained_rows(args) -> list[str]:
 def plan_runs(args) -> list[Run]:
     runs = []
     for budget in args.budgets:
-        for row in trained_rows(args):
-            name = f"{row}_b{budget}"
+        for row, seed in ((r, s) for r in trained_rows(args) for s in args.seeds):
+            # the first seed keeps the earlier sessions' names (their runs resume); a later one is `row_sN`
+            first = seed == args.seeds[0]
+            name = f"{row}_b{budget}" if first else f"{row}_s{seed}_b{budget}"
             out = args.out / "runs" / name
             cmd = ["train", "--model", args.model, "--data", args.data, "--seq-len", str(args.seq_len),
                    "--sink", str(args.sink), "--budget", str(budget), *row_args(row, args.window),
-                   "--steps", str(args.steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(args.seed),
+                   "--steps", str(args.steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(seed),
                    "--save-every", str(args.save_every or max(1, min(20, args.steps // 2))), "--out", str(out),
                    "--no-progress", *(["--freeze-base"] if args.freeze_base else []),
                    *(["--lr-base", str(args.lr_base)] if args.lr_base is not None else [])]
-            runs.append(Run(name, row, budget, cmd, out))
+            runs.append(Run(name, row, budget, row if first else f"{row}/s{seed}", cmd, out))
     return runs
 
 
@@ -278,8 +288,8 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
     # runs with no weights yet first (a row at all beats more steps for another), then the slowest rows:
     # a slow run started late decides when the phase ends (on the H200 under MPS, DMS and the two mLSTM
     # rows took 3-5 s/step, KVpop-mlp 2.5 and StreamingLLM+ 0.35), while a fast one fills a freed slot
-    priority = {row: i for i, row in enumerate(("dms", "kvpop-mlstm", "kvpop-mlstm-delay0", "kvpop-mlp",
-                                                 "streaming_llm_plus"))}
+    priority = {row: i for i, row in enumerate(("dms", "kvpop-mlstm", "kvpop-mlstm-delay0", "kvpop-evidence",
+                                                 "kvpop-evidence-prerope", "kvpop-mlp", "streaming_llm_plus"))}
     pending.sort(key=lambda r: (r.checkpoint() is not None, priority[r.row], -r.budget))
     limit = args.concurrency
     waves = -(-len(pending) // max(1, limit))
@@ -417,10 +427,10 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
             log(f"{run.name}: no final weights; evaluating its checkpoint (step {run.steps_done()} of {args.steps})")
         else:
             reason = status.get("status", "not trained") + (f": {status['log_tail']}" if "log_tail" in status else "")
-            missing.append({"policy": run.row, "budget": run.budget, "missing": reason})
+            missing.append({"policy": run.label, "budget": run.budget, "missing": reason})
             log(f"{run.name}: missing ({reason.splitlines()[0]})")
             continue
-        trained[run.name].update(row=run.row, budget=run.budget)
+        trained[run.name].update(row=run.label, budget=run.budget)
 
     groups = []
     for budget in args.budgets:
@@ -433,7 +443,8 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
                     "batch": args.dynamic_batch} for p in DYNAMIC]
     procs = []
     threads = max(1, (os.cpu_count() or 1) // len(groups))
-    for g in groups:
+    gpus = visible_gpus()
+    for i, g in enumerate(groups):
         spec = {**g, "model": args.model, "seq_len": args.seq_len, "sink": args.sink, "window": args.window,
                 "tokens": str(eval_dir / "tokens.pt"), "out": str(eval_dir / f"{g['group']}.json"),
                 "plot_path": str(args.out / "eviction_pattern.png"), "deadline": deadline - 5,
@@ -443,7 +454,10 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
         write_json(spec_path, spec)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", "worker", "--spec", str(spec_path)]
         f = open(eval_dir / f"{g['group']}.log", "w")
-        procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(threads),
+        env = child_env(threads)
+        if len(gpus) > 1:  # the groups round-robin over the host's GPUs
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+        procs.append((subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True), g, f, " ".join(cmd)))
         log(f"eval worker {g['group']}: {', '.join(e['name'] for e in g['entries'])}")
     last_report = time.time()
@@ -478,7 +492,8 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
         log(f"eval worker {g['group']}: rc {p.returncode}, {result['sequences']} sequences")
     mark_stronger_variants(rows)
     for row in rows:
-        t = trained.get(f"{row['policy']}_b{row['budget']}") if row.get("trained") else None
+        t = next((t for t in trained.values() if t["row"] == row["policy"] and t["budget"] == row["budget"]),
+                 None) if row.get("trained") else None
         if t is not None:
             row.update(weights=t["weights"], steps_done=t["steps_done"])
     # the dense teacher: accuracy over the same counted positions (>= budget); the ratios are 1 by definition
@@ -495,7 +510,7 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
 
 def sort_rows(rows: list[dict]) -> list[dict]:
     order = {name: i for i, name in enumerate(ROW_ORDER)}
-    return sorted(rows, key=lambda r: (-r["budget"], order.get(r["policy"], len(order))))
+    return sorted(rows, key=lambda r: (-r["budget"], order.get(r["policy"].split("/")[0], len(order)), r["policy"]))
 
 
 # --- the worker: one group of rows over the held-out sequences ---
@@ -670,7 +685,7 @@ def recall_plot(rows: list[dict], seq_len: int, path: Path) -> Path | None:
     axes = fig.subplots(1, len(budgets), squeeze=False)[0]
     for ax, budget in zip(axes, budgets):
         for r in rows:
-            if r["budget"] == budget and r["policy"] in LEARNED and r.get("recall_per_layer"):
+            if r["budget"] == budget and r["policy"].split("/")[0] in LEARNED and r.get("recall_per_layer"):
                 y = np.asarray(r["recall_per_layer"], dtype=float)
                 ax.plot(range(len(y)), y, marker="o", markersize=3, label=f"{r['policy']} (mean {r['recall']:.3f})")
         ax.set_ylim(0.0, 1.02)
@@ -686,6 +701,28 @@ def recall_plot(rows: list[dict], seq_len: int, path: Path) -> Path | None:
 
 def fmt(x, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def seed_lines(rows: list[dict], budget: int) -> list[str]:
+    """A row trained with several seeds (`row`, `row/s1`, ...): their mean and sample standard deviation."""
+    import statistics
+
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["budget"] == budget and r.get("trained"):
+            groups.setdefault(r["policy"].split("/")[0], []).append(r)
+    lines = []
+    for name, group in groups.items():
+        if len(group) < 2:
+            continue
+        cells = []
+        for key, spec in (("rel_accuracy", ".3f"), ("top1_agreement", ".3f"), ("kl", ".4f"), ("ppl_ratio", ".3f"),
+                          ("recall", ".3f")):
+            xs = [r[key] for r in group if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            cells.append(f"{fmt(statistics.mean(xs), spec)} ± {fmt(statistics.stdev(xs), spec)}" if len(xs) > 1
+                         else "-")
+        lines.append(f"| {name}: mean ± sd of {len(group)} seeds | {' | '.join(cells)} | - | - | - |")
+    return lines
 
 
 def table_md(result: dict) -> str:
@@ -709,6 +746,7 @@ def table_md(result: dict) -> str:
             lines.append(f"| {name} | {fmt(r['rel_accuracy'], '.3f')} | {fmt(r['top1_agreement'], '.3f')} | "
                          f"{fmt(r['kl'], '.4f')} | {fmt(r['ppl_ratio'], '.3f')} | {fmt(r.get('recall'), '.3f')} | "
                          f"{fmt(r.get('avg_cache_fraction'), '.3f')} | {steps} | {r.get('sequences', '-')} |")
+        lines += seed_lines(result["rows"], budget)
         for m in result["missing"]:
             if m["budget"] == budget:
                 lines.append(f"| {m['policy']} | missing: {m['missing'].splitlines()[0][:120]} ||||||||")
@@ -765,7 +803,10 @@ def parse(argv=None) -> argparse.Namespace:
                         "decode step is launch-bound, so a pass of 4 costs about what a pass of 1 does; memory "
                         "grows as 4 x S x vocab float32 logits, twice")
     p.add_argument("--report-s", type=float, default=30, help="seconds between progress lines (default 30)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the evaluation's seed, and the trained runs' unless --seeds")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated training seeds: each trained row once per seed, the later ones as row/sN "
+                        "(default: --seed); the table gives each seed's row and their mean and spread")
     p.add_argument("--freeze-base", action="store_true",
                    help="train the scorers (DMS: its gates) only, every row on the same base weights; no "
                         "StreamingLLM+ row (it trains nothing else)")
@@ -778,6 +819,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.budgets = sorted((int(b) for b in str(args.budgets).split(",") if b), reverse=True)
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds else [args.seed]
     return args
 
 

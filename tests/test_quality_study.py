@@ -45,7 +45,8 @@ def test_the_study_trains_and_evaluates_every_row(data_file, tmp_path, capsys):
     result = json.loads((out / "results.json").read_text())
     assert result["missing"] == []
     rows = {(r["policy"], r["budget"]): r for r in result["rows"]}
-    assert set(rows) == {(p, b) for p in study.ROW_ORDER for b in (48, 32)}
+    opt_in = set(study.TRAINED) - set(study.DEFAULT_TRAINED)
+    assert set(rows) == {(p, b) for p in study.ROW_ORDER if p not in opt_in for b in (48, 32)}
     for (policy, _), r in rows.items():
         # TOVA and H2O take the sequences two at a time (a pass of 2, then of 1): all 3 counted
         assert r["sequences"] == 3
@@ -130,3 +131,26 @@ def test_table_shows_the_dms_cache_share_and_the_stronger_variant():
     assert "| dms | 0.900 | 0.800 | 0.5000 | 1.200 | - | 0.562 |" in table
     assert "| tova_windowed * |" in table and "| h2o * |" in table and "| tova |" in table
     assert [r["policy"] for r in result["rows"]] == ["tova", "tova_windowed", "h2o", "h2o_windowed", "dms"]
+
+
+def test_seeds_and_extension_rows_plan_one_run_each(tmp_path):
+    # --seeds trains every row once per seed; the first keeps the earlier name (its runs resume), the others
+    # are labelled row/sN in the table; the evidence rows are opt-in (--rows) with their own flags
+    study = _study()
+    args = study.parse(["--rows", "kvpop-evidence,kvpop-evidence-prerope", "--seeds", "3,5", "--budgets", "2048",
+                        "--out", str(tmp_path)])
+    runs = study.plan_runs(args)
+    assert [(r.name, r.label) for r in runs] == [
+        ("kvpop-evidence_b2048", "kvpop-evidence"), ("kvpop-evidence_s5_b2048", "kvpop-evidence/s5"),
+        ("kvpop-evidence-prerope_b2048", "kvpop-evidence-prerope"),
+        ("kvpop-evidence-prerope_s5_b2048", "kvpop-evidence-prerope/s5")]
+    seeds = [r.args[r.args.index("--seed") + 1] for r in runs]
+    assert seeds == ["3", "5", "3", "5"]
+    assert "--scorer-keys" in runs[2].args and "--scorer-keys" not in runs[0].args
+    assert all(r.args[r.args.index("--scorer") + 1] == "evidence" for r in runs)
+    assert [r.row for r in study.plan_runs(study.parse(["--out", str(tmp_path)]))][:5] == list(study.DEFAULT_TRAINED)
+    rows = [{"budget": 2048, "trained": "d", "policy": name, "rel_accuracy": acc, "top1_agreement": 0.9, "kl": kl,
+             "ppl_ratio": 1.0, "recall": None} for name, acc, kl in
+            (("kvpop-evidence", 0.90, 0.10), ("kvpop-evidence/s5", 0.94, 0.20), ("tova", 0.99, 0.01))]
+    (line,) = study.seed_lines(rows, 2048)
+    assert line.startswith("| kvpop-evidence: mean ± sd of 2 seeds | 0.920 ± 0.028 | 0.900 ± 0.000 | 0.1500 ± 0.0707")

@@ -217,13 +217,9 @@ class Evaluator:
         cfg = kvpop_modules(model).config
         if cfg.policy == "dms":
             return self._run_dms(entry, model, ids), None
-        if model.kvpop.layers[0].dynamic and ids.is_cuda:
-            # TOVA / H2O: their teacher-forced pass is a per-token loop in every layer; on a GPU the
-            # same numbers come ~10x faster from whole-model steps replayed as a CUDA graph
-            from kvpop.decode import stepwise_logits
-
-            return stepwise_logits(model, ids), None
         if model.kvpop.layers[0].dynamic or cfg.topk == 0:
+            # TOVA / H2O: the decode step's decisions by the prefill walk (`ops.dynamic`, bit-equal to
+            # token-by-token decoding), then one sparse attention: the logits a user's decode would give
             return model(ids, use_cache=False).logits.float(), None
         # static priorities: the oracle of this very model (dense pass), then its own sparse pass
         if entry.trained is None and cfg.gamma_init == self._reference_cfg.gamma_init:
