@@ -36,9 +36,10 @@ step() {  # step NAME SECONDS COMMAND...: a time limit, the log in OUT/NAME.log,
   echo "=== $name exit $rc ($(date -u +%H:%M:%S))"; tail -n 30 "$out/$name.log"
 }
 
-on_gpu() {  # on_gpu ID COMMAND...: one GPU, through the study's MPS daemon when it runs
+on_gpu() {  # on_gpu ID COMMAND...: one GPU, outside MPS (in the 2026-12-01 lease, side processes pointed at the
+  # study's MPS pipe could not connect in the eval call and fell back to the CPU; time-slicing beside it is safe)
   local gpu=$1; shift
-  CUDA_VISIBLE_DEVICES=$gpu CUDA_MPS_PIPE_DIRECTORY=$HOME/study/mps/pipe CUDA_MPS_LOG_DIRECTORY=$HOME/study/mps/log "$@"
+  CUDA_VISIBLE_DEVICES=$gpu "$@"
 }
 
 fidelity() {  # fidelity NAME GPU ARGS...: long-generation fidelity into $HOME/NAME (finished generations kept)
@@ -53,7 +54,7 @@ fidelity() {  # fidelity NAME GPU ARGS...: long-generation fidelity into $HOME/N
 
 suite() {  # suite NAME GPU ARGS...
   local name=$1 gpu=$2; shift 2
-  on_gpu "$gpu" step "$name" "${SIDE_S:-480}" "${kvpop[@]}" eval --model smollm2-135m --suite all \
+  on_gpu "$gpu" step "$name" "${SIDE_S:-480}" "${kvpop[@]}" eval --model smollm2-135m --suite "${SUITE_TASKS:-all}" \
     --lengths "${LENGTHS:-2k,4k,8000}" --depths 0,0.5,1 --samples 2 --suite-batch 8 --no-progress \
     --out "$HOME/$name" "$@"
   mkdir -p "$out/$name" && cp "$HOME/$name"/* "$out/$name/" 2>/dev/null
@@ -109,12 +110,12 @@ c)
   "${study[@]}" --phase eval --deadline-s "${EVAL_S:-400}" --eval-sequences 8 > "$out/study_eval.log" 2>&1 &
   study_pid=$!
   sleep 20
+  # the trained rows of seed 0 (row_b*), and the training-free rows again where call b ran out of time
+  seed0() { for d in "$HOME"/study/runs/kvpop-{mlp,evidence}_b"$1"/final; do [ -d "$d" ] && echo --trained "$d"; done; }
   # shellcheck disable=SC2046
-  suite suite_trained 1 --policies none $(trained_b 2048) $(trained_b 1024) &
+  suite suite_all 1 "${free[@]}" --budgets 2048,1024 $(seed0 2048) $(seed0 1024) &
   # shellcheck disable=SC2046
-  fidelity fid_trained_b2048 0 --policies none $(trained_b 2048) &
-  # shellcheck disable=SC2046
-  fidelity fid_trained_b1024 1 --policies none $(trained_b 1024) &
+  fidelity fid_b1024 0 --policies streaming_llm,tova,h2o --budgets 1024 $(seed0 1024) &
   wait $study_pid
   tail -n 60 "$out/study_eval.log"
   for f in results.json table.md eviction_pattern.png recall_per_layer.png; do cp "$HOME/study/$f" "$out/" 2>/dev/null; done

@@ -26,8 +26,7 @@ stage=$HOME/stage
 gguf=$stage/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ "$phase" = train ] || [ "$phase" = dist ]; then
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
-    && python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/gguf-*.whl \
-       "$stage"/champ_dataset-*.whl || { echo "staging failed"; ls -la "$stage"; exit 1; }
+    && python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/*.whl || { echo "staging failed"; ls -la "$stage"; exit 1; }
   (cd "$stage" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf; cat SHA256 2>/dev/null)
 fi
 export PYTHONPATH=$HOME/site:$PWD/src KVPOP_SMOLLM2_GGUF=$gguf

@@ -136,9 +136,11 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
 def _check_inputs(model, args, kwargs):
     """Clear errors for inputs the rule cannot serve (empty, or longer than the model's positions).
 
-    Skipped inside a compiled step: it would branch on the cache's length tensor (its eager prefill was checked).
+    Skipped inside a compiled step (it would branch on the cache's length tensor) and inside a CUDA
+    graph capture (reading that length is a host sync, which a capture forbids); the prefill was checked.
+    One-token steps on a GPU are not checked either: the check would cost a host sync per token.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return None
     ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
@@ -149,6 +151,8 @@ def _check_inputs(model, args, kwargs):
     if x.numel() == 0 or n == 0:
         raise ValueError(f"empty input: got {'input_ids' if ids is not None else 'inputs_embeds'} of shape {tuple(x.shape)}")
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if cache is not None and n == 1 and x.is_cuda:
+        return None
     past = int(cache.get_seq_length()) if cache is not None else 0
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and past + n > limit:

@@ -5,9 +5,12 @@
 SmolLM2-135M-Instruct and the champ math solutions (both from PyPI, nothing downloaded from a hub):
 train KVpop-mlp at S = 2048 for B = 512 (CR 75 %) and B = 256 (CR 88 %) - scorer-only on a CPU,
 full distillation when CUDA is present - then compare it with StreamingLLM, TOVA, H2O and the
-oracle on held-out problems, plot the eviction pattern, the recall per layer and the memory /
-latency of decoding, and generate a sample answer with the bounded cache. The table goes to
-stdout, and the last line of stdout is one JSON object with the rows.
+oracle on held-out problems (teacher-forced), on long-context tasks answered through each bounded
+cache (passkey retrieval and variable tracking at 2k tokens, `kvpop.eval.suite`) and on long
+generation (each policy's own text scored by the dense model, `kvpop.eval.fidelity`); plot the
+eviction pattern, the recall per layer, the tasks, the generation NLL and the memory / latency of
+decoding, and generate a sample answer with the bounded cache. The tables go to stdout, and the
+last line of stdout is one JSON object with the rows.
 """
 
 from __future__ import annotations
@@ -35,6 +38,22 @@ class DemoPlan:
     baselines: tuple[str, ...] = BASELINES
     sample_tokens: int = 160
     bench_contexts: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    suite_tasks: tuple[str, ...] = ("passkey", "vt")
+    suite_lengths: tuple[int, ...] = (2048,)
+    suite_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    suite_samples: int = 2
+    task_budgets: tuple[int, ...] = (512, 256)
+    """Budgets of the task panel (the quick CPU plan: the smallest only, for time)."""
+    task_policies: tuple[str, ...] = ("streaming_llm", "tova", "h2o")
+    """The training-free rows of the task panel and of the fidelity rows, beside the trained KVpop."""
+    fidelity_tokens: int = 1024
+    """Tokens each policy generates per problem (at the smallest budget, past it from about B - prompt)."""
+    fidelity_problems: int = 4
+
+    def __post_init__(self):
+        unknown = sorted(set(self.task_budgets) - set(self.budgets))
+        if unknown:
+            raise ValueError(f"task_budgets {unknown} are not trained: choose from budgets {self.budgets}")
 
     @classmethod
     def for_machine(cls, quick: bool, cuda: bool) -> DemoPlan:
@@ -42,7 +61,8 @@ class DemoPlan:
             return cls(seq_len=2048, train_steps=60 if quick else 400, eval_sequences=4 if quick else 16)
         if quick:
             return cls(train_steps=24, eval_sequences=2, baselines=QUICK_CPU_BASELINES, sample_tokens=96,
-                       bench_contexts=(256, 512, 1024, 2048))
+                       bench_contexts=(256, 512, 1024, 2048), suite_depths=(0.0, 0.5, 1.0), suite_samples=1, task_budgets=(256,),
+                       fidelity_tokens=448, fidelity_problems=1)
         return cls()
 
 
@@ -56,7 +76,7 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
 
     import kvpop
     from kvpop.cache import cache_kwargs
-    from kvpop.eval import plots
+    from kvpop.eval import fidelity, plots, suite, suite_report
     from kvpop.eval.bench import bench_decode
     from kvpop.eval.evaluate import Evaluator, format_table, from_directory, headline, held_out_rows, training_free
     from kvpop.models import load_model
@@ -97,8 +117,37 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
     rows = evaluator.rows(plan.seq_len)
     table = format_table(rows)
 
-    # 3. plots
+    # 3. where users meet eviction: long-context tasks answered through each bounded cache, and long
+    # generation scored by the dense model (the same trained rows and training-free policies)
     figures = {}
+    task_entries = [e for budget in plan.task_budgets for e in
+                    [from_directory(str(trained[budget]), name="kvpop")] + [training_free(p, budget)
+                                                                          for p in plan.task_policies]]
+    scfg = suite.SuiteConfig(tasks=plan.suite_tasks, lengths=plan.suite_lengths, depths=plan.suite_depths,
+                             samples=plan.suite_samples, seed=seed)
+    _log(f"long-context tasks: {', '.join(plan.suite_tasks)} at {', '.join(map(str, plan.suite_lengths))} tokens, "
+         f"dense and {len(task_entries)} bounded rows")
+    samples = suite.build_samples(scfg, tokenizer, getattr(base.config, "max_position_embeddings", None))
+    records = suite.run_suite(base, tokenizer, task_entries, samples, seed=seed, device=device, progress=False)
+    suite_table = suite_report.format_table(records)
+    figures["tasks"] = str(plots.plot_policy_grid(
+        *suite_report.policy_grid(records), out / "tasks.png",
+        title=f"{model_name}: {', '.join(plan.suite_tasks)} at {', '.join(map(str, plan.suite_lengths))} tokens, "
+              "answered through each cache (correct / prompts)"))
+    small_budget = min(plan.budgets)
+    fid_entries = [from_directory(str(trained[small_budget]), name="kvpop")]
+    fid_entries += [training_free(p, small_budget) for p in plan.task_policies]
+    problems = champ_problems("eval", seed=seed)[: plan.fidelity_problems]
+    _log(f"long generation: {plan.fidelity_tokens} tokens per policy at B = {small_budget}, "
+         f"{len(problems)} held-out problem(s), scored by the dense model")
+    fid_rows, gens = fidelity.run_fidelity(base, tokenizer, fid_entries, problems, plan.fidelity_tokens,
+                                           seed=seed, ignore_eos=True, tag=model_name)
+    fidelity_table = fidelity.format_fidelity_table(fid_rows)
+    figures["fidelity"] = str(fidelity.plot_nll_by_position(
+        gens, [small_budget], out / "fidelity.png",
+        title=f"{model_name}: dense NLL of each policy's own text ({plan.fidelity_tokens} new tokens)"))
+
+    # 4. plots
     big = max(plan.budgets)
     model = kvpop.load(trained[big], device=device)
     trace = tokens[:1].to(device)
@@ -116,7 +165,7 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
     figures["memory_latency"] = str(plots.plot_memory_latency(
         bench_rows, out / "memory_latency.png", title=f"{model_name}: dense cache vs KVpopCache (B = {big})"))
 
-    # 4. a sample answer with the bounded cache
+    # 5. a sample answer with the bounded cache
     problem = champ_problems("eval", seed=seed)[0]
     small = kvpop.load(trained[min(plan.budgets)], device=device)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": problem["problem"]}], tokenize=False,
@@ -134,6 +183,8 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
         "model": model_name,
         "figures": figures,
         "bench": bench_rows,
+        "tasks": {"headline": suite_report.headline(records), "records": records},
+        "fidelity": [r.as_dict() for r in fid_rows],
         "sample": {"problem": problem["problem"], "reference_answer": problem["answer"], "answer": answer,
                    "budget": min(plan.budgets), "tokens_seen": int(cache.get_seq_length()),
                    "slots": cache.config.budget},
@@ -143,7 +194,13 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
     }
     (out / "results.json").write_text(json.dumps(result, indent=2))
     (out / "table.txt").write_text(table + "\n")
+    (out / "tasks.txt").write_text(suite_table + "\n")
+    (out / "fidelity.txt").write_text(fidelity_table + "\n")
     print(table)
+    print(f"\nLong-context tasks through each cache ({', '.join(plan.suite_tasks)}; correct / prompts):")
+    print(suite_table)
+    print(f"\nLong generation at B = {small_budget} ({plan.fidelity_tokens} tokens, scored by the dense model):")
+    print(fidelity_table)
     print(f"\nSample answer (bounded cache, B = {min(plan.budgets)}, {int(cache.get_seq_length())} tokens seen):")
     print(f"  problem: {problem['problem'][:300]}")
     print(f"  answer:  {answer.strip()[:600]}")

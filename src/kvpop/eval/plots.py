@@ -272,5 +272,29 @@ def plot_depth_heatmaps(panels: dict, path: str | Path, title: str = "accuracy b
     return _save(fig, path)
 
 
+def plot_policy_grid(rows: Sequence[str], columns: Sequence[str], accuracy, counts, path: str | Path,
+                     title: str = "long-context tasks") -> Path:
+    """Policies (rows) against tasks at each needle depth (columns), colour = accuracy, cells correct/n
+    (`kvpop.eval.suite_report.policy_grid` gives the arguments)."""
+    acc, n = np.asarray(accuracy, dtype=float), np.asarray(counts)
+    if acc.shape != (len(rows), len(columns)) or n.shape != acc.shape:
+        raise ValueError(f"accuracy {acc.shape} and counts {n.shape} must be [{len(rows)} rows, {len(columns)} columns]")
+    fig = Figure(figsize=(2.6 + 1.1 * len(columns), 0.9 + 0.38 * len(rows)), layout="constrained")
+    ax = fig.subplots()
+    cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="lightgrey")
+    im = ax.imshow(np.ma.masked_invalid(acc), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
+    for i in range(acc.shape[0]):
+        for j in range(acc.shape[1]):
+            if n[i, j]:
+                ax.text(j, i, f"{round(acc[i, j] * n[i, j])}/{n[i, j]}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(columns)))
+    ax.set_xticklabels(columns, rotation=30, ha="right")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(rows)
+    fig.colorbar(im, ax=ax, fraction=0.05, pad=0.02).set_label("accuracy")
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path)
+
+
 def _short(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)

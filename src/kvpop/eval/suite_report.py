@@ -151,6 +151,24 @@ def write_heatmaps(records: Sequence[dict], out: str | Path) -> list[Path]:
     return paths
 
 
+def policy_grid(records: Sequence[dict]) -> tuple[list[str], list[str], np.ndarray, np.ndarray]:
+    """Every (policy, budget) row against every (task, depth) column, pooled over lengths: row labels,
+    column labels, accuracy [rows, columns] (NaN where nothing ran) and sample counts. `kvpop demo`'s panel."""
+    rows = _row_order(_row_key(r) for r in records)
+    cols = sorted({(r["task"], r["depth"]) for r in records},
+                  key=lambda c: (list(TASKS).index(c[0]), -1.0 if c[1] is None else c[1]))
+    correct = np.zeros((len(rows), len(cols)))
+    n = np.zeros((len(rows), len(cols)), dtype=int)
+    for r in records:
+        i, j = rows.index(_row_key(r)), cols.index((r["task"], r["depth"]))
+        correct[i, j] += int(r["correct"])
+        n[i, j] += 1
+    acc = np.where(n > 0, correct / np.maximum(n, 1), np.nan)
+    row_labels = ["dense" if b is None else f"{p}, B = {b}" for p, b in rows]
+    col_labels = [t if d is None else f"{t} @ {d:.0%}" for t, d in cols]
+    return row_labels, col_labels, acc, n
+
+
 def headline(records: Sequence[dict]) -> dict:
     """The JSON object printed last: accuracy per (policy, budget, task) and the collapse lines."""
     tally = _tally(records)
