@@ -203,10 +203,13 @@ class Evaluator:
             logits, recall = self._run(entry, model, ids, reference)
         finally:
             self._release(entry, model)
-        entry.stats.update(dense, logits, ids, start=entry.budget)
-        for b in range(ids.shape[0]):
-            one = teacher_forced_metrics(dense[b : b + 1], logits[b : b + 1], ids[b : b + 1], start=entry.budget)
-            entry.per_sequence.append((one.kl, one.top1_agreement))
+        batch = entry.stats.update(dense, logits, ids, start=entry.budget)
+        if ids.shape[0] == 1 and batch is not None:  # the batch is the sequence: no second pass over its [S, V] logits
+            entry.per_sequence.append((batch.kl, batch.top1_agreement))
+        else:
+            for b in range(ids.shape[0]):
+                one = teacher_forced_metrics(dense[b : b + 1], logits[b : b + 1], ids[b : b + 1], start=entry.budget)
+                entry.per_sequence.append((one.kl, one.top1_agreement))
         if recall is not None:
             if entry.recall is None:
                 c = entry.cfg

@@ -196,7 +196,7 @@ def generate_batch(
     ids, mask = ids.to(device), mask.to(device)
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds] if temperature > 0 else None
-    logits = model(ids, attention_mask=mask, position_ids=position, **kw, use_cache=True).logits[:, -1]
+    logits = model(ids, attention_mask=mask, position_ids=position, **kw, use_cache=True, logits_to_keep=1).logits[:, -1]
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * n
     position = position[:, -1:]

@@ -111,8 +111,8 @@ class TeacherForcedStats:
         input_ids: Tensor,  # [B, S]
         start: int,
         valid: Tensor | None = None,  # [B, S]
-    ) -> None:
-        """Add one batch.
+    ) -> TeacherForcedResult | None:
+        """Add one batch; returns the batch's own metrics (None if it counted no position).
 
         Args:
             dense_logits: [B, S, V], the dense teacher's logits (any float dtype).
@@ -156,25 +156,30 @@ class TeacherForcedStats:
                 sums[name] += value[m].double().sum().item()
         for name, value in sums.items():
             self._sums[name] += value
-        self.positions += int(counted.sum().item())
+        n = int(counted.sum().item())
+        self.positions += n
+        return _result(sums, n) if n else None
 
     def result(self) -> TeacherForcedResult:
-        n = self.positions
-        if n == 0:
+        if self.positions == 0:
             raise ValueError("no position was counted: every sequence must be longer than start + 1 tokens")
-        s = self._sums
-        acc_dense, acc = s["correct_dense"] / n, s["correct"] / n
-        return TeacherForcedResult(
-            positions=n,
-            accuracy_dense=acc_dense,
-            accuracy=acc,
-            rel_accuracy=acc / acc_dense if acc_dense > 0 else math.nan,
-            ppl_dense=math.exp(s["nll_dense"] / n),
-            ppl=math.exp(s["nll"] / n),
-            ppl_ratio=math.exp((s["nll"] - s["nll_dense"]) / n),
-            top1_agreement=s["agree"] / n,
-            kl=s["kl"] / n,
-        )
+        return _result(self._sums, self.positions)
+
+
+def _result(s: dict[str, float], n: int) -> TeacherForcedResult:
+    """Means over `n` counted positions of the sums `s` (`TeacherForcedStats`)."""
+    acc_dense, acc = s["correct_dense"] / n, s["correct"] / n
+    return TeacherForcedResult(
+        positions=n,
+        accuracy_dense=acc_dense,
+        accuracy=acc,
+        rel_accuracy=acc / acc_dense if acc_dense > 0 else math.nan,
+        ppl_dense=math.exp(s["nll_dense"] / n),
+        ppl=math.exp(s["nll"] / n),
+        ppl_ratio=math.exp((s["nll"] - s["nll_dense"]) / n),
+        top1_agreement=s["agree"] / n,
+        kl=s["kl"] / n,
+    )
 
 
 def teacher_forced_metrics(
