@@ -143,6 +143,22 @@ def test_heatmaps_one_per_policy_and_budget(tmp_path):
     assert acc.shape == (3, 2) and n.tolist() == [[2, 2]] * 3 and depths == [0.0, 0.5, 1.0] and lengths == [1024, 2048]
 
 
+def test_policy_grid_pools_lengths_per_task_and_depth(tmp_path):
+    # kvpop demo's panel: a row per (policy, budget), dense first; a column per (task, depth); lengths pooled
+    recs = [_rec("tova", 256, "passkey", c, length=n, depth=0.5) for c, n in ((True, 1024), (False, 2048))]
+    recs += [_rec("dense", None, "passkey", True, length=1024, depth=0.5), _rec("dense", None, "cwe", False)]
+    recs[-1]["depth"] = None
+    rows, cols, acc, n = suite_report.policy_grid(recs)
+    assert rows == ["dense", "tova, B = 256"] and cols == ["passkey @ 50%", "cwe"]
+    assert n.tolist() == [[1, 1], [2, 0]]
+    assert acc[0].tolist() == [1.0, 0.0] and acc[1, 0] == 0.5 and acc[1, 1] != acc[1, 1]  # NaN: nothing ran
+    from kvpop.eval.plots import plot_policy_grid
+
+    assert plot_policy_grid(rows, cols, acc, n, tmp_path / "grid.png").stat().st_size > 5000
+    with pytest.raises(ValueError, match=r"must be \[2 rows, 1 columns\]"):
+        plot_policy_grid(rows, cols[:1], acc, n, tmp_path / "bad.png")
+
+
 def test_suite_from_the_command_line(tiny, tmp_path, capsys):
     model, tok = tiny
     trained = tmp_path / "run" / "final"
