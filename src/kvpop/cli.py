@@ -395,7 +395,8 @@ def _refuse_other_config(args: argparse.Namespace) -> None:
                          f"trains at that config; drop {', '.join(conflicts)}, or start from the base model")
 
 
-@command("eval", "compare eviction policies and budgets side by side on held-out text (teacher-forced, + pass@1)", [
+@command("eval", "compare eviction policies and budgets side by side: teacher-forced on held-out text (+ pass@1), "
+                 "long-context tasks (--suite), long generation (--generate)", [
     MODEL,
     arg("--data", default="champ", help="champ (held-out problems), pystdlib (Python code), a file, a directory or a "
                                         "dataset name"),
