@@ -28,7 +28,7 @@ resumed; near the deadline the running ones get SIGTERM (kvpop train then writes
 and the evaluation uses the final weights or else the latest checkpoint, and says which. A run
 that fails out of GPU memory is retried once with one run fewer in parallel. The evaluation runs
 one worker process per group (the fast rows per budget; TOVA and H2O per budget, whose
-teacher-forced pass is a token-by-token decode loop), each writing its rows after every
+teacher-forced pass walks the tokens in order), each writing its rows after every
 sequence, so a deadline leaves the sequences done; the number of sequences is in every row.
 """
 
@@ -522,12 +522,12 @@ def worker(spec_path: str) -> int:
 
     from kvpop.config import KVpopConfig
     from kvpop.eval.evaluate import WINDOWED, Entry, Evaluator, from_directory, training_free
+    from kvpop.models import load_model
+    from kvpop.retrofit import retrofit
     from kvpop.train.checkpoint import open_checkpoint
 
     def is_checkpoint(path: str) -> bool:
         return not (Path(path) / "kvpop_config.json").exists()
-    from kvpop.models import load_model
-    from kvpop.retrofit import retrofit
 
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
@@ -616,8 +616,8 @@ def worker(spec_path: str) -> int:
     counts = {id(e): 0 for e in entries}
     evaluator = StudyEvaluator(base, entries, device=device)
     last = 0.0
-    # sequences per pass: the dynamic rows' replayed decode step costs about the same for 1 row as
-    # for 4 (it is launch-bound), so they take several at once; the static rows one at a time
+    # sequences per pass: the dynamic rows' walk (a sequential loop over the tokens) costs about the
+    # same for 1 row as for 4, so they take several at once; the static rows one at a time
     batch = max(1, int(spec.get("batch", 1)))
     done = 0
     while done < len(tokens):

@@ -470,7 +470,7 @@ def evaluate(args: argparse.Namespace) -> int:
             _note(args, f"--trained {d} records no base model (saved by an older kvpop): whether it was trained from "
                         f"--model {args.model} cannot be checked")
     if args.suite:
-        return _eval_suite(args, base, tokenizer, device)
+        return _eval_suite(args, base, tokenizer, entries, device)
     limit = getattr(base.config, "max_position_embeddings", None)
     if limit is not None and args.seq_len > limit:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings={limit}")
@@ -628,26 +628,23 @@ def budgets(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval_suite(args: argparse.Namespace, base, tokenizer, device: str) -> int:
+def _eval_suite(args: argparse.Namespace, base, tokenizer, entries: list, device: str) -> int:
     """`eval --suite`: the long-context tasks over the same entries, plus the dense model."""
     import json
     from pathlib import Path
 
     from kvpop.eval import suite, suite_report
-    from kvpop.eval.evaluate import from_directory, training_free
     from kvpop.eval.tasks import parse_tasks
 
     cfg = suite.SuiteConfig(tasks=tuple(parse_tasks(args.suite)),
                             lengths=tuple(suite.parse_lengths(args.lengths)),
-                            depths=tuple(suite.parse_depths(args.depths)), samples=2 if args.samples is None else args.samples, seed=args.seed,
+                            depths=tuple(suite.parse_depths(args.depths)),
+                            samples=2 if args.samples is None else args.samples, seed=args.seed,
                             filler=args.filler, batch_size=args.suite_batch, prefill_chunk=args.prefill_chunk)
-    policies = [p for p in args.policies.split(",") if p and p != "none"]
-    if "oracle" in policies:
+    if any(e.cfg.policy == "oracle" for e in entries):
         # it ranks by future attention: it has no decode path to test
         print("kvpop eval --suite: skipping the oracle (teacher-forced only, it cannot decode)", file=sys.stderr)
-        policies.remove("oracle")
-    entries = [from_directory(d) for d in args.trained]
-    entries += [training_free(p, int(b), sink=args.sink) for b in args.budgets.split(",") if b for p in policies]
+        entries = [e for e in entries if e.cfg.policy != "oracle"]
     samples = suite.build_samples(cfg, tokenizer, getattr(base.config, "max_position_embeddings", None))
     records = suite.run_suite(base, tokenizer, entries, samples, batch_size=cfg.batch_size,
                               prefill_chunk=cfg.prefill_chunk, seed=args.seed, device=device)
