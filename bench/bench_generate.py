@@ -34,30 +34,9 @@ import torch
 
 import kvpop
 from kvpop.cache import cache_kwargs
+from kvpop.eval.bench import load_bench_model, sync
 
 PLAIN = ("dense", "static")
-
-
-def policy_config(name: str, budget: int) -> kvpop.KVpopConfig:
-    """`name` is a policy, or "tova-mean": TOVA ranked by the probability averaged over all query heads."""
-    if name == "tova-mean":
-        return kvpop.KVpopConfig.for_budget(budget, policy="tova", tova_head_average=True)
-    return kvpop.KVpopConfig.for_budget(budget, policy=name)
-
-
-def _load(name: str, device: str, dtype: str | None):
-    from kvpop.shapes import SHAPE_PRESETS, build_shape_model
-
-    if name in SHAPE_PRESETS:
-        return build_shape_model(name, device, dtype=getattr(torch, dtype or "bfloat16"))[0]
-    from kvpop.models import load_model
-
-    return load_model(name, dtype=dtype, device=device)[0]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -69,10 +48,10 @@ def _generate(model, kind: str, ids: torch.Tensor, n: int) -> tuple[float, float
         kw["cache_implementation"] = "static"
     elif kind != "dense":
         kw.update(cache_kwargs(model, kvpop.KVpopCache(model)))
-    _sync(ids.device)
+    sync(ids.device)
     wall, cpu = time.perf_counter(), time.process_time()
     out = model.generate(ids, **kw)
-    _sync(ids.device)
+    sync(ids.device)
     assert out.shape[1] == ids.shape[1] + n
     return time.perf_counter() - wall, time.process_time() - cpu
 
@@ -90,7 +69,7 @@ def bench_generate(model, contexts: list[int], kinds: list[str], new_tokens: int
                 if kind not in PLAIN:
                     with torch.random.fork_rng(devices=[]):
                         torch.manual_seed(seed)
-                        kvpop.retrofit(model, policy_config(kind, budget))
+                        kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(budget, policy=kind))
                 try:
                     if device.type == "cuda" and (context, kind) not in warm:
                         # the shapes of the timed run: transformers compiles the step of a compileable cache on
@@ -160,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="a preset or local model directory (default smollm2-135m)")
     parser.add_argument("--contexts", default="2048,4096", help="comma-separated prompt lengths (default 2048,4096)")
     parser.add_argument("--caches", default="dense,kvpop",
-                        help="dense, static, or KVpop policies (tova-mean: TOVA averaged over the heads) (default dense,kvpop)")
+                        help="dense, static, or KVpop policies, split by KVpopConfig.for_budget (default dense,kvpop)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per call (default 64)")
     parser.add_argument("--batch", type=int, default=1, help="prompts per call (default 1)")
     parser.add_argument("--budget", type=int, default=512, help="KVpop budget, split by KVpopConfig.for_budget (default 512)")
@@ -177,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = _load(args.model, str(device), args.dtype).eval()
+    model = load_bench_model(args.model, str(device), args.dtype).eval()
     contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
     kinds = [k.strip() for k in args.caches.split(",") if k.strip()]
     covered = [c for c in contexts if args.budget >= c]

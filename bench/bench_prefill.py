@@ -29,40 +29,19 @@ import torch
 
 import kvpop
 from kvpop.cache import cache_kwargs
+from kvpop.eval.bench import load_bench_model, sync
 
-DYNAMIC = ("tova", "tova-mean", "h2o")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def policy_config(name: str, budget: int) -> kvpop.KVpopConfig:
-    """`name` is a policy, or "tova-mean": TOVA ranked by the probability averaged over all query heads."""
-    if name == "tova-mean":
-        return kvpop.KVpopConfig.for_budget(budget, policy="tova", tova_head_average=True)
-    return kvpop.KVpopConfig.for_budget(budget, policy=name)
-
-
-def _load(name: str, device: str, dtype: str | None):
-    from kvpop.shapes import SHAPE_PRESETS, build_shape_model
-
-    if name in SHAPE_PRESETS:
-        return build_shape_model(name, device, dtype=getattr(torch, dtype or "bfloat16"))[0]
-    from kvpop.models import load_model
-
-    return load_model(name, dtype=dtype, device=device)[0]
+DYNAMIC = ("tova", "h2o")
 
 
 @torch.no_grad()
 def _time(model, ids: torch.Tensor, cache) -> tuple[float, float]:
     """(wall s, process CPU s) of one forward of `ids` into `cache`."""
     device = ids.device
-    _sync(device)
+    sync(device)
     wall, cpu = time.perf_counter(), time.process_time()
     model(ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-    _sync(device)
+    sync(device)
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -82,7 +61,7 @@ def bench_prefill(model, ids: torch.Tensor, budget: int, policies: list[str], re
             else:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(seed)
-                    kvpop.retrofit(model, policy_config(policy, budget))
+                    kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(budget, policy=policy))
                 try:
                     cache = kvpop.KVpopCache(model, dynamic_prefill="replay" if path == "replay" else "walk")
                     t = _time(model, ids, cache)
@@ -128,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="prompts per forward (default 1)")
     parser.add_argument("--budget", type=int, default=512, help="cache budget, split by KVpopConfig.for_budget (default 512)")
     parser.add_argument("--policies", default="tova,h2o,kvpop",
-                        help="comma-separated policies; tova-mean: TOVA averaged over the heads (default tova,h2o,kvpop)")
+                        help="comma-separated policies, split by KVpopConfig.for_budget (TOVA and H2O as their papers define them) (default tova,h2o,kvpop)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the median is reported (default 3)")
     parser.add_argument("--no-replay", action="store_true", help="skip the token-by-token replay rows of TOVA / H2O")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -141,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = _load(args.model, str(device), args.dtype).eval()
+    model = load_bench_model(args.model, str(device), args.dtype).eval()
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context), generator=gen).to(device)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

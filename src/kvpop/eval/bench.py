@@ -108,7 +108,8 @@ def _prepared(model, kind: str, config: KVpopConfig | None, seed: int) -> Iterat
             model.kvpop.load_state_dict(stashed.state_dict(), assign=True)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device, so that a wall clock read after it times the work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -146,7 +147,7 @@ def _run_one(model, kind: str, ids: torch.Tensor, new_tokens: int, warmup: int, 
     else:
         cache, decoder = _new_cache(model, kind), None
     kw = cache_kwargs(model, cache)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     if fill == "random":
         fill_random(model, cache, B, S, seed=seed)
@@ -158,7 +159,7 @@ def _run_one(model, kind: str, ids: torch.Tensor, new_tokens: int, warmup: int, 
         for i in range(0, S, chunk):
             logits = model(ids[:, i : i + chunk], **kw, use_cache=True, logits_to_keep=1).logits
         nxt = logits[:, -1].argmax(-1, keepdim=True)
-    _sync(device)
+    sync(device)
     prefill_s = time.perf_counter() - start
     if device.type == "cuda":
         gc.collect()
@@ -182,7 +183,7 @@ def _run_one(model, kind: str, ids: torch.Tensor, new_tokens: int, warmup: int, 
             t0 = time.perf_counter()
             nxt = step(nxt)
             if i == 0 and compiled:
-                _sync(device)
+                sync(device)
                 compile_s = time.perf_counter() - t0
         times_ms = []
         if device.type == "cuda":
@@ -392,17 +393,24 @@ def _rule_config(args: argparse.Namespace) -> KVpopConfig:
     return KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window, topk=args.topk)
 
 
-def _load(args: argparse.Namespace, device: str):
+def load_bench_model(name: str, device: str, dtype: str | None = None, num_layers: int | None = None,
+                     seed: int = 0):
+    """A model to benchmark: a `*-shape` preset (random weights, bfloat16 unless `dtype`) or any model
+    `load_model` takes. The benchmark scripts under bench/ load theirs here too."""
     from kvpop.shapes import SHAPE_PRESETS, build_shape_model
 
-    if args.model in SHAPE_PRESETS:
-        dtype = getattr(torch, args.dtype or "bfloat16")
-        return build_shape_model(args.model, device, dtype=dtype, num_layers=args.num_layers, seed=args.seed)[0]
-    if args.num_layers is not None:
-        raise ValueError(f"--num-layers applies to the *-shape presets only, not {args.model!r}")
+    if name in SHAPE_PRESETS:
+        return build_shape_model(name, device, dtype=getattr(torch, dtype or "bfloat16"), num_layers=num_layers,
+                                 seed=seed)[0]
+    if num_layers is not None:
+        raise ValueError(f"--num-layers applies to the *-shape presets only, not {name!r}")
     from kvpop.models import load_model
 
-    return load_model(args.model, dtype=args.dtype, device=device)[0]
+    return load_model(name, dtype=dtype, device=device)[0]
+
+
+def _load(args: argparse.Namespace, device: str):
+    return load_bench_model(args.model, device, args.dtype, args.num_layers, args.seed)
 
 
 def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
