@@ -40,6 +40,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -54,6 +55,8 @@ DYNAMIC = ("tova", "tova_windowed", "h2o", "h2o_windowed")
 ROW_ORDER = ("dense", "streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "streaming_llm_plus", "dms",
              "kvpop-mlp", "kvpop-evidence", "kvpop-evidence-prerope", "kvpop-mlstm", "kvpop-mlstm-delay0", "oracle")
 LEARNED = ("kvpop-mlp", "kvpop-evidence", "kvpop-evidence-prerope", "kvpop-mlstm", "kvpop-mlstm-delay0")
+STATIC_ROWS = 6
+"""Trained rows per evaluation worker (each loads its model and runs every held-out sequence)."""
 START = time.time()
 
 
@@ -141,20 +144,63 @@ def row_args(row: str, window: int) -> list[str]:
     }[row]
 
 
+MODIFIERS = {
+    "frozen": "scorers (DMS: gates) only, the base frozen, whatever --freeze-base says",
+    "wN": "a protected window of N tokens instead of --window",
+    "prerope": "mlp/evidence scorers read the keys with RoPE undone (--scorer-keys pre_rope)",
+}
+"""Per-row variations of an ablation, appended to a row with `+`: `kvpop-mlp+w32+frozen`."""
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """A trained row of `--rows`: a base row (`TRAINED`) and its modifiers (`MODIFIERS`)."""
+
+    name: str
+    base: str
+    window: int | None = None
+    frozen: bool = False
+    prerope: bool = False
+
+    @classmethod
+    def parse(cls, spec: str) -> RowSpec:
+        base, *mods = spec.split("+")
+        if base not in TRAINED:
+            raise SystemExit(f"--rows: unknown row {base!r} in {spec!r}; choose from {', '.join(TRAINED)}")
+        window, frozen, prerope = None, False, False
+        for m in mods:
+            if re.fullmatch(r"w[1-9][0-9]*", m):
+                window = int(m[1:])
+            elif m == "frozen":
+                frozen = True
+            elif m == "prerope" and base in ("kvpop-mlp", "kvpop-evidence"):
+                prerope = True
+            else:
+                allowed = "; ".join(f"+{k}: {v}" for k, v in MODIFIERS.items())
+                raise SystemExit(f"--rows: modifier {m!r} of {spec!r} is not one of ({allowed}; prerope only for "
+                                 "kvpop-mlp and kvpop-evidence)")
+        if window is not None and base == "streaming_llm_plus":
+            raise SystemExit(f"--rows: {spec!r}: streaming_llm_plus's window is its whole budget; drop +w")
+        return cls(spec, base, window, frozen, prerope)
+
+    def args(self, window: int, freeze_base: bool) -> list[str]:
+        out = row_args(self.base, window if self.window is None else self.window)
+        if self.prerope:
+            out += ["--scorer-keys", "pre_rope"]
+        return out + (["--freeze-base"] if freeze_base or self.frozen else [])
+
+
 TRAINED = ("streaming_llm_plus", "dms", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0", "kvpop-evidence",
            "kvpop-evidence-prerope")
 DEFAULT_TRAINED = TRAINED[:5]
 """The rows trained unless `--rows` names others: the paper's (the evidence scorer is an opt-in extension)."""
 
 
-def trained_rows(args) -> list[str]:
+def trained_rows(args) -> list[RowSpec]:
     """The trained rows of this study: `--rows` (default all), without StreamingLLM+ when the base is frozen."""
-    rows = [r for r in (args.rows.split(",") if args.rows else DEFAULT_TRAINED) if r]
-    unknown = sorted(set(rows) - set(TRAINED))
-    if unknown:
-        raise SystemExit(f"--rows: unknown {unknown}; choose from {', '.join(TRAINED)}")
+    rows = [RowSpec.parse(r) for r in (args.rows.split(",") if args.rows else DEFAULT_TRAINED) if r]
     # StreamingLLM+ trains only the base: with it frozen it is StreamingLLM, already a row
-    return [r for r in rows if not (args.freeze_base and r == "streaming_llm_plus")]
+    return [r for r in rows if not ((args.freeze_base or r.frozen) and r.base == "streaming_llm_plus")]
 
 
 def plan_runs(args) -> list[Run]:
@@ -163,15 +209,14 @@ def plan_runs(args) -> list[Run]:
         for row, seed in ((r, s) for r in trained_rows(args) for s in args.seeds):
             # the first seed keeps the earlier sessions' names (their runs resume); a later one is `row_sN`
             first = seed == args.seeds[0]
-            name = f"{row}_b{budget}" if first else f"{row}_s{seed}_b{budget}"
+            name = f"{row.name}_b{budget}" if first else f"{row.name}_s{seed}_b{budget}"
             out = args.out / "runs" / name
             cmd = ["train", "--model", args.model, "--data", args.data, "--seq-len", str(args.seq_len),
-                   "--sink", str(args.sink), "--budget", str(budget), *row_args(row, args.window),
+                   "--sink", str(args.sink), "--budget", str(budget), *row.args(args.window, args.freeze_base),
                    "--steps", str(args.steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(seed),
                    "--save-every", str(args.save_every or max(1, min(20, args.steps // 2))), "--out", str(out),
-                   "--no-progress", *(["--freeze-base"] if args.freeze_base else []),
-                   *(["--lr-base", str(args.lr_base)] if args.lr_base is not None else [])]
-            runs.append(Run(name, row, budget, row if first else f"{row}/s{seed}", cmd, out))
+                   "--no-progress", *(["--lr-base", str(args.lr_base)] if args.lr_base is not None else [])]
+            runs.append(Run(name, row.base, budget, row.name if first else f"{row.name}/s{seed}", cmd, out))
     return runs
 
 
@@ -435,10 +480,14 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
     groups = []
     for budget in args.budgets:
         entries = [{"name": p, "budget": budget, "policy": p} for p in TRAINING_FREE if p not in DYNAMIC]
-        entries += [{"name": t["row"], "budget": budget, "trained": t["path"]} for t in trained.values()
-                    if t["budget"] == budget]
-        plot = budget == max(args.budgets)
-        groups.append({"group": f"static_b{budget}", "entries": entries, "plot": plot, "batch": 1})
+        learned = [{"name": t["row"], "budget": budget, "trained": t["path"]} for t in trained.values()
+                   if t["budget"] == budget]
+        # an ablation has many trained rows: at most STATIC_ROWS per worker, so the groups spread over the GPUs
+        for k in range(0, max(1, len(learned)), STATIC_ROWS):
+            plot = budget == max(args.budgets) and k == 0
+            groups.append({"group": f"static_b{budget}" + (f"_{k // STATIC_ROWS}" if k else ""),
+                           "entries": (entries if k == 0 else []) + learned[k : k + STATIC_ROWS], "plot": plot,
+                           "batch": 1})
         groups += [{"group": f"{p}_b{budget}", "entries": [{"name": p, "budget": budget, "policy": p}], "plot": False,
                     "batch": args.dynamic_batch} for p in DYNAMIC]
     procs = []
@@ -510,7 +559,12 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
 
 def sort_rows(rows: list[dict]) -> list[dict]:
     order = {name: i for i, name in enumerate(ROW_ORDER)}
-    return sorted(rows, key=lambda r: (-r["budget"], order.get(r["policy"].split("/")[0], len(order)), r["policy"]))
+    return sorted(rows, key=lambda r: (-r["budget"], order.get(base_row(r["policy"]), len(order)), r["policy"]))
+
+
+def base_row(label: str) -> str:
+    """`kvpop-mlp+w32/s1` -> `kvpop-mlp`: the row a label was trained as, without modifiers or seed."""
+    return label.split("/")[0].split("+")[0]
 
 
 # --- the worker: one group of rows over the held-out sequences ---
@@ -685,7 +739,7 @@ def recall_plot(rows: list[dict], seq_len: int, path: Path) -> Path | None:
     axes = fig.subplots(1, len(budgets), squeeze=False)[0]
     for ax, budget in zip(axes, budgets):
         for r in rows:
-            if r["budget"] == budget and r["policy"].split("/")[0] in LEARNED and r.get("recall_per_layer"):
+            if r["budget"] == budget and base_row(r["policy"]) in LEARNED and r.get("recall_per_layer"):
                 y = np.asarray(r["recall_per_layer"], dtype=float)
                 ax.plot(range(len(y)), y, marker="o", markersize=3, label=f"{r['policy']} (mean {r['recall']:.3f})")
         ax.set_ylim(0.0, 1.02)

@@ -154,3 +154,27 @@ def test_seeds_and_extension_rows_plan_one_run_each(tmp_path):
             (("kvpop-evidence", 0.90, 0.10), ("kvpop-evidence/s5", 0.94, 0.20), ("tova", 0.99, 0.01))]
     (line,) = study.seed_lines(rows, 2048)
     assert line.startswith("| kvpop-evidence: mean ± sd of 2 seeds | 0.920 ± 0.028 | 0.900 ± 0.000 | 0.1500 ± 0.0707")
+
+
+def test_row_modifiers_set_window_frozen_base_and_prerope_per_row(tmp_path):
+    # an ablation in one command: the same row with its own window, a frozen base, pre-RoPE keys
+    study = _study()
+    args = study.parse(["--rows", "kvpop-mlp,kvpop-mlp+w32+frozen,kvpop-evidence+prerope,streaming_llm_plus+frozen",
+                        "--budgets", "1024", "--window", "256", "--out", str(tmp_path)])
+    runs = study.plan_runs(args)
+    assert [(r.name, r.row, r.label) for r in runs] == [
+        ("kvpop-mlp_b1024", "kvpop-mlp", "kvpop-mlp"),
+        ("kvpop-mlp+w32+frozen_b1024", "kvpop-mlp", "kvpop-mlp+w32+frozen"),
+        ("kvpop-evidence+prerope_b1024", "kvpop-evidence", "kvpop-evidence+prerope")]
+
+    def flag(run, name):
+        return run.args[run.args.index(name) + 1] if name in run.args else None
+
+    assert [flag(r, "--window") for r in runs] == ["256", "32", "256"]
+    assert ["--freeze-base" in r.args for r in runs] == [False, True, False]
+    assert [flag(r, "--scorer-keys") for r in runs] == [None, None, "pre_rope"]
+    assert study.base_row("kvpop-mlp+w32+frozen/s1") == "kvpop-mlp"
+    for bad, why in (("kvpop-mlp+w0", "modifier 'w0'"), ("kvpop-mlp+fast", "modifier 'fast'"),
+                     ("dms+prerope", "prerope only"), ("streaming_llm_plus+w8", "drop \\+w")):
+        with pytest.raises(SystemExit, match=why):
+            study.plan_runs(study.parse(["--rows", bad, "--out", str(tmp_path)]))
