@@ -479,7 +479,7 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
 
     groups = []
     for budget in args.budgets:
-        entries = [{"name": p, "budget": budget, "policy": p} for p in TRAINING_FREE if p not in DYNAMIC]
+        entries = [{"name": p, "budget": budget, "policy": p} for p in args.free_rows if p not in DYNAMIC]
         learned = [{"name": t["row"], "budget": budget, "trained": t["path"]} for t in trained.values()
                    if t["budget"] == budget]
         # an ablation has many trained rows: at most STATIC_ROWS per worker, so the groups spread over the GPUs
@@ -489,7 +489,7 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
                            "entries": (entries if k == 0 else []) + learned[k : k + STATIC_ROWS], "plot": plot,
                            "batch": 1})
         groups += [{"group": f"{p}_b{budget}", "entries": [{"name": p, "budget": budget, "policy": p}], "plot": False,
-                    "batch": args.dynamic_batch} for p in DYNAMIC]
+                    "batch": args.dynamic_batch} for p in DYNAMIC if p in args.free_rows]
     procs = []
     threads = max(1, (os.cpu_count() or 1) // len(groups))
     gpus = visible_gpus()
@@ -869,11 +869,19 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--mps", action="store_true",
                    help="run the parallel processes under NVIDIA MPS (started here, stopped at the end; "
                         "falls back to time-slicing if it cannot start)")
-    p.add_argument("--rows", default="", help=f"comma-separated trained rows (default all: {','.join(TRAINED)})")
+    p.add_argument("--rows", default="", help=f"comma-separated trained rows (default all: {','.join(TRAINED)}), "
+                   "each with optional modifiers: " + "; ".join(f"+{k}: {v}" for k, v in MODIFIERS.items()))
+    p.add_argument("--free-rows", default=",".join(TRAINING_FREE),
+                   help="comma-separated training-free rows to evaluate (default all: %(default)s); a study that "
+                        "repeats earlier sequences may leave the slow dynamic rows (TOVA, H2O) to the earlier run")
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.budgets = sorted((int(b) for b in str(args.budgets).split(",") if b), reverse=True)
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()] if args.seeds else [args.seed]
+    args.free_rows = [r for r in args.free_rows.split(",") if r]
+    unknown = sorted(set(args.free_rows) - set(TRAINING_FREE))
+    if unknown:
+        p.error(f"--free-rows: unknown {unknown}; choose from {', '.join(TRAINING_FREE)}")
     return args
 
 
@@ -918,7 +926,8 @@ def run_phases(args, runs: list[Run], end: float, mps: bool, argv=None) -> int:
         "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["quality_study.py", *argv]),
         "model": args.model, "data": args.data, "seq_len": args.seq_len, "budgets": args.budgets, "sink": args.sink,
         "window": args.window, "packing": args.packing, "steps": args.steps, "seed": args.seed,
-        "lr_scorer": args.lr_scorer, "freeze_base": args.freeze_base, "lr_base": args.lr_base, "mps": mps,
+        "lr_scorer": args.lr_scorer, "freeze_base": args.freeze_base, "free_rows": args.free_rows,
+        "lr_base": args.lr_base, "mps": mps,
         "rows": ev["rows"], "missing": ev["missing"],
         "columns": ["rel_accuracy", "top1_agreement", "kl", "ppl_ratio", "recall"],
         "eval": {"sequences": ev["sequences"], "worker_commands": ev["worker_commands"]},

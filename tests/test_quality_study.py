@@ -178,3 +178,11 @@ def test_row_modifiers_set_window_frozen_base_and_prerope_per_row(tmp_path):
                      ("dms+prerope", "prerope only"), ("streaming_llm_plus+w8", "drop \\+w")):
         with pytest.raises(SystemExit, match=why):
             study.plan_runs(study.parse(["--rows", bad, "--out", str(tmp_path)]))
+
+
+def test_free_rows_choose_the_training_free_rows(tmp_path):
+    study = _study()
+    assert study.parse(["--out", str(tmp_path)]).free_rows == list(study.TRAINING_FREE)
+    assert study.parse(["--out", str(tmp_path), "--free-rows", "tova,oracle"]).free_rows == ["tova", "oracle"]
+    with pytest.raises(SystemExit):
+        study.parse(["--out", str(tmp_path), "--free-rows", "tova,bogus"])
