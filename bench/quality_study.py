@@ -148,6 +148,7 @@ MODIFIERS = {
     "frozen": "scorers (DMS: gates) only, the base frozen, whatever --freeze-base says",
     "wN": "a protected window of N tokens instead of --window",
     "prerope": "mlp/evidence scorers read the keys with RoPE undone (--scorer-keys pre_rope)",
+    "bN": "only at budget N (one of --budgets; repeatable), not at every budget",
 }
 """Per-row variations of an ablation, appended to a row with `+`: `kvpop-mlp+w32+frozen`."""
 
@@ -161,16 +162,20 @@ class RowSpec:
     window: int | None = None
     frozen: bool = False
     prerope: bool = False
+    budgets: tuple[int, ...] = ()
+    """The budgets this row trains at; empty: every budget of the study."""
 
     @classmethod
     def parse(cls, spec: str) -> RowSpec:
         base, *mods = spec.split("+")
         if base not in TRAINED:
             raise SystemExit(f"--rows: unknown row {base!r} in {spec!r}; choose from {', '.join(TRAINED)}")
-        window, frozen, prerope = None, False, False
+        window, frozen, prerope, budgets = None, False, False, []
         for m in mods:
             if re.fullmatch(r"w[1-9][0-9]*", m):
                 window = int(m[1:])
+            elif re.fullmatch(r"b[1-9][0-9]*", m):
+                budgets.append(int(m[1:]))
             elif m == "frozen":
                 frozen = True
             elif m == "prerope" and base in ("kvpop-mlp", "kvpop-evidence"):
@@ -181,7 +186,9 @@ class RowSpec:
                                  "kvpop-mlp and kvpop-evidence)")
         if window is not None and base == "streaming_llm_plus":
             raise SystemExit(f"--rows: {spec!r}: streaming_llm_plus's window is its whole budget; drop +w")
-        return cls(spec, base, window, frozen, prerope)
+        # the budget is in the run's name already: the label drops it
+        name = "+".join([base, *(m for m in mods if not re.fullmatch(r"b[1-9][0-9]*", m))])
+        return cls(name, base, window, frozen, prerope, tuple(budgets))
 
     def args(self, window: int, freeze_base: bool) -> list[str]:
         out = row_args(self.base, window if self.window is None else self.window)
@@ -199,6 +206,10 @@ DEFAULT_TRAINED = TRAINED[:5]
 def trained_rows(args) -> list[RowSpec]:
     """The trained rows of this study: `--rows` (default all), without StreamingLLM+ when the base is frozen."""
     rows = [RowSpec.parse(r) for r in (args.rows.split(",") if args.rows else DEFAULT_TRAINED) if r]
+    for r in rows:
+        if set(r.budgets) - set(args.budgets):
+            raise SystemExit(f"--rows: {r.name} asks for budgets {sorted(set(r.budgets) - set(args.budgets))}, "
+                             f"not among --budgets {args.budgets}")
     # StreamingLLM+ trains only the base: with it frozen it is StreamingLLM, already a row
     return [r for r in rows if not ((args.freeze_base or r.frozen) and r.base == "streaming_llm_plus")]
 
@@ -206,7 +217,7 @@ def trained_rows(args) -> list[RowSpec]:
 def plan_runs(args) -> list[Run]:
     runs = []
     for budget in args.budgets:
-        for row, seed in ((r, s) for r in trained_rows(args) for s in args.seeds):
+        for row, seed in ((r, s) for r in trained_rows(args) for s in args.seeds if not r.budgets or budget in r.budgets):
             # the first seed keeps the earlier sessions' names (their runs resume); a later one is `row_sN`
             first = seed == args.seeds[0]
             name = f"{row.name}_b{budget}" if first else f"{row.name}_s{seed}_b{budget}"

@@ -174,6 +174,14 @@ def test_row_modifiers_set_window_frozen_base_and_prerope_per_row(tmp_path):
     assert ["--freeze-base" in r.args for r in runs] == [False, True, False]
     assert [flag(r, "--scorer-keys") for r in runs] == [None, None, "pre_rope"]
     assert study.base_row("kvpop-mlp+w32+frozen/s1") == "kvpop-mlp"
+    # +bN: that budget only (the label drops it: the budget is a column already)
+    two = study.parse(["--rows", "kvpop-mlp+frozen,kvpop-mlp+w64+b1024", "--budgets", "2048,1024", "--out",
+                       str(tmp_path)])
+    assert [(r.name, r.label) for r in study.plan_runs(two)] == [
+        ("kvpop-mlp+frozen_b2048", "kvpop-mlp+frozen"), ("kvpop-mlp+frozen_b1024", "kvpop-mlp+frozen"),
+        ("kvpop-mlp+w64_b1024", "kvpop-mlp+w64")]
+    with pytest.raises(SystemExit, match="not among --budgets"):
+        study.plan_runs(study.parse(["--rows", "kvpop-mlp+b512", "--budgets", "1024", "--out", str(tmp_path)]))
     for bad, why in (("kvpop-mlp+w0", "modifier 'w0'"), ("kvpop-mlp+fast", "modifier 'fast'"),
                      ("dms+prerope", "prerope only"), ("streaming_llm_plus+w8", "drop \\+w")):
         with pytest.raises(SystemExit, match=why):
