@@ -217,7 +217,8 @@ def trained_rows(args) -> list[RowSpec]:
 def plan_runs(args) -> list[Run]:
     runs = []
     for budget in args.budgets:
-        for row, seed in ((r, s) for r in trained_rows(args) for s in args.seeds if not r.budgets or budget in r.budgets):
+        rows = [r for r in trained_rows(args) if not r.budgets or budget in r.budgets]
+        for row, seed in ((r, s) for r in rows for s in args.seeds):
             # the first seed keeps the earlier sessions' names (their runs resume); a later one is `row_sN`
             first = seed == args.seeds[0]
             name = f"{row.name}_b{budget}" if first else f"{row.name}_s{seed}_b{budget}"
