@@ -95,6 +95,8 @@ class Run:
     """The table's name of the row: `row`, or `row/sN` for a seed after the first (`--seeds`)."""
     args: list[str]
     out: Path
+    steps: int = 0
+    """The run's planned optimizer steps (`--steps`, or the row's `+stepsN`)."""
     status: dict = field(default_factory=dict)
     retries: int = 0
 
@@ -149,6 +151,8 @@ MODIFIERS = {
     "wN": "a protected window of N tokens instead of --window",
     "prerope": "mlp/evidence scorers read the keys with RoPE undone (--scorer-keys pre_rope)",
     "bN": "only at budget N (one of --budgets; repeatable), not at every budget",
+    "stepsN": "N optimizer steps instead of --steps (a slow learner, e.g. the mLSTM scorer-only)",
+    "mix": "trained on --mix instead of --data (evaluated on --data's held-out split like every row)",
 }
 """Per-row variations of an ablation, appended to a row with `+`: `kvpop-mlp+w32+frozen`."""
 
@@ -164,16 +168,22 @@ class RowSpec:
     prerope: bool = False
     budgets: tuple[int, ...] = ()
     """The budgets this row trains at; empty: every budget of the study."""
+    steps: int | None = None
+    mix: bool = False
 
     @classmethod
     def parse(cls, spec: str) -> RowSpec:
         base, *mods = spec.split("+")
         if base not in TRAINED:
             raise SystemExit(f"--rows: unknown row {base!r} in {spec!r}; choose from {', '.join(TRAINED)}")
-        window, frozen, prerope, budgets = None, False, False, []
+        window, frozen, prerope, budgets, steps, mix = None, False, False, [], None, False
         for m in mods:
             if re.fullmatch(r"w[1-9][0-9]*", m):
                 window = int(m[1:])
+            elif re.fullmatch(r"steps[1-9][0-9]*", m):
+                steps = int(m[5:])
+            elif m == "mix":
+                mix = True
             elif re.fullmatch(r"b[1-9][0-9]*", m):
                 budgets.append(int(m[1:]))
             elif m == "frozen":
@@ -188,7 +198,7 @@ class RowSpec:
             raise SystemExit(f"--rows: {spec!r}: streaming_llm_plus's window is its whole budget; drop +w")
         # the budget is in the run's name already: the label drops it
         name = "+".join([base, *(m for m in mods if not re.fullmatch(r"b[1-9][0-9]*", m))])
-        return cls(name, base, window, frozen, prerope, tuple(budgets))
+        return cls(name, base, window, frozen, prerope, tuple(budgets), steps, mix)
 
     def args(self, window: int, freeze_base: bool) -> list[str]:
         out = row_args(self.base, window if self.window is None else self.window)
@@ -223,12 +233,16 @@ def plan_runs(args) -> list[Run]:
             first = seed == args.seeds[0]
             name = f"{row.name}_b{budget}" if first else f"{row.name}_s{seed}_b{budget}"
             out = args.out / "runs" / name
-            cmd = ["train", "--model", args.model, "--data", args.data, "--seq-len", str(args.seq_len),
+            steps = row.steps or args.steps
+            if row.mix and not args.mix:
+                raise SystemExit(f"--rows: {row.name} trains on --mix, which is not given")
+            data = args.mix if row.mix else args.data
+            cmd = ["train", "--model", args.model, "--data", data, "--seq-len", str(args.seq_len),
                    "--sink", str(args.sink), "--budget", str(budget), *row.args(args.window, args.freeze_base),
-                   "--steps", str(args.steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(seed),
-                   "--save-every", str(args.save_every or max(1, min(20, args.steps // 2))), "--out", str(out),
+                   "--steps", str(steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(seed),
+                   "--save-every", str(args.save_every or max(1, min(20, steps // 2))), "--out", str(out),
                    "--no-progress", *(["--lr-base", str(args.lr_base)] if args.lr_base is not None else [])]
-            runs.append(Run(name, row.base, budget, row.name if first else f"{row.name}/s{seed}", cmd, out))
+            runs.append(Run(name, row.base, budget, row.name if first else f"{row.name}/s{seed}", cmd, out, steps))
     return runs
 
 
@@ -427,7 +441,7 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
                 proc.send_signal(signal.SIGTERM)
         if now - last_report >= args.report_s and running:
             last_report = now
-            log("progress: " + ", ".join(f"{r.name} {r.progress(args.steps)}" for _, r, _ in running.values()))
+            log("progress: " + ", ".join(f"{r.name} {r.progress(r.steps)}" for _, r, _ in running.values()))
         time.sleep(0.5)
     for run in runs:
         if run.out.exists():
@@ -481,7 +495,7 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
         elif run.checkpoint() is not None:
             trained[run.name] = {"path": str(run.checkpoint()), "weights": "checkpoint",
                                  "steps_done": run.steps_done()}
-            log(f"{run.name}: no final weights; evaluating its checkpoint (step {run.steps_done()} of {args.steps})")
+            log(f"{run.name}: no final weights; evaluating its checkpoint (step {run.steps_done()} of {run.steps})")
         else:
             reason = status.get("status", "not trained") + (f": {status['log_tail']}" if "log_tail" in status else "")
             missing.append({"policy": run.label, "budget": run.budget, "missing": reason})
@@ -838,6 +852,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=default_out, help=f"output directory (default {default_out})")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--data", default="champ", help="training data; the eval phase uses its held-out split")
+    p.add_argument("--mix", default=None, help="training data of the rows marked +mix (a `kvpop train --data` "
+                                                "mixture, e.g. several domains); they are evaluated on --data too")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--budgets", default="2048,1024")
     p.add_argument("--sink", type=int, default=4)
@@ -936,7 +952,7 @@ def run_phases(args, runs: list[Run], end: float, mps: bool, argv=None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **versions(),
         "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["quality_study.py", *argv]),
-        "model": args.model, "data": args.data, "seq_len": args.seq_len, "budgets": args.budgets, "sink": args.sink,
+        "model": args.model, "data": args.data, "mix": args.mix, "seq_len": args.seq_len, "budgets": args.budgets, "sink": args.sink,
         "window": args.window, "packing": args.packing, "steps": args.steps, "seed": args.seed,
         "lr_scorer": args.lr_scorer, "freeze_base": args.freeze_base, "free_rows": args.free_rows,
         "lr_base": args.lr_base, "mps": mps,

@@ -180,6 +180,13 @@ def test_row_modifiers_set_window_frozen_base_and_prerope_per_row(tmp_path):
     assert [(r.name, r.label) for r in study.plan_runs(two)] == [
         ("kvpop-mlp+frozen_b2048", "kvpop-mlp+frozen"), ("kvpop-mlp+frozen_b1024", "kvpop-mlp+frozen"),
         ("kvpop-mlp+w64_b1024", "kvpop-mlp+w64")]
+    # +stepsN and +mix: a run's own length and training data
+    own = study.plan_runs(study.parse(["--rows", "kvpop-mlstm+steps600,kvpop-mlp+mix", "--budgets", "1024",
+                                       "--steps", "120", "--mix", "champ,pystdlib", "--out", str(tmp_path)]))
+    assert [(r.steps, flag(r, "--steps"), flag(r, "--data")) for r in own] == [
+        (600, "600", "champ"), (120, "120", "champ,pystdlib")]
+    with pytest.raises(SystemExit, match="--mix"):
+        study.plan_runs(study.parse(["--rows", "kvpop-mlp+mix", "--out", str(tmp_path)]))
     with pytest.raises(SystemExit, match="not among --budgets"):
         study.plan_runs(study.parse(["--rows", "kvpop-mlp+b512", "--budgets", "1024", "--out", str(tmp_path)]))
     for bad, why in (("kvpop-mlp+w0", "modifier 'w0'"), ("kvpop-mlp+fast", "modifier 'fast'"),
