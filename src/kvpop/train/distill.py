@@ -68,6 +68,9 @@ from kvpop.train.loss import boundary_labels, boundary_loss, teacher_priority
 
 __all__ = ["LOG", "Distiller", "TrainConfig", "TrainingError", "kl_divergence", "scorer_lr_factor", "train"]
 
+COUNT_CHUNK = 64
+"""Documents per tokenizer call while choosing the training documents: the same choice, far fewer calls."""
+
 RESUME_MAY_CHANGE = ("steps", "save_every", "keep_every")
 """TrainConfig fields a resume may change; `out`, `model`, `data` and `device` are matched by what they
 are (the checkpoint's own directory, the base weights, the packed tokens, the device type), not spelled."""
@@ -438,11 +441,16 @@ class Distiller:
         t, budget = self.tcfg, self.pool_tokens
         texts = load_texts(t.data, split="train", text_field=t.text_field, tokenizer=self.tokenizer,
                            eval_fraction=t.eval_fraction, seed=t.seed, chat=t.chat)
-        # tokenize documents in order until the budget is covered (champ alone is ~30M tokens)
+        # documents in order until the budget is covered (champ alone is ~30M tokens), counted a chunk per
+        # tokenizer call: one call per document took 53 s of every start of a long run (4.9M tokens, 2 cores)
         chosen, total = [], 0
-        for text in texts:
-            chosen.append(text)
-            total += len(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]) + 1
+        for start in range(0, len(texts), COUNT_CHUNK):
+            chunk = texts[start : start + COUNT_CHUNK]
+            for text, ids in zip(chunk, self.tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]):
+                chosen.append(text)
+                total += len(ids) + 1
+                if total >= budget:
+                    break
             if total >= budget:
                 break
         try:
