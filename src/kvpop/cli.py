@@ -347,14 +347,14 @@ def train(args: argparse.Namespace) -> int:
     kcfg = None
     if is_kvpop_dir(args.model):
         _refuse_other_config(args, read_config(args.model), f"--model {args.model} is already retrofitted",
-                             "start from the base model")
+                             "it trains at that config", "start from the base model")
         if args.layer_budgets:
             raise ValueError(f"--layer-budgets applies to a fresh retrofit; {args.model} already has its budgets")
     elif args.init_from and not args.resume:  # with --resume, kvpop train refuses --init-from
         from kvpop.train.weights import source_config
 
         _refuse_other_config(args, source_config(args.init_from), f"--init-from {args.init_from} was trained",
-                             "start a fresh retrofit without --init-from")
+                             "a run started from it trains at that config", "start a fresh retrofit without --init-from")
         if args.layer_budgets:
             raise ValueError(f"--layer-budgets applies to a fresh retrofit; --init-from {args.init_from} has its budgets")
     elif args.resume and not args.given & CONFIG_ARGS:
@@ -414,7 +414,7 @@ def _as_flags(cfg):
     return dataclasses.replace(cfg, topk=matched["mlp_topk"], layer_topk=layer_topk, match_mlp_memory=True)
 
 
-def _refuse_other_config(args: argparse.Namespace, saved, what: str, instead: str) -> None:
+def _refuse_other_config(args: argparse.Namespace, saved, what: str, consequence: str, instead: str) -> None:
     """`train --model <kvpop dir>` and `--init-from DIR` train at that config: a flag asking for another is an error."""
     saved = _as_flags(saved)
     conflicts = [f"--{flag.replace('_', '-')} {getattr(args, flag)} (the directory has {getattr(saved, field)})"
@@ -422,7 +422,7 @@ def _refuse_other_config(args: argparse.Namespace, saved, what: str, instead: st
                  if flag in args.given and getattr(args, flag) != getattr(saved, field)]
     if conflicts:
         raise ValueError(f"{what} (sink {saved.sink}, window {saved.window}, topk {saved.topk}: budget "
-                         f"{saved.budget}, policy {saved.policy}, scorer {saved.scorer}) and trains at that config; "
+                         f"{saved.budget}, policy {saved.policy}, scorer {saved.scorer}); {consequence}: "
                          f"drop {', '.join(conflicts)}, or {instead}")
 
 
