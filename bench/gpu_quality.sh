@@ -9,6 +9,9 @@
 #                                             # bench/gpu_distributed.sh (issue 9, on a 2-GPU kind)
 #   bash bench/gpu_quality.sh fidelity OUT_DIR   # after train: long-generation fidelity (issue 16) of the
 #                                             # training-free rows and the trained kvpop-mlp / dms runs
+#   bash bench/gpu_quality.sh curve OUT_DIR   # after train: held-out recall vs steps of every kvpop run's
+#                                             # kept checkpoints (bench/recall_curve.py; runs trained with
+#                                             # TRAIN_ARGS="--keep-every N ..."), both phases of a two-phase row
 #
 # Environment knobs (seconds and sizes): STEPS (120), TRAIN_S (550), CONC (7: seven runs at S = 8192
 # shared the H200 under MPS without running out of memory), EVAL_S (300), EVAL_SEQ (8), DIST_STEPS (3);
@@ -17,9 +20,12 @@
 # (1), FID_BATCH (8 generations decoded together), FID_S (500); a call stopped at FID_S keeps its finished
 # generations in $HOME/fidelity/generations.jsonl, and the same command in the next call goes on from them. The training runs and the evaluation workers share the GPU under
 # NVIDIA MPS where the machine has it (quality_study.py --mps falls back to time-slicing otherwise).
+# Curve: CURVE_S (300), CURVE_SEQ (8); a call stopped at CURVE_S keeps its points, the same command goes on.
+# Two-phase rows (issue 17): the same plan arguments in TRAIN_ARGS and EVAL_ARGS, e.g.
+# "--rows kvpop-mlp,kvpop-mlstm --pretrain-steps 600 --keep-every 100" (the eval phase re-plans the runs).
 set -uo pipefail
-phase=${1:?usage: bench/gpu_quality.sh train|eval|dist|fidelity OUT_DIR}
-out=${2:?usage: bench/gpu_quality.sh train|eval|dist|fidelity OUT_DIR}
+phase=${1:?usage: bench/gpu_quality.sh train|eval|dist|fidelity|curve OUT_DIR}
+out=${2:?usage: bench/gpu_quality.sh train|eval|dist|fidelity|curve OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 stage=$HOME/stage
@@ -69,7 +75,12 @@ fidelity)
     cp "$HOME/fidelity/$f" "$out/" 2>/dev/null
   done
   ;;
+curve)
+  timeout --signal=INT $(( ${CURVE_S:-300} + 60 )) python bench/recall_curve.py "$HOME"/study/runs/kvpop-* \
+    --sequences "${CURVE_SEQ:-8}" --deadline-s "${CURVE_S:-300}" --out "$HOME/study/curve"
+  cp "$HOME"/study/curve/recall_curve.* "$out/" 2>/dev/null
+  ;;
 *)
-  echo "unknown phase $phase (train, eval, dist or fidelity)"; exit 2
+  echo "unknown phase $phase (train, eval, dist, fidelity or curve)"; exit 2
   ;;
 esac

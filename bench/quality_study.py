@@ -22,6 +22,18 @@ budget a row really holds (DMS), all teacher-forced on the same held-out sequenc
 a document start (`--packing document`; `concat` gives the earlier sessions' rows cut mid-document;
 `kvpop.eval.evaluate.held_out_rows`). `*` marks the stronger TOVA (H2O) variant per budget.
 
+Two-phase rows (issue 17): `--pretrain-steps P` trains `--pretrain-rows` (default every KVpop scorer row)
+first P steps with the base frozen (scorers only: no teacher, no base backward, several times the
+tokens/s), in OUT/runs/<row>_b<B>_preP/, then `--steps` of full distillation from those weights
+(`kvpop train --init-from`) in OUT/runs/<row>_b<B>_preP_distill/, the run the table evaluates (its
+trained steps read `P+D`). The second starts once the first is final; each resumes across commands.
+With `--keep-every N` every run keeps every N-th checkpoint, and `bench/recall_curve.py` draws the
+held-out recall of both phases against the steps, one line per row:
+
+    python bench/quality_study.py --phase train --rows kvpop-mlp,kvpop-mlstm --pretrain-steps 600 --steps 120 \
+        --keep-every 100 --out $HOME/study --deadline-s 540
+    python bench/recall_curve.py $HOME/study/runs/*_distill --out $HOME/study/curve
+
 Training runs are `python -m kvpop.cli train ...` subprocesses, `--concurrency` at a time, each in
 OUT/runs/<name>/ with its log. A run whose `final/` exists is skipped; one with a checkpoint is
 resumed; near the deadline the running ones get SIGTERM (kvpop train then writes its checkpoint),
@@ -95,8 +107,12 @@ class Run:
     """The table's name of the row: `row`, or `row/sN` for a seed after the first (`--seeds`)."""
     args: list[str]
     out: Path
-    steps: int = 0
-    """The run's planned optimizer steps (`--steps`, or the row's `+stepsN`)."""
+    steps: int
+    """The run's planned optimizer steps (`--steps`, the row's `+stepsN`, or `--pretrain-steps`)."""
+    after: Run | None = None
+    """The run whose final weights this one starts from (`--init-from`): it starts once that one is done."""
+    pretrain: bool = False
+    """A scorer-only pre-training: no row of the table, the start of the run that is (`after`)."""
     status: dict = field(default_factory=dict)
     retries: int = 0
 
@@ -126,9 +142,24 @@ class Run:
         last = latest(self.out)
         return None if last is None else last.path
 
-    def progress(self, steps: int) -> str:
+    def progress(self) -> str:
         row = self.last_log()
-        return f"{row.get('step', 0)}/{steps}" + (f" ({row['step_time_s']:.2f} s/step)" if "step_time_s" in row else "")
+        return f"{row.get('step', 0)}/{self.steps}" + (f" ({row['step_time_s']:.2f} s/step)" if "step_time_s" in row
+                                                       else "")
+
+    def ready(self) -> bool:
+        return self.after is None or self.after.done()
+
+    def command(self) -> list[str]:
+        """The `kvpop` arguments that start or go on with the run, from what its directory holds."""
+        from kvpop.train.checkpoint import holds_run
+
+        if self.checkpoint() is not None:
+            # a run started from another records it; its checkpoints hold all it changed
+            return [*self.args, "--resume"]
+        start = [] if self.after is None else ["--init-from", str(self.after.out)]
+        # stopped before its first checkpoint: nothing to resume, start it again
+        return [*self.args, *start, *(["--overwrite"] if holds_run(self.out) else [])]
 
 
 def row_args(row: str, window: int) -> list[str]:
@@ -224,26 +255,58 @@ def trained_rows(args) -> list[RowSpec]:
     return [r for r in rows if not ((args.freeze_base or r.frozen) and r.base == "streaming_llm_plus")]
 
 
+def pretrain_rows(args) -> list[str]:
+    """The rows trained in two phases (`--pretrain-steps`): `--pretrain-rows`, default every KVpop scorer row."""
+    if not args.pretrain_steps:
+        return []
+    if args.freeze_base:
+        raise SystemExit("--pretrain-steps: with --freeze-base every run trains the scorers only already")
+    rows = [r for r in trained_rows(args) if r.base in LEARNED and not r.frozen]
+    names = [r.name for r in rows]
+    chosen = [r for r in args.pretrain_rows.split(",") if r] if args.pretrain_rows else names
+    wrong = sorted(set(chosen) - set(names))
+    if wrong:
+        raise SystemExit(f"--pretrain-rows: {wrong} are not KVpop scorer rows of this study with a distilled base "
+                         f"(--rows: {', '.join(r.name for r in trained_rows(args))})")
+    return chosen
+
+
 def plan_runs(args) -> list[Run]:
     runs = []
+    two_phase = pretrain_rows(args)
     for budget in args.budgets:
         rows = [r for r in trained_rows(args) if not r.budgets or budget in r.budgets]
         for row, seed in ((r, s) for r in rows for s in args.seeds):
             # the first seed keeps the earlier sessions' names (their runs resume); a later one is `row_sN`
             first = seed == args.seeds[0]
             name = f"{row.name}_b{budget}" if first else f"{row.name}_s{seed}_b{budget}"
-            out = args.out / "runs" / name
+            label = row.name if first else f"{row.name}/s{seed}"
             steps = row.steps or args.steps
-            if row.mix and not args.mix:
-                raise SystemExit(f"--rows: {row.name} trains on --mix, which is not given")
-            data = args.mix if row.mix else args.data
-            cmd = ["train", "--model", args.model, "--data", data, "--seq-len", str(args.seq_len),
-                   "--sink", str(args.sink), "--budget", str(budget), *row.args(args.window, args.freeze_base),
-                   "--steps", str(steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(seed),
-                   "--save-every", str(args.save_every or max(1, min(20, steps // 2))), "--out", str(out),
-                   "--no-progress", *(["--lr-base", str(args.lr_base)] if args.lr_base is not None else [])]
-            runs.append(Run(name, row.base, budget, row.name if first else f"{row.name}/s{seed}", cmd, out, steps))
+            after = None
+            if row.name in two_phase:
+                # scorer-only pre-training first, then the full distillation from its weights (`--init-from`)
+                name = f"{name}_pre{args.pretrain_steps}"
+                after = Run(name, row.base, budget, label, train_args(args, row, budget, seed, name, args.pretrain_steps,
+                                                                      True), args.out / "runs" / name,
+                            args.pretrain_steps, pretrain=True)
+                runs.append(after)
+                name = f"{name}_distill"
+            runs.append(Run(name, row.base, budget, label, train_args(args, row, budget, seed, name, steps,
+                                                                      args.freeze_base), args.out / "runs" / name,
+                            steps, after=after))
     return runs
+
+
+def train_args(args, row: RowSpec, budget: int, seed: int, name: str, steps: int, freeze_base: bool) -> list[str]:
+    """The `kvpop train` arguments of the run `name` (into OUT/runs/<name>), less how it starts (`Run.command`)."""
+    if row.mix and not args.mix:
+        raise SystemExit(f"--rows: {row.name} trains on --mix, which is not given")
+    return ["train", "--model", args.model, "--data", args.mix if row.mix else args.data, "--seq-len", str(args.seq_len),
+            "--sink", str(args.sink), "--budget", str(budget), *row.args(args.window, freeze_base),
+            "--steps", str(steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(seed),
+            "--save-every", str(args.save_every or max(1, min(20, steps // 2))), "--out", str(args.out / "runs" / name),
+            "--no-progress", *(["--lr-base", str(args.lr_base)] if args.lr_base is not None else []),
+            *(["--keep-every", str(args.keep_every)] if args.keep_every else [])]
 
 
 def visible_gpus() -> list[str]:
@@ -347,8 +410,6 @@ def start_mps(out: Path):
 
 
 def train_phase(args, runs: list[Run], deadline: float) -> None:
-    from kvpop.train.checkpoint import holds_run
-
     pending = []
     for run in runs:
         if run.done():
@@ -379,15 +440,14 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
     log(f"train: {len(pending)} runs to go, {limit} at a time, deadline in {deadline - time.time():.0f} s")
     while pending or running:
         now = time.time()
-        while pending and len(running) < limit and deadline - now > args.min_start_s:
-            run = pending.pop(0)
+        while len(running) < limit and deadline - now > args.min_start_s:
+            # a distillation after pre-training waits for it (final, its process ended); the next run ready takes the slot
+            run = next((r for r in pending if r.ready() and (r.after is None or r.after.name not in running)), None)
+            if run is None:
+                break
+            pending.remove(run)
             run.out.mkdir(parents=True, exist_ok=True)
-            cmd = [sys.executable, "-m", "kvpop.cli", *run.args]
-            if run.checkpoint() is not None:
-                cmd.append("--resume")
-            elif holds_run(run.out):
-                # stopped before its first checkpoint: nothing to resume, start it again
-                cmd.append("--overwrite")
+            cmd = [sys.executable, "-m", "kvpop.cli", *run.command()]
             run_env = env
             if len(gpus) > 1:
                 # spread the runs over the host's GPUs: the least loaded one takes the next run
@@ -416,10 +476,11 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
                 limit = max(1, len(running))
                 pending.insert(0, run)
                 log(f"{run.name}: CUDA out of memory; retrying with at most {limit} runs in parallel")
-        if pending and not running and deadline - now <= args.min_start_s:
+        if pending and not running and (deadline - now <= args.min_start_s or not any(r.ready() for r in pending)):
             for run in pending:
-                run.status = {"status": "not started", "reason": "too close to the deadline"}
-                log(f"not started: {run.name} (too close to the deadline)")
+                reason = "too close to the deadline" if run.ready() else f"{run.after.name} is not finished"
+                run.status = {"status": "not started", "reason": reason}
+                log(f"not started: {run.name} ({reason})")
             break
         if now >= deadline - args.stop_grace_s and running:
             log(f"deadline: stopping {', '.join(running)} (SIGTERM, checkpoint)")
@@ -441,7 +502,7 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
                 proc.send_signal(signal.SIGTERM)
         if now - last_report >= args.report_s and running:
             last_report = now
-            log("progress: " + ", ".join(f"{r.name} {r.progress(r.steps)}" for _, r, _ in running.values()))
+            log("progress: " + ", ".join(f"{r.name} {r.progress()}" for _, r, _ in running.values()))
         time.sleep(0.5)
     for run in runs:
         if run.out.exists():
@@ -487,7 +548,7 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
     log(f"eval: {len(tokens)} held-out sequences of {args.seq_len} tokens ({args.packing} packing)")
 
     missing, trained = [], {}
-    for run in runs:
+    for run in (r for r in runs if not r.pretrain):
         status = run.status or (json.loads((run.out / "study_status.json").read_text())
                                 if (run.out / "study_status.json").exists() else {})
         if run.done():
@@ -502,6 +563,8 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
             log(f"{run.name}: missing ({reason.splitlines()[0]})")
             continue
         trained[run.name].update(row=run.label, budget=run.budget)
+        if run.after is not None:
+            trained[run.name]["pretrain_steps"] = run.after.steps
 
     groups = []
     for budget in args.budgets:
@@ -570,7 +633,8 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
         t = next((t for t in trained.values() if t["row"] == row["policy"] and t["budget"] == row["budget"]),
                  None) if row.get("trained") else None
         if t is not None:
-            row.update(weights=t["weights"], steps_done=t["steps_done"])
+            row.update(weights=t["weights"], steps_done=t["steps_done"],
+                       **({"pretrain_steps": t["pretrain_steps"]} if "pretrain_steps" in t else {}))
     # the dense teacher: accuracy over the same counted positions (>= budget); the ratios are 1 by definition
     for budget in args.budgets:
         ref = next((r for r in rows if r["budget"] == budget), None)
@@ -603,11 +667,8 @@ def worker(spec_path: str) -> int:
     from kvpop.config import KVpopConfig
     from kvpop.eval.evaluate import WINDOWED, Entry, Evaluator, from_directory, training_free
     from kvpop.models import load_model
-    from kvpop.retrofit import retrofit
-    from kvpop.train.checkpoint import open_checkpoint
-
-    def is_checkpoint(path: str) -> bool:
-        return not (Path(path) / "kvpop_config.json").exists()
+    from kvpop.train.checkpoint import is_checkpoint
+    from kvpop.train.weights import model_with, read_weights, source_config
 
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
@@ -628,13 +689,9 @@ def worker(spec_path: str) -> int:
             if entry.trained is None or not is_checkpoint(entry.trained):
                 return super()._model(entry)
             if entry.trained not in self._trained:
-                import copy
-
-                state = open_checkpoint(entry.trained).read()
-                model = retrofit(copy.deepcopy(self.base), KVpopConfig.from_dict(state["kvpop_config"]))
-                model.load_state_dict(state["model"])
-                self._trained[entry.trained] = model.eval()
-            return self._trained[entry.trained]
+                model = model_with(self.base, read_weights(entry.trained), f"--model {spec['model']}")
+                self._trained[entry.trained] = (model, model.kvpop.config)
+            return self._trained[entry.trained][0]
 
         @torch.no_grad()
         def add(self, input_ids):
@@ -677,7 +734,7 @@ def worker(spec_path: str) -> int:
         if e.get("trained"):
             path = e["trained"]
             if is_checkpoint(path):
-                cfg = KVpopConfig.from_dict(open_checkpoint(path).read()["kvpop_config"])
+                cfg = source_config(path)
                 entry = Entry(e["name"], cfg.budget, cfg, trained=path)
             else:
                 entry = from_directory(path, name=e["name"])
@@ -821,7 +878,8 @@ def table_md(result: dict) -> str:
             if r["budget"] != budget:
                 continue
             ckpt = " (ckpt)" if r.get("weights") == "checkpoint" else ""
-            steps = f"{r['steps_done']}{ckpt}" if "steps_done" in r else "-"
+            pre = f"{r['pretrain_steps']}+" if r.get("pretrain_steps") else ""
+            steps = f"{pre}{r['steps_done']}{ckpt}" if "steps_done" in r else "-"
             name = r["policy"] + (" *" if r.get("stronger") else "")
             lines.append(f"| {name} | {fmt(r['rel_accuracy'], '.3f')} | {fmt(r['top1_agreement'], '.3f')} | "
                          f"{fmt(r['kl'], '.4f')} | {fmt(r['ppl_ratio'], '.3f')} | {fmt(r.get('recall'), '.3f')} | "
@@ -832,7 +890,9 @@ def table_md(result: dict) -> str:
                 lines.append(f"| {m['policy']} | missing: {m['missing'].splitlines()[0][:120]} ||||||||")
         lines.append("")
     lines.append("cache held: the share of the budget a row really holds (DMS; the others fill it). "
-                 "*: the stronger of TOVA's (H2O's) paper and windowed variants at that budget (lower KL).")
+                 "*: the stronger of TOVA's (H2O's) paper and windowed variants at that budget (lower KL)."
+                 + (" P+D trained steps: P of the scorers alone (base frozen), then D of full distillation from "
+                    "those weights." if any(r.get("pretrain_steps") for r in result["rows"]) else ""))
     return "\n".join(lines)
 
 
@@ -902,6 +962,15 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--free-rows", default=",".join(TRAINING_FREE),
                    help="comma-separated training-free rows to evaluate (default all: %(default)s); a study that "
                         "repeats earlier sequences may leave the slow dynamic rows (TOVA, H2O) to the earlier run")
+    p.add_argument("--pretrain-steps", type=int, default=0,
+                   help="train --pretrain-rows in two phases: this many steps of the scorers alone (--freeze-base: "
+                        "no teacher, no base backward), then --steps of full distillation from those weights "
+                        "(kvpop train --init-from); each phase resumes across commands (default 0: one phase)")
+    p.add_argument("--pretrain-rows", default="",
+                   help="comma-separated rows pre-trained with --pretrain-steps (default: every KVpop scorer row)")
+    p.add_argument("--keep-every", type=int, default=0,
+                   help="keep every N-th step's checkpoint of each run (kvpop train --keep-every), for "
+                        "bench/recall_curve.py (default 0: the newest only)")
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.budgets = sorted((int(b) for b in str(args.budgets).split(",") if b), reverse=True)
@@ -956,7 +1025,8 @@ def run_phases(args, runs: list[Run], end: float, mps: bool, argv=None) -> int:
         "sink": args.sink,
         "window": args.window, "packing": args.packing, "steps": args.steps, "seed": args.seed,
         "lr_scorer": args.lr_scorer, "freeze_base": args.freeze_base, "free_rows": args.free_rows,
-        "lr_base": args.lr_base, "mps": mps,
+        "lr_base": args.lr_base, "mps": mps, "pretrain_steps": args.pretrain_steps,
+        "pretrain_rows": pretrain_rows(args),
         "rows": ev["rows"], "missing": ev["missing"],
         "columns": ["rel_accuracy", "top1_agreement", "kl", "ppl_ratio", "recall"],
         "eval": {"sequences": ev["sequences"], "worker_commands": ev["worker_commands"]},

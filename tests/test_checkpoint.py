@@ -83,10 +83,10 @@ def test_a_crash_inside_a_save_loses_no_checkpoint(text_file, tmp_path, monkeypa
             raise Crash(where)
         real_rename(src, dst)
 
-    def prune(run, keep):
+    def prune(run, keep, *rest):
         if keep.step == 4:
             raise Crash(where)
-        real_prune(run, keep)
+        real_prune(run, keep, *rest)
 
     patch = {"between the parts": ("_write_part", part), "before the manifest": ("_write_manifest", manifest),
              "before the rename": None, "before the older one is removed": ("_prune", prune)}[where]
@@ -230,3 +230,25 @@ def test_a_legacy_checkpoint_still_resumes(text_file, tmp_path, monkeypatch, str
     distill.train(_cfg(text_file, out), kcfg, resume=True, progress=False)
     assert _losses(out) == _losses(straight)
     assert not (out / ckpt.LEGACY_CHECKPOINT).exists() and [c.step for c in ckpt.checkpoints(out)] == [6]
+
+
+def test_keep_every_keeps_those_checkpoints_across_a_resume(text_file, tmp_path, monkeypatch, straight):
+    # a long scorer-only run over several commands keeps every 2nd checkpoint for a curve; the others go as before
+    kcfg = kvpop.KVpopConfig(**KCFG)
+    out = tmp_path / "run"
+    real = distill.Distiller.train_step
+
+    def ctrl_c_at_step_4(self, micro):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return real(self, micro)
+
+    monkeypatch.setattr(distill.Distiller, "train_step", ctrl_c_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        distill.train(_cfg(text_file, out, save_every=0, keep_every=2), kcfg, progress=False)
+    monkeypatch.undo()
+    assert [c.step for c in ckpt.checkpoints(out)] == [2, 3]
+    distill.train(_cfg(text_file, out, save_every=0, keep_every=2), kcfg, resume=True, progress=False)
+    assert _losses(out) == _losses(straight)
+    assert [c.step for c in ckpt.checkpoints(out)] == [2, 4, 6]
+    assert ckpt.latest(out).read()["model"].keys() == ckpt.checkpoints(out)[0].read(parts=("model.pt",))["model"].keys()

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from helpers import quiet, retrofitted
+from helpers import quiet, retrofitted, tiny_model
 from kvpop.attention import Capture
 from kvpop.eval.metrics import (
     RetentionRecall,
@@ -19,6 +19,7 @@ from kvpop.eval.metrics import (
     counted_positions,
     extract_answer,
     is_correct,
+    model_recall,
     oracle_priorities,
     pass_at_1,
     policy_priorities,
@@ -247,6 +248,27 @@ def test_oracle_priorities(tiny):
     recall.update(oracle, policy)
     r = recall.result()
     assert ((r.per_head >= 0) & (r.per_head <= 1)).all() and r.per_layer.shape == (len(oracle),)
+
+
+def test_model_recall_is_the_recall_of_kvpop_eval(tmp_path):
+    # the recall curve's measurement (no logits) is the `recall` column of kvpop eval on the same sequences
+    import copy
+
+    import kvpop
+    from kvpop.eval.evaluate import Evaluator, from_directory
+
+    base = tiny_model("qwen3")
+    saved = kvpop.save(kvpop.retrofit(copy.deepcopy(base), kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16)),
+                       tmp_path / "trained")
+    ids = torch.randint(3, 300, (3, 40), generator=torch.Generator().manual_seed(1))
+    evaluator = Evaluator(base, [from_directory(str(saved))])
+    with quiet():
+        for row in ids:
+            evaluator.add(row[None])
+        got = model_recall(kvpop.load(saved), (row[None] for row in ids))
+    (want,) = evaluator.rows(40)
+    assert got.mean == pytest.approx(want["recall"], rel=REL) and 0 < got.mean < 1
+    assert got.per_layer.tolist() == pytest.approx(want["recall_per_layer"], rel=REL)
 
 
 # --- pass@1 with math-verify ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ from kvpop.eval.plots import (
     eviction_counts,
     plot_eviction_pattern,
     plot_memory_latency,
+    plot_recall_curve,
     plot_recall_per_layer,
     plot_training_curves,
     visible_token,
@@ -79,6 +80,16 @@ def test_plot_training_curves(tmp_path):
         plot_training_curves({"1 GPU": log(0.0), "2 GPUs": [{"step": 1, "loss_kl": 0.1}]}, tmp_path / "bad.png")
     with pytest.raises(ValueError, match="at least one record"):
         plot_training_curves({"empty": []}, tmp_path / "empty.png")
+
+
+def test_plot_recall_curve(tmp_path):
+    # two budgets, MLP and mLSTM each: scorer-only pre-training to step 600, then distillation from there
+    curves = [{"name": f"kvpop-{s}_b{b}", "budget": b, "starts": [600],
+               "points": [(step, 0.5 + 0.3 * step / 720 - (0.1 if s == "mlstm" else 0)) for step in range(100, 721, 100)]}
+              for b in (2048, 1024) for s in ("mlp", "mlstm")]
+    assert_png(plot_recall_curve(curves, tmp_path / "curve.png"))
+    with pytest.raises(ValueError, match="no curve"):
+        plot_recall_curve([], tmp_path / "empty.png")
 
 
 @torch.no_grad()

@@ -201,3 +201,83 @@ def test_free_rows_choose_the_training_free_rows(tmp_path):
     assert study.parse(["--out", str(tmp_path), "--free-rows", "tova,oracle"]).free_rows == ["tova", "oracle"]
     with pytest.raises(SystemExit):
         study.parse(["--out", str(tmp_path), "--free-rows", "tova,bogus"])
+
+
+def test_two_phase_rows_pretrain_the_scorers_then_distill_from_their_weights(tmp_path):
+    from kvpop.train import checkpoint as ckpt
+
+    study = _study()
+    args = study.parse(["--out", str(tmp_path), "--budgets", "2048", "--rows", "kvpop-mlp,kvpop-mlstm,dms",
+                        "--pretrain-steps", "600", "--pretrain-rows", "kvpop-mlstm", "--steps", "120",
+                        "--keep-every", "100"])
+    runs = study.plan_runs(args)
+    assert [r.name for r in runs] == ["kvpop-mlp_b2048", "kvpop-mlstm_b2048_pre600", "kvpop-mlstm_b2048_pre600_distill",
+                                      "dms_b2048"]
+    pre, post = runs[1], runs[2]
+    assert pre.pretrain and not post.pretrain and post.after is pre and (pre.label, post.label) == ("kvpop-mlstm",) * 2
+    assert "--freeze-base" in pre.args and "--freeze-base" not in post.args
+    assert (pre.steps, post.steps) == (600, 120) and pre.args[pre.args.index("--steps") + 1] == "600"
+    assert all(r.args[r.args.index("--keep-every") + 1] == "100" for r in runs)
+    # the distillation waits for the pre-training, starts from its weights, and resumes without them
+    assert not post.ready()
+    assert post.command()[-2:] == ["--init-from", str(pre.out)]
+    (pre.out / "final").mkdir(parents=True)
+    (pre.out / "final" / "kvpop_config.json").write_text("{}")
+    assert post.ready()
+    post.out.mkdir(parents=True)
+    (post.out / ckpt.LOG).write_text('{"step": 1}\n')
+    assert post.command()[-3:] == ["--init-from", str(pre.out), "--overwrite"]  # stopped before its first checkpoint
+    ckpt.write(post.out, 2, {"model.pt": {"model": {}}}, {})
+    assert post.command()[-1] == "--resume" and "--init-from" not in post.command()
+    # the default: every KVpop scorer row in two phases; not with a frozen base, not for a row without a scorer
+    default = study.plan_runs(study.parse(["--out", str(tmp_path), "--pretrain-steps", "10", "--budgets", "2048"]))
+    assert [r.row for r in default if r.pretrain] == ["kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0"]
+    for bad, message in ((["--pretrain-rows", "dms"], "not KVpop scorer rows"), (["--freeze-base"], "already")):
+        with pytest.raises(SystemExit, match=message):
+            study.plan_runs(study.parse(["--out", str(tmp_path), "--pretrain-steps", "10", *bad]))
+    row = {"policy": "kvpop-mlstm", "budget": 2048, "rel_accuracy": 1.0, "top1_agreement": 0.9, "kl": 0.1,
+           "ppl_ratio": 1.1, "trained": "x", "weights": "final", "steps_done": 120, "pretrain_steps": 600, "sequences": 2}
+    result = {"model": "m", "seq_len": 8192, "sink": 4, "window": 256, "date": "d", "device": "cpu", "torch": "t",
+              "transformers": "t", "eval": {"sequences": 2}, "data": "champ", "steps": 120, "budgets": [2048],
+              "rows": [row], "missing": []}
+    assert "| 600+120 | 2 |" in study.table_md(result)
+
+
+@pytest.mark.slow
+def test_a_two_phase_row_trains_both_phases_in_order(data_file, tmp_path, capsys):
+    study = _study()
+    out = tmp_path / "study"
+    args = ["--phase", "train", "--out", str(out), "--model", "tiny-random-qwen3", "--data", str(data_file),
+            "--seq-len", "128", "--budgets", "48", "--window", "16", "--steps", "2", "--concurrency", "2",
+            "--rows", "kvpop-mlp", "--pretrain-steps", "2", "--keep-every", "1", "--deadline-s", "600",
+            "--min-start-s", "0", "--report-s", "5"]
+    assert study.main(args) == 0
+    pre, post = out / "runs" / "kvpop-mlp_b48_pre2", out / "runs" / "kvpop-mlp_b48_pre2_distill"
+    assert (pre / "final").is_dir() and (post / "final").is_dir()
+    assert json.loads((pre / "config.json").read_text())["train"]["freeze_base"] is True
+    init = json.loads((post / "config.json").read_text())["init"]
+    assert init["run"] == str(pre.resolve()) and init["step"] == 2
+    from kvpop.train.checkpoint import checkpoints
+
+    assert [c.step for c in checkpoints(pre)] == [1, 2] and [c.step for c in checkpoints(post)] == [1, 2]
+    logged = capsys.readouterr().out
+    # the distillation started only once the pre-training was final
+    assert logged.index("end kvpop-mlp_b48_pre2: final") < logged.index("start kvpop-mlp_b48_pre2_distill")
+
+    # a row is evaluated from a checkpoint when its run has no final weights: a scorer-only one holds no base
+    import torch
+
+    from kvpop.eval.evaluate import held_out_rows
+    from kvpop.models import load_model
+
+    _, tokenizer = load_model("tiny-random-qwen3")
+    torch.save(held_out_rows(str(data_file), tokenizer, 128, 1), tmp_path / "tokens.pt")
+    spec = {"group": "static_b48", "entries": [{"name": "kvpop-mlp", "budget": 48,
+                                                "trained": str(checkpoints(pre)[-1].path)}],
+            "plot": False, "batch": 1, "model": "tiny-random-qwen3", "seq_len": 128, "sink": 4, "window": 16,
+            "tokens": str(tmp_path / "tokens.pt"), "out": str(tmp_path / "rows.json"),
+            "plot_path": str(tmp_path / "plot.png"), "deadline": 1e12, "seed": 0}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    assert study.worker(str(tmp_path / "spec.json")) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows["failed"] == [] and rows["rows"][0]["sequences"] == 1 and 0 <= rows["rows"][0]["recall"] <= 1

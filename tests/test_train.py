@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import kvpop
 from kvpop.cli import main
+from kvpop.models import load_model
 from kvpop.train import checkpoint as ckpt
 from kvpop.train import distill
 from kvpop.train.distill import TrainConfig, TrainingError, kl_divergence, scorer_lr_factor
@@ -536,3 +537,89 @@ def test_device_cuda_without_cuda_is_a_clear_error(text_file, tmp_path, capsys):
     assert main(_argv(text_file, tmp_path / "o", "--device", "cuda")) == 1
     assert "--device cuda: CUDA is not available" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+# --- two phases: scorer-only pre-training, then a new run from its weights (--init-from, issue 17) ---
+
+
+def _kvpop_state(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if k.startswith("kvpop.")}
+
+
+@pytest.mark.parametrize("first,then", [("frozen", "full"), ("full", "frozen")])
+def test_init_from_starts_a_new_run_from_the_weights_and_resumes_exactly(text_file, tmp_path, monkeypatch, first,
+                                                                        then):
+    kcfg = kvpop.KVpopConfig(**KCFG)
+    pre = tmp_path / "pre"
+    distill.train(_cfg(text_file, pre, steps=4, save_every=0, freeze_base=first == "frozen"), kcfg, progress=False)
+    source = ckpt.latest(pre).read()["model"]
+    cfg = dict(freeze_base=then == "frozen", warmup_steps=2)
+
+    straight = distill.Distiller(_cfg(text_file, tmp_path / "straight", **cfg), None, init_from=pre)
+    # a new run: step 0, the source's config, its scorers (and distilled base) loaded, the teacher the base as loaded
+    assert straight.step == 0 and straight.kcfg == kvpop.KVpopConfig.from_dict(ckpt.latest(pre).manifest["kvpop_config"])
+    for name, value in source.items():
+        assert torch.equal(straight.model.state_dict()[name], value), name
+    assert straight.init["base_weights"] is (first == "full")
+    if straight.teacher is not None:
+        fresh, _ = load_model("tiny-random-qwen3")
+        for (name, p), (_, q) in zip(straight.teacher.state_dict().items(), fresh.state_dict().items()):
+            assert torch.equal(p, q), name
+    straight.run(progress=False)
+    log = _log(tmp_path / "straight")
+    # a fresh schedule: the first step warms up from the start again
+    assert [r["step"] for r in log] == list(range(1, 7))
+    assert log[0]["lr_scorer"] == pytest.approx(1e-2 / 2)
+    init = json.loads((tmp_path / "straight" / "config.json").read_text())["init"]
+    assert init["run"] == str(pre.resolve()) and init["step"] == 4 and init["base_weights"] is (first == "full")
+    # its checkpoints hold the base whenever it differs from --model's: distilled here or before
+    holds = any(not k.startswith("kvpop.") for k in ckpt.latest(tmp_path / "straight").read()["model"])
+    assert holds is (first == "full" or then == "full")
+
+    crashed = tmp_path / "crashed"
+    real = distill.Distiller.train_step
+
+    def crash_in_step_5(self, micro):
+        if self.step == 4:
+            raise RuntimeError("simulated crash")
+        return real(self, micro)
+
+    monkeypatch.setattr(distill.Distiller, "train_step", crash_in_step_5)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        distill.train(_cfg(text_file, crashed, **cfg), None, init_from=pre, progress=False)
+    monkeypatch.setattr(distill.Distiller, "train_step", real)
+    # the source is not needed to resume: the checkpoints hold all the run changed
+    shutil.move(pre, tmp_path / "gone")
+    distill.train(_cfg(text_file, crashed, **cfg), None, resume=True, progress=False)
+    assert [(r["loss_score"], r["loss_kl"]) for r in _log(crashed)] == [(r["loss_score"], r["loss_kl"]) for r in log]
+    assert json.loads((crashed / "config.json").read_text())["init"]["step"] == 4
+    a, b = kvpop.load(tmp_path / "straight" / "final"), kvpop.load(crashed / "final")
+    for (name, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(p, q), name
+
+
+def test_init_from_refuses_another_config_a_resume_and_a_kvpop_model(text_file, tmp_path, capsys):
+    pre = tmp_path / "pre"
+    assert main(_argv(text_file, pre, "--steps", "2")) == 0
+    capsys.readouterr()
+    post = tmp_path / "post"
+    assert main(_argv(text_file, post, "--init-from", str(pre), "--window", "16", "--scorer", "mlstm")) == 1
+    err = capsys.readouterr().err
+    assert f"--init-from {pre} was trained" in err and "--window 16 (the directory has 8)" in err
+    assert "--scorer mlstm (the directory has mlp)" in err and "Traceback" not in err
+    assert main(_argv(text_file, post, "--init-from", str(pre), "--resume")) == 1
+    assert "--init-from (start a new run from trained weights), not both" in capsys.readouterr().err
+    assert main(["train", "--model", str(pre / "final"), "--data", str(text_file), "--seq-len", "128", "--steps", "1",
+                 "--freeze-base", "--no-progress", "--out", str(post), "--init-from", str(pre)]) == 1
+    assert "--init-from starts from the base model" in capsys.readouterr().err
+    # the API names every field that differs, with both values
+    with pytest.raises(ValueError, match="topk 12 here, 16 there"):
+        distill.train(_cfg(text_file, post), kvpop.KVpopConfig(**{**KCFG, "topk": 12}), init_from=pre, progress=False)
+    # the source's own flags are no conflict; a resume needs neither --init-from nor the config flags
+    assert main(_argv(text_file, post, "--init-from", str(pre), "--scorer", "mlp")) == 0
+    assert "starting from" in capsys.readouterr().err
+    resume = ["train", "--model", "tiny-random-qwen3", "--data", str(text_file), "--seq-len", "128", "--steps", "5",
+              "--batch-size", "2", "--max-tokens", str(128 * 16), "--freeze-base", "--no-progress", "--out", str(post),
+              "--resume"]
+    assert main(resume) == 0, capsys.readouterr().err
+    assert [r["step"] for r in _log(post)] == [1, 2, 3, 4, 5]

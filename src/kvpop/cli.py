@@ -317,10 +317,18 @@ def info(args: argparse.Namespace) -> int:
     arg("--kl-topk", type=int, default=0, help="KL over the teacher's top-N logits only (default 0: full vocab)"),
     arg("--out", default="runs/train", help="output directory (default runs/train); one that holds a run needs "
                                             "--resume or --overwrite"),
-    arg("--resume", action="store_true", help="continue the run in --out from its last complete checkpoint"),
+    arg("--resume", action="store_true",
+        help="continue the run in --out from its last complete checkpoint (at its own config unless flags set one)"),
     arg("--overwrite", action="store_true",
         help="replace the run in --out: it is moved aside, and deleted once the new run has its first checkpoint"),
+    arg("--init-from", default=None, metavar="DIR",
+        help="start a new run (step 0, fresh optimizer and schedule) from the weights of another: a run directory, "
+             "one of its checkpoints or a kvpop.save directory, at its config; e.g. full distillation after "
+             "--freeze-base pre-training of the scorers"),
     arg("--save-every", type=int, default=50, help="checkpoint every N steps (default 50)"),
+    arg("--keep-every", type=int, default=0,
+        help="also checkpoint every N steps and keep those checkpoints, for a curve against the steps "
+             "(bench/recall_curve.py) (default 0: only the newest is kept)"),
     arg("--seed", type=int, default=0),
     arg("--max-tokens", type=int, default=0,
         help="training tokens packed (default: what the run uses); the same value gives runs of any --steps the same data order"),
@@ -332,14 +340,25 @@ def info(args: argparse.Namespace) -> int:
 ])
 def train(args: argparse.Namespace) -> int:
     from kvpop.models import is_kvpop_dir
+    from kvpop.retrofit import read_config
     from kvpop.train.distill import TrainConfig
     from kvpop.train.distill import train as run_training
 
     kcfg = None
     if is_kvpop_dir(args.model):
-        _refuse_other_config(args)
+        _refuse_other_config(args, read_config(args.model), f"--model {args.model} is already retrofitted",
+                             "it trains at that config", "start from the base model")
         if args.layer_budgets:
             raise ValueError(f"--layer-budgets applies to a fresh retrofit; {args.model} already has its budgets")
+    elif args.init_from and not args.resume:  # with --resume, kvpop train refuses --init-from
+        from kvpop.train.weights import source_config
+
+        _refuse_other_config(args, source_config(args.init_from), f"--init-from {args.init_from} was trained",
+                             "a run started from it trains at that config", "start a fresh retrofit without --init-from")
+        if args.layer_budgets:
+            raise ValueError(f"--layer-budgets applies to a fresh retrofit; --init-from {args.init_from} has its budgets")
+    elif args.resume and not args.given & CONFIG_ARGS:
+        pass  # the run's own config, from its checkpoint
     else:
         scorer = dict(scorer=args.scorer, scorer_hidden=args.scorer_hidden, policy=args.policy,
                       loss_query_fraction=args.query_fraction, scorer_keys=args.scorer_keys,
@@ -359,12 +378,12 @@ def train(args: argparse.Namespace) -> int:
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr_base=args.lr_base,
         lr_scorer=args.lr_scorer, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, freeze_base=args.freeze_base, kl_topk=args.kl_topk, out=args.out,
-        save_every=args.save_every, seed=args.seed, device=args.device, fsdp=args.fsdp, max_tokens=args.max_tokens,
-        deterministic=args.deterministic,
+        save_every=args.save_every, keep_every=args.keep_every, seed=args.seed, device=args.device, fsdp=args.fsdp,
+        max_tokens=args.max_tokens, deterministic=args.deterministic,
     )
     try:
-        final = run_training(tcfg, kcfg, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress,
-                             argv=args.command_line.split())
+        final = run_training(tcfg, kcfg, resume=args.resume, overwrite=args.overwrite, init_from=args.init_from,
+                             progress=not args.no_progress, argv=args.command_line.split())
     except KeyboardInterrupt as err:
         print(f"kvpop train: {err or 'interrupted'}", file=sys.stderr)
         return 130
@@ -378,21 +397,33 @@ CONFIG_FLAGS = {"budget": "budget", "sink": "sink", "window": "window", "topk": 
                 "scorer": "scorer", "scorer_hidden": "scorer_hidden", "delay": "delay", "mlstm_dim": "mlstm_dim",
                 "mlstm_hidden": "mlstm_hidden", "match_mlp_memory": "match_mlp_memory",
                 "dms_temperature": "dms_temperature", "dms_target_retention": "dms_target_retention",
-                "query_fraction": "loss_query_fraction"}
+                "query_fraction": "loss_query_fraction", "scorer_keys": "scorer_keys", "evidence_mix": "evidence_mix"}
+CONFIG_ARGS = {*CONFIG_FLAGS, "layer_budgets"}
+"""train's flags that shape the KVpop config: a --resume given none of them resumes at the run's own."""
 
 
-def _refuse_other_config(args: argparse.Namespace) -> None:
-    """`train --model <kvpop dir>` trains at the directory's config: a flag asking for another is an error."""
-    from kvpop.retrofit import read_config
+def _as_flags(cfg):
+    """A resolved config as train's flags gave it: with --match-mlp-memory, the top-k before the mLSTM state's share."""
+    import dataclasses
 
-    saved = read_config(args.model)
+    matched = cfg.extra.get("match_mlp_memory")
+    if not matched:
+        return cfg
+    entries = matched["state_entries"]
+    layer_topk = None if cfg.layer_topk is None else tuple(k + entries for k in cfg.layer_topk)
+    return dataclasses.replace(cfg, topk=matched["mlp_topk"], layer_topk=layer_topk, match_mlp_memory=True)
+
+
+def _refuse_other_config(args: argparse.Namespace, saved, what: str, consequence: str, instead: str) -> None:
+    """`train --model <kvpop dir>` and `--init-from DIR` train at that config: a flag asking for another is an error."""
+    saved = _as_flags(saved)
     conflicts = [f"--{flag.replace('_', '-')} {getattr(args, flag)} (the directory has {getattr(saved, field)})"
                  for flag, field in CONFIG_FLAGS.items()
                  if flag in args.given and getattr(args, flag) != getattr(saved, field)]
     if conflicts:
-        raise ValueError(f"--model {args.model} is already retrofitted (sink {saved.sink}, window {saved.window}, "
-                         f"topk {saved.topk}: budget {saved.budget}, policy {saved.policy}, scorer {saved.scorer}) and "
-                         f"trains at that config; drop {', '.join(conflicts)}, or start from the base model")
+        raise ValueError(f"{what} (sink {saved.sink}, window {saved.window}, topk {saved.topk}: budget "
+                         f"{saved.budget}, policy {saved.policy}, scorer {saved.scorer}); {consequence}: "
+                         f"drop {', '.join(conflicts)}, or {instead}")
 
 
 @command("eval", "compare eviction policies and budgets side by side: teacher-forced on held-out text (+ pass@1), "

@@ -7,7 +7,7 @@
 - `RetentionRecall`: the share of the oracle's long-range top-k that a policy also keeps under the
   same budget (the paper's Fig. 7), per layer and KV head, in `O(S log S)` per (sequence, head)
   without an `S x S` tensor. `oracle_priorities` computes the oracle's ranking (`KVPOP.md` Sec. 4-5)
-  from the dense model itself.
+  from the dense model itself; `model_recall` is the whole measurement for one model.
 - `is_correct` / `pass_at_1`: final answers scored with `math-verify`.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -419,6 +419,22 @@ def policy_priorities(model: nn.Module, input_ids: Tensor) -> list[Tensor]:
     return [rec.priority.detach() for rec in sorted(records, key=lambda r: r.layer_idx)]
 
 
+@torch.no_grad()
+def model_recall(model: nn.Module, sequences: Iterable[Tensor]) -> RecallResult:
+    """Top-k retention recall of a retrofitted model's own static priorities against the oracle of the same
+    model (its dense pass, its decay): the `recall` of `kvpop eval`, without the logits.
+
+    Args:
+        model: a model retrofitted with a static-priority policy (a trained KVpop scorer, the oracle).
+        sequences: int64 [B, S] batches, unpadded, on the model's device.
+    """
+    cfg = kvpop_modules(model).config
+    recall = RetentionRecall(cfg.sink, cfg.window, list(cfg.layer_topk) if cfg.layer_topk else cfg.topk)
+    for ids in sequences:
+        recall.update(oracle_priorities(model, ids), policy_priorities(model, ids))
+    return recall.result()
+
+
 # --- pass@1 with math-verify ---------------------------------------------------------------------
 
 # ", or equivalently 252", ", or approximately 35.7%": each alternative of a reference answer counts
@@ -572,6 +588,7 @@ __all__ = [
     "counted_positions",
     "extract_answer",
     "is_correct",
+    "model_recall",
     "oracle_priorities",
     "pass_at_1",
     "policy_priorities",

@@ -1,6 +1,7 @@
 """The paper's figures as small PNGs: eviction pattern (Fig. 6), recall per layer (Fig. 7), memory and latency (Fig. 4),
-training runs' loss curves side by side (`train_log.jsonl` records, e.g. 1 GPU against 2), and the long-context
-suite's accuracy by needle depth and prompt length (`kvpop eval --suite`).
+training runs' loss curves side by side (`train_log.jsonl` records, e.g. 1 GPU against 2), recall against training
+steps (`bench/recall_curve.py`), and the long-context suite's accuracy by needle depth and prompt length
+(`kvpop eval --suite`).
 
 Each `plot_*` function takes plain arrays (numpy or torch), writes one PNG and returns its path.
 `eviction_counts` runs a retrofitted model over a text and returns what the eviction-pattern plot
@@ -228,6 +229,37 @@ def plot_training_curves(
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_recall_curve(curves: Sequence[dict], path: str | Path,
+                      title: str = "Top-k retention recall against the oracle, held out") -> Path:
+    """Recall against training steps, one panel per budget, one line per run (`bench/recall_curve.py`).
+
+    Args:
+        curves: dicts with `name`, `budget`, `points` (pairs of steps and recall, the steps counted over
+            the whole chain of runs) and `starts` (the steps at which a later run of the chain began:
+            a dotted line each, e.g. full distillation after scorer-only pre-training).
+    """
+    if not curves:
+        raise ValueError("no curve to draw")
+    budgets = sorted({c["budget"] for c in curves}, reverse=True)
+    fig = Figure(figsize=(5.5 * len(budgets), 3.6))
+    axes = np.atleast_1d(fig.subplots(1, len(budgets)))
+    for ax, budget in zip(axes, budgets):
+        for c in (c for c in curves if c["budget"] == budget):
+            steps, recall = zip(*c["points"]) if c["points"] else ((), ())
+            (line,) = ax.plot(steps, recall, marker="o", markersize=3, linewidth=1.2, label=c["name"])
+            for start in c["starts"]:
+                ax.axvline(start, color=line.get_color(), linestyle=":", linewidth=1.0)
+        ax.set_ylim(0.0, 1.02)
+        ax.set_xlabel("optimizer steps")
+        ax.set_ylabel("recall vs oracle")
+        ax.set_title(f"B = {budget}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
     return _save(fig, path)

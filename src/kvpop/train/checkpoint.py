@@ -3,13 +3,15 @@
     OUT/config.json                    the resolved configs and the command (rewritten at each start)
     OUT/train_log.jsonl                one JSON line per optimizer step
     OUT/checkpoints/step-00000042/     model.pt, train_state.pt, then manifest.json
+                                       (the newest; with --keep-every N also every N-th step's)
     OUT/final/                         `kvpop.save` of the trained model
 
 A checkpoint is written into a hidden directory: its parts, each fsynced, then `manifest.json` with
 the step, every part's size and SHA-256 and what a resume must match; then the directory is renamed
 into place in one step. A crash at any point leaves either no new checkpoint (a hidden partial
 directory, ignored and later removed) or a complete one; older checkpoints are removed only after the
-new one is complete, so the last complete checkpoint always survives. "Complete" is checkable: the
+new one is complete, so the last complete checkpoint always survives. Those of every `keep_every`-th
+step are never removed: a curve of some metric against the steps reads them afterwards. "Complete" is checkable: the
 manifest exists and every part has the size and hash it records.
 
 An `--out` that holds a run is never reused silently: `--resume` continues it, `--overwrite` moves it
@@ -65,8 +67,12 @@ class Checkpoint:
     manifest: dict[str, Any] | None
     """None for a legacy `checkpoint.pt` (its step is read from the file)."""
 
-    def read(self) -> dict[str, Any]:
-        """Everything the checkpoint holds, every part checked against the manifest first."""
+    def read(self, parts: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """Everything the checkpoint holds, every part checked against the manifest first.
+
+        `parts`: only these files of it (e.g. `("model.pt",)` for the weights without the optimizer state);
+        a legacy `checkpoint.pt` is one file and is read whole.
+        """
         if self.manifest is None:
             state = read_torch(self.path, "the checkpoint")
             _require(state, ("step", "model", "optimizer", "scheduler", "rng", "train_config", "kvpop_config"),
@@ -74,13 +80,15 @@ class Checkpoint:
             return state
         state = {k: v for k, v in self.manifest.items() if k != "parts"}
         for name, meta in self.manifest["parts"].items():
+            if parts is not None and name not in parts:
+                continue
             path = self.path / name
             _verify_part(path, meta)
             part = read_torch(path, "a checkpoint part")
             if not isinstance(part, dict):
                 raise FileFormatError(f"{path}: a checkpoint part must hold a dict, found {type(part).__name__}")
             state.update(part)
-        _require(state, ("model", "optimizer", "scheduler", "rng"), self.path)
+        _require(state, ("model",) if parts is not None else ("model", "optimizer", "scheduler", "rng"), self.path)
         return state
 
 
@@ -136,6 +144,12 @@ def checkpoints(out: str | Path) -> list[Checkpoint]:
     return found
 
 
+def is_checkpoint(path: str | Path) -> bool:
+    """True for what names one checkpoint by its form: a `step-NNNNNNNN` directory or a file (a legacy `checkpoint.pt`)."""
+    path = Path(path)
+    return path.is_file() or _STEP_DIR.fullmatch(path.name) is not None
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """The checkpoint at `path`: a step directory (its manifest checked) or a legacy `checkpoint.pt`."""
     path = Path(path)
@@ -172,10 +186,11 @@ def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
     fsync_dir(path)
 
 
-def _prune(out: Path, keep: Checkpoint) -> None:
-    """Remove every checkpoint older than `keep`, and partial directories of earlier, crashed saves."""
+def _prune(out: Path, keep: Checkpoint, keep_every: int = 0) -> None:
+    """Remove every checkpoint older than `keep` but those of every `keep_every`-th step (0: none), and
+    partial directories of earlier, crashed saves."""
     for old in checkpoints(out):
-        if old.path == keep.path:
+        if old.path == keep.path or (keep_every and old.manifest is not None and old.step % keep_every == 0):
             continue
         if old.path.is_dir():
             shutil.rmtree(old.path)
@@ -185,11 +200,13 @@ def _prune(out: Path, keep: Checkpoint) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def write(out: str | Path, step: int, parts: dict[str, dict[str, Any]], meta: dict[str, Any]) -> Checkpoint:
+def write(out: str | Path, step: int, parts: dict[str, dict[str, Any]], meta: dict[str, Any],
+          keep_every: int = 0) -> Checkpoint:
     """Write the checkpoint of `step` (`parts`: file name -> dict to torch.save; `meta`: JSON for the manifest).
 
-    The new checkpoint is complete before any older one is removed. A complete checkpoint of the same
-    step is kept as it is: no optimizer step ran since it was written or resumed from.
+    The new checkpoint is complete before any older one is removed, and those of every `keep_every`-th
+    step are kept (0: only the new one stays). A complete checkpoint of the same step is kept as it
+    is: no optimizer step ran since it was written or resumed from.
     """
     out = Path(out)
     root = out / CHECKPOINTS
@@ -208,7 +225,7 @@ def write(out: str | Path, step: int, parts: dict[str, dict[str, Any]], meta: di
     os.rename(tmp, final)
     fsync_dir(root)
     checkpoint = Checkpoint(final, step, manifest)
-    _prune(out, checkpoint)
+    _prune(out, checkpoint, keep_every)
     return checkpoint
 
 
@@ -281,11 +298,16 @@ def holds_run(out: str | Path) -> bool:
     return out.is_dir() and any((out / e).exists() for e in RUN_ENTRIES)
 
 
-def check_out(out: str | Path, *, resume: bool, overwrite: bool) -> Checkpoint | None:
-    """Refuse an `--out` that cannot serve the run as asked; return the checkpoint to resume from."""
+def check_out(out: str | Path, *, resume: bool, overwrite: bool, init: bool = False) -> Checkpoint | None:
+    """Refuse an `--out` that cannot serve the run as asked; return the checkpoint to resume from.
+
+    `init`: the run is to start from other weights (`--init-from`), which only a new run can."""
     out = Path(out)
     if resume and overwrite:
         raise TrainingError("give --resume (continue the run in --out) or --overwrite (replace it), not both")
+    if resume and init:
+        raise TrainingError("give --resume (continue the run in --out, which records where it started) or "
+                            "--init-from (start a new run from trained weights), not both")
     if out.exists() and not out.is_dir():
         raise TrainingError(f"--out {out} is a file, not a directory")
     if resume:

@@ -15,6 +15,18 @@ atomically every `--save-every` steps and on Ctrl-C, the previous one kept until
 complete (`kvpop.train.checkpoint`); `--resume` continues to the losses an uninterrupted run gives,
 in the same or a moved directory; an `--out` holding a run is refused unless `--resume` or
 `--overwrite` is given; a non-finite loss stops the run before anything is overwritten.
+`--keep-every N` also keeps every N-th step's checkpoint, for a curve against the steps.
+
+`--init-from DIR` starts a new run (step 0, fresh optimizer and schedule) from the weights of another
+(`kvpop.train.weights`: a run directory, one of its checkpoints, or a `kvpop.save` directory) at the
+same KVpop config: its scorers, and its base weights where they differ from `--model`'s (the source
+distilled them). The teacher is always `--model` as loaded. The two-phase recipe:
+
+    kvpop train --model smollm2-135m --scorer mlstm ... --freeze-base --steps 600 --out runs/pre
+    kvpop train --model smollm2-135m --init-from runs/pre --steps 120 --out runs/distill
+
+The run records where it started (`config.json` and every checkpoint's manifest, key `init`); a
+`--resume` of it needs no `--init-from` (it is refused there): its checkpoints hold all it changed.
 """
 
 from __future__ import annotations
@@ -56,7 +68,10 @@ from kvpop.train.loss import boundary_labels, boundary_loss, teacher_priority
 
 __all__ = ["LOG", "Distiller", "TrainConfig", "TrainingError", "kl_divergence", "scorer_lr_factor", "train"]
 
-RESUME_MAY_CHANGE = ("steps", "save_every")
+COUNT_CHUNK = 64
+"""Documents per tokenizer call while choosing the training documents: the same choice, far fewer calls."""
+
+RESUME_MAY_CHANGE = ("steps", "save_every", "keep_every")
 """TrainConfig fields a resume may change; `out`, `model`, `data` and `device` are matched by what they
 are (the checkpoint's own directory, the base weights, the packed tokens, the device type), not spelled."""
 
@@ -97,6 +112,9 @@ class TrainConfig:
     out: str = "runs/train"
     save_every: int = 50
     """Checkpoint every this many steps (and at the end and on Ctrl-C); 0: only then."""
+    keep_every: int = 0
+    """Also checkpoint every this many steps, and keep those checkpoints (a curve against the steps reads them);
+    0: only the newest checkpoint is kept."""
     seed: int = 0
     device: str = "auto"
     """auto: CUDA when present (and this rank's GPU under torchrun), else CPU."""
@@ -125,6 +143,7 @@ class TrainConfig:
             ("grad_clip", self.grad_clip >= 0, "must be >= 0"),
             ("kl_topk", self.kl_topk >= 0, "must be >= 0"),
             ("save_every", self.save_every >= 0, "must be >= 0"),
+            ("keep_every", self.keep_every >= 0, "must be >= 0"),
             ("eval_fraction", 0 <= self.eval_fraction < 1, "must lie in [0, 1)"),
             ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
         ]
@@ -247,12 +266,15 @@ class Distiller:
     """One training run. `run()` trains to `steps`, checkpointing as it goes, and saves `OUT/final`."""
 
     def __init__(self, tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, overwrite: bool = False,
-                 argv: list[str] | None = None):
+                 init_from: str | Path | None = None, argv: list[str] | None = None):
+        """`kcfg` None: the config of `--model` (a kvpop directory), of `init_from`, or of the run resumed."""
         from kvpop.models import load_model
 
         self.tcfg, self.out, self.argv = tcfg, Path(tcfg.out), argv
         # before anything is loaded: a run in --out is never reused silently
-        self.resume_from = ckpt.check_out(self.out, resume=resume, overwrite=overwrite)
+        self.resume_from = ckpt.check_out(self.out, resume=resume, overwrite=overwrite, init=init_from is not None)
+        self.init: dict[str, Any] | None = None
+        """Where this run started from (`TrainedWeights.record()` and `base_weights`), or None: a fresh retrofit."""
         self.overwrite, self.aside = overwrite, None
         self.dist = init_distributed(tcfg.device)
         self.device = self._device(tcfg.device)
@@ -261,10 +283,21 @@ class Distiller:
         torch.manual_seed(tcfg.seed)
         model, self.tokenizer = load_model(tcfg.model, device=self.device)
         pretrained = getattr(model, "kvpop", None)
+        source = None
+        if init_from is not None:
+            from kvpop.train.weights import read_weights
+
+            if pretrained is not None:
+                raise ValueError(f"--init-from starts from the base model: --model {tcfg.model} is a kvpop directory; "
+                                 "give the base model it was trained from")
+            source = read_weights(init_from)
+            kcfg = source.config if kcfg is None else kcfg
         if pretrained is not None and kcfg is None:
             kcfg = kvpop_modules(model).config
+        if kcfg is None and self.resume_from is not None:
+            kcfg = self._recorded_config(self.resume_from)
         if kcfg is None:
-            raise ValueError("a KVpopConfig is needed unless --model is a kvpop directory")
+            raise ValueError("a KVpopConfig is needed unless --model is a kvpop directory (or --init-from gives one)")
         if kcfg.policy == "dms" and kcfg.dms_target_retention is None:
             # DMS: the retention target follows from the budget and this run's length; it is saved with the model
             from kvpop.baselines.dms import target_retention
@@ -279,6 +312,12 @@ class Distiller:
         if kcfg.policy in ("streaming_llm", "streaming_llm_plus") and tcfg.freeze_base:
             raise ValueError(f"policy {kcfg.policy!r} has no scorer: with --freeze-base there is nothing to train")
         self._check_lengths(model)
+        if source is not None and kcfg != source.config:
+            from kvpop.train.weights import config_differences
+
+            raise ValueError(f"--init-from {init_from} was trained at another KVpop config: "
+                             f"{'; '.join(config_differences(kcfg, source.config))} (here: this run, there: "
+                             f"{source.path}); a run started from it trains at its config")
         if pretrained is not None and kvpop_modules(model).config != kcfg:
             raise ValueError(
                 f"{tcfg.model} is already retrofitted with {kvpop_modules(model).config}; it cannot be retrained "
@@ -300,6 +339,8 @@ class Distiller:
         if mods.base is not None and not mods.base.get("name"):
             mods.base["name"] = tcfg.model
         self.model = model
+        if source is not None:
+            self._start_from(source)
         self.model.train()
         scorer_ids = {id(p) for p in kvpop_modules(model).parameters()}
         if tcfg.freeze_base:
@@ -335,6 +376,34 @@ class Distiller:
                       file=sys.stderr)
 
     # --- setup ---
+    def _start_from(self, source) -> None:
+        """Load `source`'s weights (`kvpop.train.weights.TrainedWeights`) into the student: a run started from them."""
+        from kvpop.train.weights import SCORERS, check_base, load_into
+
+        check_base(source, self.model, f"--model {self.tcfg.model}")
+        current = self.model.state_dict()
+        # base weights equal to --model's (a --freeze-base source's) are not the source's doing: they are left out,
+        # so that this run's checkpoints hold the base only where it was distilled (here or there)
+        distilled = any(k in current and not torch.equal(v.to(current[k]), current[k])
+                        for k, v in source.state.items() if not k.startswith(SCORERS))
+        load_into(self.model, source, None if distilled else
+                  {k: v for k, v in source.state.items() if k.startswith(SCORERS)})
+        self.init = {**source.record(), "base_weights": distilled}
+        if self.dist.main:
+            what = "gates" if self.kcfg.policy == "dms" else "scorers"
+            step = "" if source.step is None else f", step {source.step}"
+            print(f"kvpop train: starting from {source.path}{step}: its {what}"
+                  f"{' and its distilled base weights' if distilled else ''}", file=sys.stderr)
+
+    @staticmethod
+    def _recorded_config(checkpoint: ckpt.Checkpoint) -> KVpopConfig:
+        """The KVpop config of the run being resumed, from its checkpoint's manifest."""
+        state = checkpoint.manifest if checkpoint.manifest is not None else checkpoint.read()
+        try:
+            return KVpopConfig.from_dict(state["kvpop_config"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise TrainingError(f"--resume: {checkpoint.path} holds a config this kvpop cannot read ({err})") from None
+
     def _device(self, name: str) -> torch.device:
         from kvpop.models import resolve_device
 
@@ -372,11 +441,16 @@ class Distiller:
         t, budget = self.tcfg, self.pool_tokens
         texts = load_texts(t.data, split="train", text_field=t.text_field, tokenizer=self.tokenizer,
                            eval_fraction=t.eval_fraction, seed=t.seed, chat=t.chat)
-        # tokenize documents in order until the budget is covered (champ alone is ~30M tokens)
+        # documents in order until the budget is covered (champ alone is ~30M tokens), counted a chunk per
+        # tokenizer call: one call per document took 53 s of every start of a long run (4.9M tokens, 2 cores)
         chosen, total = [], 0
-        for text in texts:
-            chosen.append(text)
-            total += len(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]) + 1
+        for start in range(0, len(texts), COUNT_CHUNK):
+            chunk = texts[start : start + COUNT_CHUNK]
+            for text, ids in zip(chunk, self.tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]):
+                chosen.append(text)
+                total += len(ids) + 1
+                if total >= budget:
+                    break
             if total >= budget:
                 break
         try:
@@ -552,7 +626,8 @@ class Distiller:
                             bar.update(1)
                             bar.set_postfix(score=f"{row['loss_score']:.4f}", kl=f"{row['loss_kl']:.4f}",
                                             acc=f"{row['accuracy']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                    if t.save_every and self.step % t.save_every == 0 and self.step < t.steps:
+                    due = any(n and self.step % n == 0 for n in (t.save_every, t.keep_every))
+                    if due and self.step < t.steps:
                         self.save_checkpoint()
             except KeyboardInterrupt:
                 interrupted = True
@@ -593,11 +668,17 @@ class Distiller:
             "device_type": self.device.type,
             "data_sha256": self.data_sha256,
             "base": kvpop_modules(self.model).base,
+            "init": self.init,
         }
+
+    @property
+    def _holds_base(self) -> bool:
+        """Whether the base weights differ from --model's: trained here, or distilled by the run started from."""
+        return not self.tcfg.freeze_base or bool(self.init and self.init["base_weights"])
 
     def _trained_state(self) -> dict[str, Tensor]:
         state = self._full_state_dict()
-        if self.tcfg.freeze_base:
+        if not self._holds_base:
             state = {k: v for k, v in state.items() if k.startswith("kvpop.")}
         return {k: v.detach().cpu().clone() for k, v in state.items()}
 
@@ -639,7 +720,7 @@ class Distiller:
         """Write the checkpoint of this step (`kvpop.train.checkpoint.write`): the previous one stays until it is complete."""
         parts = self._checkpoint_parts()  # every rank: FSDP2 gathers the full state together
         if self.dist.main:
-            written = ckpt.write(self.out, self.step, parts, self._checkpoint_meta())
+            written = ckpt.write(self.out, self.step, parts, self._checkpoint_meta(), keep_every=self.tcfg.keep_every)
             self.last_checkpoint = written.path
             if self.aside is not None:
                 ckpt.discard(self.aside)
@@ -680,11 +761,13 @@ class Distiller:
             )
         if state.get("world", 1) != self.dist.world:
             raise TrainingError(f"--resume: checkpoint from {state['world']} ranks, now {self.dist.world}")
+        # a run started from other weights stays one: what it records, and whether its checkpoints hold the base
+        self.init = state.get("init")
         try:
             missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
         except RuntimeError as err:
             raise TrainingError(f"--resume: {path} does not fit the model ({err})") from None
-        if unexpected or (not self.tcfg.freeze_base and missing):
+        if unexpected or (self._holds_base and missing):
             raise TrainingError(f"--resume: {path} does not fit the model (missing {missing}, unexpected {unexpected})")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -721,6 +804,7 @@ class Distiller:
             "parallel": ("fsdp2" if self.tcfg.fsdp else "ddp") if self.dist.distributed else None,
             "backend": dist.get_backend() if self.dist.distributed else None,
             "torch": torch.__version__,
+            "init": self.init,
         }
         write_atomic(self.out / ckpt.RUN_CONFIG, json.dumps(resolved, indent=2))
 
@@ -755,8 +839,11 @@ def _same_place(a: str, b: str) -> bool:
 
 
 def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, overwrite: bool = False,
-          progress: bool = True, argv: list[str] | None = None) -> Path:
-    """Run (or resume) a distillation and return the directory of the final model."""
+          init_from: str | Path | None = None, progress: bool = True, argv: list[str] | None = None) -> Path:
+    """Run (or resume) a distillation and return the directory of the final model.
+
+    `init_from`: start from the weights of another run (a run directory, a checkpoint or a `kvpop.save`
+    directory) instead of a fresh retrofit; `kcfg` None takes its config."""
     distiller = None
     previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     if tcfg.deterministic:
@@ -764,7 +851,7 @@ def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, 
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     try:
-        distiller = Distiller(tcfg, kcfg, resume=resume, overwrite=overwrite, argv=argv)
+        distiller = Distiller(tcfg, kcfg, resume=resume, overwrite=overwrite, init_from=init_from, argv=argv)
         return distiller.run(progress=progress)
     finally:
         # a process group left to the interpreter's exit can abort the process (SIGABRT in gloo's
