@@ -51,8 +51,9 @@ from kvpop.retrofit import kvpop_modules, model_head_dim, resolve_config, retrof
 from kvpop.timing import timed
 from kvpop.train import checkpoint as ckpt
 from kvpop.train.checkpoint import LOG, TrainingError
-from kvpop.train.data import DataError, batches, load_texts, pack_sequences
+from kvpop.train.data import batches
 from kvpop.train.loss import boundary_labels, boundary_loss, teacher_priority
+from kvpop.train.mix import Pool, training_rows
 
 __all__ = ["LOG", "Distiller", "TrainConfig", "TrainingError", "kl_divergence", "scorer_lr_factor", "train"]
 
@@ -68,11 +69,12 @@ class TrainConfig:
     model: str = "tiny-random-qwen3"
     """Preset name, local Hugging Face directory or `kvpop.save` directory."""
     data: str = "champ"
-    """Data source (`kvpop.train.data.load_texts`): champ, a file, a directory or a dataset name."""
+    """Data source (`kvpop.train.data.load_texts`): champ, pystdlib, prose, a file, a directory or a dataset
+    name; or a mixture of them, `champ:0.5,pystdlib:0.3,prose:0.2` (`kvpop.train.mix`)."""
     text_field: str | None = None
     """Field holding the text in jsonl/parquet/dataset records."""
     chat: bool = False
-    """Format conversations (and champ problems) with the tokenizer's chat template."""
+    """Format conversations (and champ problems, alone or in a mixture) with the tokenizer's chat template."""
     seq_len: int = 512
     """Tokens per packed training sequence; must exceed the KVpop budget."""
     steps: int = 100
@@ -326,7 +328,8 @@ class Distiller:
         self.stop_agreed = False
         self.pool_tokens = tcfg.pool_tokens  # a resumed run keeps the one it started with
         resumed = self._load_checkpoint(self.resume_from) if self.resume_from is not None else None
-        self.tokens = self._training_tokens()
+        self.pool = self._training_pool()
+        self.tokens = self.pool.tokens
         self.data_sha256 = hashlib.sha256(self.tokens.numpy().tobytes()).hexdigest()
         if resumed is not None:
             self._check_same_data(resumed)
@@ -367,22 +370,16 @@ class Distiller:
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
 
-    def _training_tokens(self) -> Tensor:
-        """Pack documents until `pool_tokens` are covered, identically on every rank."""
-        t, budget = self.tcfg, self.pool_tokens
-        texts = load_texts(t.data, split="train", text_field=t.text_field, tokenizer=self.tokenizer,
-                           eval_fraction=t.eval_fraction, seed=t.seed, chat=t.chat)
-        # tokenize documents in order until the budget is covered (champ alone is ~30M tokens)
-        chosen, total = [], 0
-        for text in texts:
-            chosen.append(text)
-            total += len(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]) + 1
-            if total >= budget:
-                break
-        try:
-            return pack_sequences(chosen, self.tokenizer, t.seq_len)
-        except DataError as e:
-            raise DataError(f"{t.data}: {e}") from None
+    def _training_pool(self) -> Pool:
+        """Pack documents until `pool_tokens` are covered, identically on every rank (`kvpop.train.mix`)."""
+        t = self.tcfg
+        pool = training_rows(t.data, self.tokenizer, t.seq_len, self.pool_tokens, text_field=t.text_field,
+                             eval_fraction=t.eval_fraction, seed=t.seed, chat=t.chat)
+        if len(pool.parts) > 1 and self.dist.main:
+            parts = ", ".join(f"{p['source']} {p['rows']} ({p['share']:.0%})"
+                              + (f", repeated x{p['passes']:.2f}" if p["passes"] > 1 else "") for p in pool.summary())
+            print(f"kvpop train: {len(pool.tokens)} sequences of {t.seq_len} tokens from {parts}", file=sys.stderr)
+        return pool
 
     # --- one step ---
     def _micro_step(self, batch: Tensor) -> dict[str, Tensor]:
@@ -722,6 +719,8 @@ class Distiller:
             "backend": dist.get_backend() if self.dist.distributed else None,
             "torch": torch.__version__,
         }
+        if len(self.pool.parts) > 1:
+            resolved["data_mix"] = self.pool.summary()
         write_atomic(self.out / ckpt.RUN_CONFIG, json.dumps(resolved, indent=2))
 
     def _progress(self, progress: bool):
