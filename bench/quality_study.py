@@ -771,7 +771,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--phase", default="all", choices=["train", "eval", "all", "worker"])
     p.add_argument("--out", type=Path, default=default_out, help=f"output directory (default {default_out})")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--data", default="champ", help="training data; the eval phase uses its held-out split")
+    p.add_argument("--data", default="champ",
+                   help="training data, one source or a mixture (champ,pystdlib,prose: kvpop.train.mix); the eval "
+                        "phase uses its held-out split (a mixture's: --eval-sequences divided by the weights); "
+                        "bench/domain_eval.py gives each source's rows apart")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--budgets", default="2048,1024")
     p.add_argument("--sink", type=int, default=4)
