@@ -194,6 +194,19 @@ def test_a_source_that_runs_out_is_repeated(sources, tokenizer):
     assert pool.passes == (1.0, pytest.approx(540 / len(once)))
 
 
+def test_max_tokens_gives_runs_of_any_length_the_same_pool(sources, tmp_path):
+    from kvpop.config import KVpopConfig
+    from kvpop.train.distill import Distiller, TrainConfig
+
+    def pool(steps: int) -> torch.Tensor:
+        tcfg = TrainConfig(model="tiny-random-qwen3", data=f"{sources['a']}:0.5,{sources['b']}", seq_len=128,
+                           steps=steps, batch_size=2, max_tokens=128 * 12, freeze_base=True, out=str(tmp_path / str(steps)))
+        return Distiller(tcfg, KVpopConfig(sink=2, window=8, topk=16, scorer_hidden=32)).tokens
+
+    short = pool(2)
+    assert short.shape == (12, 128) and torch.equal(short, pool(50))
+
+
 def test_chat_needs_a_champ_part(sources, tokenizer):
     with pytest.raises(DataError, match="no champ part"):
         training_rows(f"{sources['a']},{sources['b']}", tokenizer, SEQ_LEN, SEQ_LEN * 8, chat=True)
