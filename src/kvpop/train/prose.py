@@ -17,7 +17,7 @@ import random
 from collections.abc import Iterator
 
 PROSE_DOCUMENTS = 512
-"""Documents of the `prose` source: about 3.4M SmolLM2 tokens in all."""
+"""Documents of the `prose` source: about 3.3M SmolLM2 tokens in all."""
 PROSE_PARAGRAPHS = (16, 128)
 """Paragraphs per `prose` document, drawn uniformly: ~1.5k to ~12k tokens, long-context documents."""
 
