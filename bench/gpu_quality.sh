@@ -12,20 +12,25 @@
 #   bash bench/gpu_quality.sh curve OUT_DIR   # after train: held-out recall vs steps of every kvpop run's
 #                                             # kept checkpoints (bench/recall_curve.py; runs trained with
 #                                             # TRAIN_ARGS="--keep-every N ..."), both phases of a two-phase row
+#   bash bench/gpu_quality.sh domains OUT_DIR # after train: in- and out-of-domain rows of every kvpop-mlp
+#                                             # run of every study (bench/domain_eval.py)
 #
 # Environment knobs (seconds and sizes): STEPS (120), TRAIN_S (550), CONC (7: seven runs at S = 8192
 # shared the H200 under MPS without running out of memory), EVAL_S (300), EVAL_SEQ (8), DIST_STEPS (3);
 # TRAIN_ARGS, extra quality_study.py arguments of the train phase; EVAL_ARGS, of the eval phase; EXTRAS=0
 # skips the eval call's two benchmarks. Fidelity: FID_N (4096 new tokens), FID_P (8 problems), FID_SAMPLES
 # (1), FID_BATCH (8 generations decoded together), FID_S (500); a call stopped at FID_S keeps its finished
-# generations in $HOME/fidelity/generations.jsonl, and the same command in the next call goes on from them. The training runs and the evaluation workers share the GPU under
+# generations in $HOME/fidelity/generations.jsonl, and the same command in the next call goes on from them.
+# STUDY ($HOME/study): the study's directory, so that one lease can hold two (e.g. STUDY=$HOME/study_mix
+# TRAIN_ARGS="--data champ,pystdlib,prose"). Domains: DOM_S (500), DOM_SEQ (2 sequences per source), DOM_LEN
+# (8192), DOM_BUDGETS (2048,1024), DOM_POLICIES (tova,h2o). The training runs and the evaluation workers share the GPU under
 # NVIDIA MPS where the machine has it (quality_study.py --mps falls back to time-slicing otherwise).
 # Curve: CURVE_S (300), CURVE_SEQ (8); a call stopped at CURVE_S keeps its points, the same command goes on.
 # Two-phase rows (issue 17): the same plan arguments in TRAIN_ARGS and EVAL_ARGS, e.g.
 # "--rows kvpop-mlp,kvpop-mlstm --pretrain-steps 600 --keep-every 100" (the eval phase re-plans the runs).
 set -uo pipefail
-phase=${1:?usage: bench/gpu_quality.sh train|eval|dist|fidelity|curve OUT_DIR}
-out=${2:?usage: bench/gpu_quality.sh train|eval|dist|fidelity|curve OUT_DIR}
+phase=${1:?usage: bench/gpu_quality.sh train|eval|dist|fidelity|curve|domains OUT_DIR}
+out=${2:?usage: bench/gpu_quality.sh train|eval|dist|fidelity|curve|domains OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 stage=$HOME/stage
@@ -36,18 +41,19 @@ if [ "$phase" = train ] || [ "$phase" = dist ]; then
   (cd "$stage" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf; cat SHA256 2>/dev/null)
 fi
 export PYTHONPATH=$HOME/site:$PWD/src KVPOP_SMOLLM2_GGUF=$gguf
-study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --lr-base 1e-5 --mps)
+study_dir=${STUDY:-$HOME/study}
+study=(python bench/quality_study.py --out "$study_dir" --steps "${STEPS:-120}" --lr-base 1e-5 --mps)
 case $phase in
 train)
   # shellcheck disable=SC2086 # TRAIN_ARGS is a list of words
   "${study[@]}" --phase train --deadline-s "${TRAIN_S:-550}" --concurrency "${CONC:-7}" ${TRAIN_ARGS:-}
-  cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
+  cp "$study_dir/train_status.json" "$out/" 2>/dev/null
   ;;
 eval)
   # shellcheck disable=SC2086
   "${study[@]}" --phase eval --deadline-s "${EVAL_S:-300}" --eval-sequences "${EVAL_SEQ:-8}" ${EVAL_ARGS:-}
   for f in results.json table.md eviction_pattern.png recall_per_layer.png; do
-    cp "$HOME/study/$f" "$out/" 2>/dev/null
+    cp "$study_dir/$f" "$out/" 2>/dev/null
   done
   [ "${EXTRAS:-1}" = 0 ] && exit 0
   echo "=== bench_distill ($(date -u +%H:%M:%S))"
@@ -64,7 +70,7 @@ dist)
   ;;
 fidelity)
   trained=()
-  for d in "$HOME"/study/runs/kvpop-mlp_b*/final "$HOME"/study/runs/dms_b*/final; do
+  for d in "$study_dir"/runs/kvpop-mlp_b*/final "$study_dir"/runs/dms_b*/final; do
     [ -d "$d" ] && trained+=(--trained "$d")
   done
   timeout --signal=INT "${FID_S:-500}" python -m kvpop.cli eval --model smollm2-135m --generate "${FID_N:-4096}" \
@@ -80,7 +86,19 @@ curve)
     --sequences "${CURVE_SEQ:-8}" --deadline-s "${CURVE_S:-300}" --out "$HOME/study/curve"
   cp "$HOME"/study/curve/recall_curve.* "$out/" 2>/dev/null
   ;;
+domains)
+  # in-domain and out-of-domain rows (bench/domain_eval.py) of every kvpop-mlp run of every study in
+  # $HOME/study*, e.g. one trained with TRAIN_ARGS="--data champ" and one with --data champ,pystdlib,prose
+  trained=()
+  for d in "$HOME"/study*/runs/kvpop-mlp_*/final; do
+    [ -d "$d" ] && trained+=(--trained "$d")
+  done
+  timeout --signal=INT "${DOM_S:-500}" python bench/domain_eval.py --model smollm2-135m "${trained[@]}" \
+    --policies "${DOM_POLICIES:-tova,h2o}" --budgets "${DOM_BUDGETS:-2048,1024}" --seq-len "${DOM_LEN:-8192}" \
+    --sequences "${DOM_SEQ:-2}" --out "$HOME/domains" | tee "$out/domains.txt"
+  cp "$HOME/domains/domains.json" "$out/" 2>/dev/null
+  ;;
 *)
-  echo "unknown phase $phase (train, eval, dist, fidelity or curve)"; exit 2
+  echo "unknown phase $phase (train, eval, dist, fidelity, curve or domains)"; exit 2
   ;;
 esac

@@ -301,7 +301,8 @@ def train_args(args, row: RowSpec, budget: int, seed: int, name: str, steps: int
     """The `kvpop train` arguments of the run `name` (into OUT/runs/<name>), less how it starts (`Run.command`)."""
     if row.mix and not args.mix:
         raise SystemExit(f"--rows: {row.name} trains on --mix, which is not given")
-    return ["train", "--model", args.model, "--data", args.mix if row.mix else args.data, "--seq-len", str(args.seq_len),
+    data = args.mix if row.mix else args.data
+    return ["train", "--model", args.model, "--data", data, "--seq-len", str(args.seq_len),
             "--sink", str(args.sink), "--budget", str(budget), *row.args(args.window, freeze_base),
             "--steps", str(steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(seed),
             "--save-every", str(args.save_every or max(1, min(20, steps // 2))), "--out", str(args.out / "runs" / name),
@@ -911,7 +912,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--phase", default="all", choices=["train", "eval", "all", "worker"])
     p.add_argument("--out", type=Path, default=default_out, help=f"output directory (default {default_out})")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--data", default="champ", help="training data; the eval phase uses its held-out split")
+    p.add_argument("--data", default="champ",
+                   help="training data, one source or a mixture (champ,pystdlib,prose: kvpop.train.mix); the eval "
+                        "phase uses its held-out split (a mixture's: --eval-sequences divided by the weights); "
+                        "bench/domain_eval.py gives each source's rows apart")
     p.add_argument("--mix", default=None, help="training data of the rows marked +mix (a `kvpop train --data` "
                                                 "mixture, e.g. several domains); they are evaluated on --data too")
     p.add_argument("--seq-len", type=int, default=8192)

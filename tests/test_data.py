@@ -401,3 +401,36 @@ def test_pystdlib_is_python_code_without_tests_split_by_file():
     skipped = [p for p in skipped if p.is_file()]
     assert skipped, "no skipped file found to check"
     assert not {p.read_text() for p in skipped} & set(everything)
+
+
+def test_prose_documents_are_generated_the_same_everywhere_and_split_by_seed():
+    from kvpop.train import prose
+
+    everything = load_texts("prose", split="all")
+    assert everything == list(prose.prose_documents()) and len(everything) == prose.PROSE_DOCUMENTS
+    # document i is its own generator's, whatever else was generated before
+    assert prose.prose_document(7) == everything[7] and prose.prose_document(7) != everything[8]
+    train, held = load_texts("prose", split="train"), load_texts("prose", split="eval")
+    seeds = {d: i for i, d in enumerate(everything)}
+    assert len(seeds) == len(everything)
+    assert not {seeds[d] for d in train} & {seeds[d] for d in held}
+    assert len(train) + len(held) == len(everything) and len(held) == round(0.1 * len(everything))
+    assert load_texts("prose", split="eval", seed=1) != held
+    assert not any(ch.isdigit() for ch in held[0])
+    low, high = prose.PROSE_PARAGRAPHS
+    assert all(low <= d.count("\n\n") + 1 <= high for d in everything[:20])
+
+
+def test_pydoc_is_pythons_help_topics_split_by_topic():
+    from pydoc_data.topics import topics
+
+    everything = load_texts("pydoc", split="all")
+    assert len(everything) == len([t for t in topics.values() if t.strip()]) > 50
+    assert topics["assignment"].strip() + "\n" in everything
+    train, held = load_texts("pydoc", split="train"), load_texts("pydoc", split="eval")
+    assert held and not set(train) & set(held) and len(train) + len(held) == len(everything)
+
+
+def test_a_mixture_is_refused_where_one_source_is_read():
+    with pytest.raises(DataError, match="is a mixture of sources"):
+        load_texts("champ,prose")

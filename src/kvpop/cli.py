@@ -276,9 +276,13 @@ def info(args: argparse.Namespace) -> int:
 
 @command("train", "distill a KVpop retrofit: scorers by the boundary loss, base weights by KL to the dense model", [
     MODEL,
-    arg("--data", default="champ", help="champ, a .txt/.jsonl/.parquet file or directory, or a dataset name"),
+    arg("--data", default="champ",
+        help="champ (math), pystdlib (Python code), prose (generated), a .txt/.jsonl/.parquet file or directory, or "
+             "a dataset name; or a mixture, SOURCE[:WEIGHT],... e.g. champ:0.5,pystdlib:0.3,prose:0.2 (weights "
+             "default 1, normalised; each source packed on its own, in proportion) (default champ)"),
     arg("--text-field", default=None, help="record field holding the text (jsonl/parquet/datasets)"),
-    arg("--chat", action="store_true", help="format conversations with the tokenizer's chat template"),
+    arg("--chat", action="store_true",
+        help="format conversations (and champ, alone or in a mixture) with the tokenizer's chat template"),
     arg("--seq-len", type=int, default=2048,
         help="tokens per packed training sequence, above the budget (default 2048: four times the default budget)"),
     *RULE,
@@ -343,7 +347,9 @@ def train(args: argparse.Namespace) -> int:
     from kvpop.retrofit import read_config
     from kvpop.train.distill import TrainConfig
     from kvpop.train.distill import train as run_training
+    from kvpop.train.mix import check_training_data
 
+    check_training_data(args.data)
     kcfg = None
     if is_kvpop_dir(args.model):
         _refuse_other_config(args, read_config(args.model), f"--model {args.model} is already retrofitted",
@@ -429,8 +435,10 @@ def _refuse_other_config(args: argparse.Namespace, saved, what: str, consequence
 @command("eval", "compare eviction policies and budgets side by side: teacher-forced on held-out text (+ pass@1), "
                  "long-context tasks (--suite), long generation (--generate)", [
     MODEL,
-    arg("--data", default="champ", help="champ (held-out problems), pystdlib (Python code), a file, a directory or a "
-                                        "dataset name"),
+    arg("--data", default="champ",
+        help="champ (held-out problems), pystdlib (Python code), prose (generated), pydoc (Python's help() topics, "
+             "held out from training: out of domain), a file, a directory or a dataset name; or a mixture as for "
+             "train, e.g. champ,pystdlib (--sequences divided by the weights) (default champ)"),
     arg("--text-field", default=None),
     arg("--split", default="eval", choices=["eval", "train", "all"], help="which split of --data (default eval)"),
     arg("--seq-len", type=int, default=2048, help="tokens per evaluated sequence (default 2048)"),
@@ -488,7 +496,10 @@ def evaluate(args: argparse.Namespace) -> int:
 
     from kvpop.eval.evaluate import Evaluator, check_base, format_table, from_directory, headline, held_out_rows
     from kvpop.models import load_model
+    from kvpop.train.mix import parse_mixture
 
+    if not args.suite:
+        parse_mixture(args.data)
     device = _device(args.device)
     torch.manual_seed(args.seed)
     entries = [from_directory(d) for d in args.trained] + _training_free_entries(args)

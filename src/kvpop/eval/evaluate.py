@@ -95,13 +95,22 @@ def held_out_rows(
     way, when one is shorter than `seq_len` (`kvpop.train.data.document_rows`). `concat`: the rows of
     earlier sessions, one stream of plain documents ("Problem: ... Solution: ..." for champ) cut every
     `seq_len` tokens, so that a row begins mid-document and its first tokens are arbitrary (`pack_sequences`).
+
+    A mixture (`champ,pystdlib:0.5`, `kvpop.train.mix`) divides `sequences` among its sources by their
+    weights and gives each source's rows, source after source.
     """
     from kvpop.train.data import document_rows, load_texts, pack_sequences
+    from kvpop.train.mix import parse_mixture, split_count
 
     if packing not in PACKINGS:
         raise ValueError(f"packing={packing!r} is invalid: use one of {PACKINGS}")
     if sequences < 1:
         raise ValueError(f"sequences={sequences!r} must be >= 1")
+    parts = parse_mixture(data)
+    if len(parts) > 1:
+        return torch.cat([held_out_rows(p.source, tokenizer, seq_len, n, packing=packing, split=split,
+                                        text_field=text_field, seed=seed)
+                          for p, n in zip(parts, split_count(parts, sequences))])
     chat = packing == "document" and data == "champ" and bool(getattr(tokenizer, "chat_template", None))
     texts = load_texts(data, split=split, text_field=text_field, tokenizer=tokenizer, seed=seed, chat=chat)
     if packing == "concat":

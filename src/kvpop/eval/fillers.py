@@ -4,7 +4,8 @@ A filler is an endless, seeded stream of text chunks. The suite cuts it into wor
 trailing whitespace, so the text is reproduced exactly) and inserts needles only where a sentence
 or a line ends. The sources:
 
-- `prose`: sentences from a small seeded grammar (no digits, so a number needle is never echoed);
+- `prose`: sentences from a small seeded grammar (`kvpop.train.prose`; no digits, so a number needle is never
+  echoed);
 - `champ`: held-out champ math solutions (the `champ-dataset` package, as `kvpop.train.data` reads it);
 - `stdlib`: Python standard-library source files, read in sorted order from this interpreter;
 - any path to a local text file (or a directory of `.txt` / `.md` / `.py` files).
@@ -19,6 +20,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvpop.train.prose import prose_sentences
+
 FILLERS = ("prose", "champ", "stdlib")
 """Named fillers; a local file or directory path works as well."""
 
@@ -30,43 +33,6 @@ MAX_SENTENCE_WORDS = 40
 """A long sentence (or code line) gets a boundary every this many words, so depths stay fine-grained."""
 VOCABULARY_PATIENCE = 5000
 """Words read without a new one before `Words.vocabulary` turns to pseudo-words."""
-
-_NOUNS = ("harbor", "lantern", "orchard", "river", "village", "teacher", "farmer", "painter", "bridge", "garden",
-          "library", "market", "mountain", "traveler", "kitchen", "meadow", "sailor", "window", "workshop", "forest",
-          "letter", "carpenter", "valley", "festival", "island", "cellar", "shepherd", "tower", "fountain", "wagon")
-_ADJECTIVES = ("quiet", "old", "narrow", "bright", "distant", "patient", "crowded", "gentle", "stubborn", "early",
-               "muddy", "curious", "famous", "humble", "windy", "careful", "golden", "empty", "busy", "ancient")
-_VERBS = ("visited", "repaired", "painted", "described", "watched", "remembered", "carried", "followed", "cleaned",
-          "measured", "admired", "crossed", "guarded", "opened", "mentioned", "studied", "praised", "built")
-_PLACES = ("near the coast", "in the hills", "behind the old mill", "across the square", "along the canal",
-           "beside the station", "at the edge of town", "under the bridge", "in the northern district")
-_TIMES = ("every morning", "after the storm", "before the harvest", "during the long winter", "on most evenings",
-          "late in the autumn", "when the bells rang", "at the end of the week", "in those years")
-_NAMES = ("Mara", "Tobin", "Elsa", "Corin", "Linnea", "Oskar", "Greta", "Anselm", "Ida", "Bram", "Sunniva", "Edwin")
-_TEMPLATES = (
-    "The {adj} {noun} {place} was {verb} by a {adj2} {noun2} {time}.",
-    "{name} {verb} the {noun} {time}, and nobody in the {noun2} seemed to mind.",
-    "Some people say that the {noun} {place} is more {adj} than the {noun2}.",
-    "{time_cap}, {name} walked to the {noun} and {verb} the {adj} {noun2}.",
-    "Nobody {verb} the {adj} {noun} {place} until {name} arrived {time}.",
-    "A {adj} {noun} is easy to overlook, but the {noun2} {place} {verb} it {time}.",
-    "{name} wrote that the {noun2} had been {adj} and {adj2} {time}.",
-    "If you follow the road {place}, you will find a {adj} {noun} and a {noun2}.",
-)
-
-
-def prose_sentences(rng: random.Random) -> Iterator[str]:
-    """Endless sentences from a small grammar, grouped into paragraphs of 3 to 7 sentences."""
-    while True:
-        sentences = []
-        for _ in range(rng.randint(3, 7)):
-            time = rng.choice(_TIMES)
-            sentences.append(rng.choice(_TEMPLATES).format(
-                adj=rng.choice(_ADJECTIVES), adj2=rng.choice(_ADJECTIVES), noun=rng.choice(_NOUNS),
-                noun2=rng.choice(_NOUNS), verb=rng.choice(_VERBS), place=rng.choice(_PLACES),
-                time=time, time_cap=time[0].upper() + time[1:], name=rng.choice(_NAMES)))
-        yield " ".join(sentences) + "\n\n"
-
 
 @functools.lru_cache(maxsize=1)
 def _champ_texts() -> tuple[str, ...]:

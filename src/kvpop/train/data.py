@@ -16,6 +16,13 @@ Sources (`--data`):
   running Python's standard library, one document per file, in sorted path order; test suites,
   installed packages and generated tables (`PYSTDLIB_SKIP`, files over `PYSTDLIB_MAX_CHARS`) are left
   out. The files depend on the Python version, so results name it.
+- `prose`: generated English prose, the long-context suite's haystack text (`kvpop.train.prose`):
+  `PROSE_DOCUMENTS` documents of ~1.5k-12k tokens, each from its own seeded generator, the same on
+  every machine. Fluent but repetitive (a grammar of a few hundred words).
+- `pydoc`: technical English with code examples, for out-of-domain evaluation only: the Python
+  documentation topics that `help()` shows (`pydoc_data.topics`: the language reference's chapters,
+  79 documents, ~110k tokens, in sorted topic order). `kvpop train` refuses it (`HELD_OUT_SOURCES`),
+  so every split of it is unseen; `kvpop eval --data pydoc --split all` uses all of it.
 - a `.txt`/`.md` file: the whole file is one document; a file over `TXT_BLOCK_CHARS` characters is
   cut at paragraph breaks into blocks of about that size, each a document, so that long books
   still give several documents to split into train and eval.
@@ -30,12 +37,17 @@ Sources (`--data`):
 
 Held-out evaluation data never overlaps the training data: champ holds out `eval_fraction` of the
 problems of each category; other sources hold out `eval_fraction` of the documents (identical
-documents always land on the same side). Both choices depend only on `seed` and the content.
+documents always land on the same side: pystdlib is split by file, prose by generator seed). Both
+choices depend only on `seed` and the content.
+
+Several sources at once (`champ,pystdlib:0.3`) are a mixture: `kvpop.train.mix` reads them, through
+`load_texts` one source at a time.
 """
 
 from __future__ import annotations
 
 import ast
+import difflib
 import functools
 import hashlib
 import importlib.util
@@ -48,6 +60,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvpop.train.prose import prose_documents
+
 Split = Literal["train", "eval", "all"]
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -59,6 +73,10 @@ TXT_BLOCK_CHARS = 50_000
 TEXT_FIELDS = ("text", "messages", "conversations")
 """Fields tried in order when no `text_field` is given."""
 CHAMP_INSTALL = "pip install champ-dataset"
+NAMED_SOURCES = ("champ", "pystdlib", "prose", "pydoc")
+"""The sources `--data` knows by name; anything else is a path or a Hugging Face dataset name."""
+HELD_OUT_SOURCES = ("pydoc",)
+"""Named sources kept for out-of-domain evaluation: no training run, alone or in a mixture, reads them."""
 PYSTDLIB_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test", "encodings",
                            "pydoc_data"})
 """Directories of the standard library that `pystdlib` leaves out: installed packages, test suites, and
@@ -90,7 +108,8 @@ def load_texts(
     """The documents of one split of a data source (see the module docstring for the sources).
 
     Args:
-        source: `champ`, `pystdlib`, a path to a file or directory, or a Hugging Face dataset name.
+        source: `champ`, `pystdlib`, `prose`, `pydoc`, a path to a file or directory, or a Hugging Face
+            dataset name (one source: a mixture is read by `kvpop.train.mix`).
         split: `train`, `eval` (the held-out part) or `all`.
         text_field: record field holding the text or the chat messages (jsonl, parquet, datasets).
         tokenizer: needed for chat-formatted records (its chat template renders them).
@@ -108,12 +127,16 @@ def load_texts(
     _check_split(split, eval_fraction)
     if limit is not None and limit < 1:
         raise DataError(f"limit={limit!r} is invalid: it must be >= 1 (or None for no limit)")
+    if "," in source and not Path(source).expanduser().exists():
+        raise DataError(f"{source!r} is a mixture of sources: kvpop train and kvpop eval read mixtures; here give "
+                        "one source")
     if source == "champ":
         docs = _champ_documents(split, eval_fraction, seed, tokenizer if chat else None, chat)
     else:
         if chat:
             raise DataError("chat=True applies to --data champ only; chat records in files are always rendered")
-        everything = list(_pystdlib_documents()) if source == "pystdlib" else _load_source(source, text_field, tokenizer)
+        generated = {"pystdlib": _pystdlib_documents, "prose": prose_documents, "pydoc": _pydoc_documents}
+        everything = list(generated[source]()) if source in generated else _load_source(source, text_field, tokenizer)
         held_out = _held_out(everything, eval_fraction, seed)
         docs = [d for i, d in enumerate(everything) if split == "all" or (i in held_out) == (split == "eval")]
     if not docs:
@@ -141,6 +164,25 @@ def _load_source(source: str, text_field: str | None, tokenizer: Any) -> list[st
     if not docs:
         raise DataError(f"data source {source!r} is empty: it holds no non-blank text")
     return docs
+
+
+def check_source(source: str) -> None:
+    """Raise a `DataError` naming `source` if it can be no source at all; cheap, reads nothing.
+
+    A named source, an existing path and, with the `datasets` package installed, any other name (a
+    Hugging Face dataset, found or not when it loads) pass.
+    """
+    if source in NAMED_SOURCES or Path(source).expanduser().exists():
+        return
+    if _looks_like_path(source):
+        raise DataError(f"data file {source!r} does not exist")
+    if importlib.util.find_spec("datasets") is None:
+        close = difflib.get_close_matches(source, NAMED_SOURCES, n=1)
+        raise DataError(
+            f"unknown data source {source!r}{f' (did you mean {close[0]!r}?)' if close else ''}: it is no named source "
+            f"({', '.join(NAMED_SOURCES)}) and no local file or directory, and a Hugging Face dataset name needs the "
+            "`datasets` package (pip install datasets)"
+        )
 
 
 def _looks_like_path(source: str) -> bool:
@@ -210,7 +252,7 @@ def _load_parquet(path: Path, text_field: str | None, tokenizer: Any) -> list[st
 
 
 def _load_hub(name: str, text_field: str | None, tokenizer: Any) -> list[str]:
-    hint = "pass a local .txt/.jsonl/.parquet file or directory, or --data champ"
+    hint = f"pass a local .txt/.jsonl/.parquet file or directory, or a named source ({', '.join(NAMED_SOURCES)})"
     try:
         import datasets
     except ImportError as e:
@@ -417,6 +459,23 @@ def _pystdlib_documents() -> tuple[str, ...]:
     if not docs:
         raise DataError(f"--data pystdlib found no Python sources under {root}")
     return tuple(docs)
+
+
+# --- pydoc ------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _pydoc_documents() -> tuple[str, ...]:
+    """The documentation topics of `help()` (`pydoc_data.topics`), one document each, in sorted topic order."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:
+        raise DataError("--data pydoc needs the standard library's pydoc_data package, which this Python lacks "
+                        "(some distributions ship it separately)") from e
+    docs = tuple(topics[name].strip() + "\n" for name in sorted(topics) if topics[name].strip())
+    if not docs:
+        raise DataError("--data pydoc: pydoc_data.topics holds no text")
+    return docs
 
 
 # --- the train / eval split ------------------------------------------------------------------------

@@ -63,13 +63,11 @@ from kvpop.retrofit import kvpop_modules, model_head_dim, resolve_config, retrof
 from kvpop.timing import timed
 from kvpop.train import checkpoint as ckpt
 from kvpop.train.checkpoint import LOG, TrainingError
-from kvpop.train.data import DataError, batches, load_texts, pack_sequences
+from kvpop.train.data import batches
 from kvpop.train.loss import boundary_labels, boundary_loss, teacher_priority
+from kvpop.train.mix import Pool, training_rows
 
 __all__ = ["LOG", "Distiller", "TrainConfig", "TrainingError", "kl_divergence", "scorer_lr_factor", "train"]
-
-COUNT_CHUNK = 64
-"""Documents per tokenizer call while choosing the training documents: the same choice, far fewer calls."""
 
 RESUME_MAY_CHANGE = ("steps", "save_every", "keep_every")
 """TrainConfig fields a resume may change; `out`, `model`, `data` and `device` are matched by what they
@@ -83,11 +81,12 @@ class TrainConfig:
     model: str = "tiny-random-qwen3"
     """Preset name, local Hugging Face directory or `kvpop.save` directory."""
     data: str = "champ"
-    """Data source (`kvpop.train.data.load_texts`): champ, a file, a directory or a dataset name."""
+    """Data source (`kvpop.train.data.load_texts`): champ, pystdlib, prose, a file, a directory or a dataset
+    name; or a mixture of them, `champ:0.5,pystdlib:0.3,prose:0.2` (`kvpop.train.mix`)."""
     text_field: str | None = None
     """Field holding the text in jsonl/parquet/dataset records."""
     chat: bool = False
-    """Format conversations (and champ problems) with the tokenizer's chat template."""
+    """Format conversations (and champ problems, alone or in a mixture) with the tokenizer's chat template."""
     seq_len: int = 512
     """Tokens per packed training sequence; must exceed the KVpop budget."""
     steps: int = 100
@@ -367,7 +366,8 @@ class Distiller:
         self.stop_agreed = False
         self.pool_tokens = tcfg.pool_tokens  # a resumed run keeps the one it started with
         resumed = self._load_checkpoint(self.resume_from) if self.resume_from is not None else None
-        self.tokens = self._training_tokens()
+        self.pool = self._training_pool()
+        self.tokens = self.pool.tokens
         self.data_sha256 = hashlib.sha256(self.tokens.numpy().tobytes()).hexdigest()
         if resumed is not None:
             self._check_same_data(resumed)
@@ -436,27 +436,16 @@ class Distiller:
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
 
-    def _training_tokens(self) -> Tensor:
-        """Pack documents until `pool_tokens` are covered, identically on every rank."""
-        t, budget = self.tcfg, self.pool_tokens
-        texts = load_texts(t.data, split="train", text_field=t.text_field, tokenizer=self.tokenizer,
-                           eval_fraction=t.eval_fraction, seed=t.seed, chat=t.chat)
-        # documents in order until the budget is covered (champ alone is ~30M tokens), counted a chunk per
-        # tokenizer call: one call per document took 53 s of every start of a long run (4.9M tokens, 2 cores)
-        chosen, total = [], 0
-        for start in range(0, len(texts), COUNT_CHUNK):
-            chunk = texts[start : start + COUNT_CHUNK]
-            for text, ids in zip(chunk, self.tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]):
-                chosen.append(text)
-                total += len(ids) + 1
-                if total >= budget:
-                    break
-            if total >= budget:
-                break
-        try:
-            return pack_sequences(chosen, self.tokenizer, t.seq_len)
-        except DataError as e:
-            raise DataError(f"{t.data}: {e}") from None
+    def _training_pool(self) -> Pool:
+        """Pack documents until `pool_tokens` are covered, identically on every rank (`kvpop.train.mix`)."""
+        t = self.tcfg
+        pool = training_rows(t.data, self.tokenizer, t.seq_len, self.pool_tokens, text_field=t.text_field,
+                             eval_fraction=t.eval_fraction, seed=t.seed, chat=t.chat)
+        if len(pool.parts) > 1 and self.dist.main:
+            parts = ", ".join(f"{p['source']} {p['rows']} ({p['share']:.0%})"
+                              + (f", repeated x{p['passes']:.2f}" if p["passes"] > 1 else "") for p in pool.summary())
+            print(f"kvpop train: {len(pool.tokens)} sequences of {t.seq_len} tokens from {parts}", file=sys.stderr)
+        return pool
 
     # --- one step ---
     def _micro_step(self, batch: Tensor) -> dict[str, Tensor]:
@@ -806,6 +795,8 @@ class Distiller:
             "torch": torch.__version__,
             "init": self.init,
         }
+        if len(self.pool.parts) > 1:
+            resolved["data_mix"] = self.pool.summary()
         write_atomic(self.out / ckpt.RUN_CONFIG, json.dumps(resolved, indent=2))
 
     def _progress(self, progress: bool):
