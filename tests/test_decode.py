@@ -148,6 +148,38 @@ def test_compiled_step_is_one_graph_without_recompiles():
         assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def _padded(lengths, seed=4):
+    """Left-padded random prompts of the given lengths: ids [B, max], mask [B, max] (0 = padding)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        ids[r, width - n :] = torch.randint(3, 300, (n,), generator=g)
+        mask[r, width - n :] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", ["kvpop", "tova", "dense"])
+def test_left_padded_rows_decode_as_they_do_alone(name):
+    """`generate(attention_mask=...)`: per-row positions through the step (no mask for a KVpopCache, a fixed one
+    for a dense StaticCache); each row of the batch is that row decoded alone, eager and traced alike."""
+    model = _model(name)
+    lengths = [19, 7, 12]
+    ids, mask = _padded(lengths)
+    steps = 8
+
+    def run(ids, mask, compile):
+        cache = _cache(model, name, ids.shape[1] + steps)
+        with quiet():
+            return Decoder(model, cache, compile=compile, backend=BACKEND).generate(ids, steps, attention_mask=mask)
+
+    alone = torch.cat([run(ids[r : r + 1, -n:], None, False) for r, n in enumerate(lengths)])
+    assert torch.equal(run(ids, mask, False), alone)
+    with strict_dynamo():
+        assert torch.equal(run(ids, mask, True), alone)
+
+
 def test_eager_steps_are_counted():
     model = _model("kvpop")
     ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(3))

@@ -1,21 +1,20 @@
-"""Long-generation fidelity (`kvpop.eval.fidelity`): the metrics on hand-made cases, generation, scoring, the CLI."""
+"""Long-generation fidelity (`kvpop.eval.fidelity`): the metrics on hand-made cases, scoring, the store, the CLI.
+
+Generation itself (fast path against the reference loop) is tested in test_generation.py.
+"""
 
 import json
 import math
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 import kvpop
-from helpers import quiet
 from kvpop.cli import main
 from kvpop.eval.evaluate import training_free
 from kvpop.eval.fidelity import (
     Generation,
     dense_scores,
-    generate_batch,
-    generate_tokens,
     onpolicy_agreement,
     repeated_ngrams,
     run_fidelity,
@@ -79,7 +78,7 @@ def test_summarise_pools_tokens_and_reports_the_spread():
     assert math.isnan(single.nll_se) and single.agreement == pytest.approx(0.2)
 
 
-# --- scoring and generation on a tiny model ------------------------------------------------------
+# --- scoring on a tiny model ------------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -97,56 +96,6 @@ def test_dense_scores_are_the_full_forward(tiny):
             dense_scores(retro, prompt, tokens)
     finally:
         kvpop.detach(retro)
-
-
-@torch.no_grad()
-def test_generation_is_the_dense_models_until_the_cache_evicts(tiny):
-    model, tok = tiny
-    prompt = list(range(40, 60))
-    with quiet():
-        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                              pad_token_id=tok.pad_token_id)[0, 20:].tolist()
-    dense = generate_tokens(model, prompt, 12, DynamicCache())
-    assert dense == want
-    # a budget above prompt + generation never evicts: the same text, greedy and sampled (same seed)
-    big = kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(64, policy="tova"))
-    try:
-        assert generate_tokens(big, prompt, 12, kvpop.KVpopCache(big)) == dense
-        sampled = generate_tokens(big, prompt, 12, kvpop.KVpopCache(big), temperature=0.7, seed=3)
-    finally:
-        kvpop.detach(big)
-    assert generate_tokens(model, prompt, 12, DynamicCache(), temperature=0.7, seed=3) == sampled
-    assert generate_tokens(model, prompt, 12, DynamicCache(), temperature=0.7, seed=4) != sampled
-    # it stops at (and keeps) the EOS token
-    eos = dense[4]
-    assert generate_tokens(model, prompt, 12, DynamicCache(), eos_token_id=eos) == dense[: dense.index(eos) + 1]
-
-
-@pytest.mark.parametrize("policy", ["dense", "tova", "streaming_llm"])
-@torch.no_grad()
-def test_a_batch_generates_what_each_prompt_does_alone(tiny, policy):
-    model, tok = tiny
-    prompts = [list(range(40, 60)), list(range(70, 83)), list(range(90, 117))]
-    cfg = None if policy == "dense" else kvpop.KVpopConfig.for_budget(16, policy=policy)
-    m = model if cfg is None else kvpop.retrofit(model, cfg)
-
-    def cache():
-        return DynamicCache() if cfg is None else kvpop.KVpopCache(m)
-
-    try:
-        for temperature in (0.0, 0.7):
-            alone = [generate_tokens(m, p, 10, cache(), temperature=temperature, seed=5 + i)
-                     for i, p in enumerate(prompts)]
-            together = generate_batch(m, prompts, 10, cache(), temperature=temperature, seeds=[5, 6, 7],
-                                      pad_token_id=tok.pad_token_id)
-            assert together == alone, (policy, temperature)
-        # rows stop at their own EOS
-        eos = alone[1][3]
-        cut = generate_batch(m, prompts, 10, cache(), temperature=0.7, seeds=[5, 6, 7], eos_token_id=eos)
-        assert [t[: t.index(eos) + 1] if eos in t else t for t in alone] == cut
-    finally:
-        if cfg is not None:
-            kvpop.detach(m)
 
 
 def test_run_fidelity_rows(tiny):
@@ -179,8 +128,12 @@ def test_eval_generate_writes_fidelity(tmp_path, capsys):
     saved = json.loads((out / "fidelity.json").read_text())
     assert len(saved["generations"]) == 6 and "--generate 6" in saved["command"]
     assert (out / "fidelity.png").stat().st_size > 5000 and "NLL" in (out / "fidelity.txt").read_text()
+    assert saved["args"]["gen_batch"] == 1  # the CPU's default
     assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "4", "--data", "x.txt", "--out", str(out)]) == 1
     assert "--data champ" in capsys.readouterr().err
+    assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "4", "--gen-batch", "0", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "--gen-batch 0" in err and "Traceback" not in err
 
 
 def test_a_store_keeps_generations_for_a_rerun(tiny, tmp_path, monkeypatch):
@@ -205,3 +158,29 @@ def test_a_store_keeps_generations_for_a_rerun(tiny, tmp_path, monkeypatch):
     assert len(calls) == 2 + 2  # dense and h2o sampled; tova greedy and sampled
     run_fidelity(model, tok, entries, problems, 8, store=store, tag="other", ignore_eos=True)
     assert len(calls) == 4 + 2
+
+
+def test_a_store_reuses_greedy_texts_but_not_texts_of_another_sampler(tiny, tmp_path, monkeypatch):
+    """Sampled keys name the sampler: a store written by the earlier CPU-generator sampling (keys without it)
+    gives back its greedy texts, which argmax decoding reproduces, and none of its sampled ones."""
+    from kvpop.eval import fidelity
+    from kvpop.sampling import SAMPLER
+
+    model, tok = tiny
+    problems = [{"problem": "What is 1 + 1?", "answer": "2"}]
+    entries = [training_free("tova", 24)]
+    store = tmp_path / "gens.jsonl"
+    run_fidelity(model, tok, entries, problems, 8, samples=1, store=store, tag="m", ignore_eos=True)
+    records = [json.loads(line) for line in store.read_text().splitlines()]
+    assert {r["mode"] for r in records} == {"greedy", "sampled"}
+    for r in records:
+        assert (json.loads(r["key"])[-1] == SAMPLER) == (r["mode"] == "sampled")
+    # the store as the earlier sampler wrote it: the same keys without the sampler's name
+    old = [{**r, "key": json.dumps(json.loads(r["key"])[:-1])} if r["mode"] == "sampled" else r for r in records]
+    store.write_text("".join(json.dumps(r) + "\n" for r in old))
+    calls = []
+    real = fidelity.generate_batch
+    monkeypatch.setattr(fidelity, "generate_batch", lambda m, prompts, *a, **k: calls.append(k["temperature"])
+                        or real(m, prompts, *a, **k))
+    run_fidelity(model, tok, entries, problems, 8, samples=1, store=store, tag="m", ignore_eos=True)
+    assert calls == [0.7, 0.7]  # dense and tova sampled again; both greedy texts reused

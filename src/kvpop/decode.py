@@ -107,24 +107,40 @@ class Decoder:
                 # dynamic=False: shapes never change during decoding, and a symbolic shape would only cost guards
                 self.step_fn = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
-    def _step(self, input_ids: Tensor, position_ids: Tensor, cache_position: Tensor) -> Tensor:
+    def _step(self, input_ids: Tensor, position_ids: Tensor, cache_position: Tensor,
+              attention_mask: Tensor | None = None) -> Tensor:
         extra = {"cache_position": cache_position} if self._cache_position else {}
+        if attention_mask is not None:
+            extra["attention_mask"] = attention_mask
         out = self.model(input_ids=input_ids, position_ids=position_ids, **self.kw, **extra, use_cache=True)
         return out.logits[:, -1]
 
     @torch.no_grad()
-    def prefill(self, input_ids: Tensor, chunk: int = 2048) -> Tensor:
-        """Run the prompt [B, S] through the cache eagerly, `chunk` tokens per forward; returns the last logits [B, V]."""
+    def prefill(self, input_ids: Tensor, chunk: int = 2048, attention_mask: Tensor | None = None) -> Tensor:
+        """Run the prompt [B, S] through the cache eagerly, `chunk` tokens per forward; returns the last logits [B, V].
+
+        `attention_mask` ([B, S], 0 for padding) takes left-padded rows: each row's positions count its
+        real tokens only, as `generate` and the reference loops count them.
+        """
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids must be [batch, tokens] with tokens >= 1, got shape {tuple(input_ids.shape)}")
         if chunk < 1:
             raise ValueError(f"chunk={chunk} must be >= 1")
-        S = input_ids.shape[1]
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                             f"{tuple(input_ids.shape)}: they must match")
+        B, S = input_ids.shape
+        if attention_mask is None:
+            position = torch.arange(S, device=input_ids.device)[None].expand(B, -1)
+        else:
+            position = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         for i in range(0, S, chunk):
             ids = input_ids[:, i : i + chunk]
-            pos = torch.arange(i, i + ids.shape[1], device=ids.device)
-            extra = {"cache_position": pos} if self._cache_position else {}
-            logits = self.model(input_ids=ids, position_ids=pos[None].expand(ids.shape[0], -1), **self.kw, **extra,
+            extra = {"cache_position": torch.arange(i, i + ids.shape[1], device=ids.device)} if self._cache_position else {}
+            if attention_mask is not None:
+                # every token so far: a dense cache attends them all, a KVpopCache reads the chunk's own columns
+                extra["attention_mask"] = attention_mask[:, : i + ids.shape[1]]
+            logits = self.model(input_ids=ids, position_ids=position[:, i : i + ids.shape[1]], **self.kw, **extra,
                                 use_cache=True, logits_to_keep=1).logits
         return logits[:, -1]
 
@@ -158,29 +174,66 @@ class Decoder:
             self.cache.fuse(None)
         self.fuse = False
 
-    def step(self, input_ids: Tensor, position: Tensor) -> Tensor:
-        """One token per row: `input_ids` [B, 1], `position` int64 [B, 1]; returns logits [B, V].
+    def step(self, input_ids: Tensor, position: Tensor, *, cache_position: Tensor | None = None,
+             attention_mask: Tensor | None = None) -> Tensor:
+        """One token per row: `input_ids` [B, 1], `position` int64 [B, 1] (each row's own); returns logits [B, V].
 
-        Call inside `with decoder.decoding():`. The logits of a CUDA-graph step live in the graph's
-        memory: use them (argmax, copy) before the next step.
+        `cache_position` (int64 [1], default `position[0]`) is the slot a dense cache writes, the same for
+        every row; it differs from `position` for left-padded rows. `attention_mask` ([B, slots] of a
+        dense cache, 0 for padding) is needed only by a dense cache of left-padded rows: a `KVpopCache`
+        skipped the padding in the prefill, and every decoded token is real.
+
+        Call inside `with decoder.decoding():`, with arguments of the same shapes (and the mask given or
+        not) at every step. The logits of a CUDA-graph step live in the graph's memory: use them (argmax,
+        copy) before the next step.
         """
         if self.compiled and input_ids.is_cuda and self.backend != CUDA_GRAPH:
             # a new replay begins: the previous step's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        return self.step_fn(input_ids, position, position[0])
+        args = (input_ids, position, position[0] if cache_position is None else cache_position)
+        return self.step_fn(*args) if attention_mask is None else self.step_fn(*args, attention_mask)
 
     @torch.no_grad()
-    def generate(self, input_ids: Tensor, max_new_tokens: int, *, eos_token_id: int | None = None,
+    def generate(self, input_ids: Tensor, max_new_tokens: int, *, attention_mask: Tensor | None = None,
+                 temperature: float = 0.0, seeds: Tensor | None = None, eos_token_id: int | None = None,
                  check_every: int = 16, chunk: int = 2048) -> Tensor:
-        """Greedy generation: the new tokens [B, n] (n <= max_new_tokens; trimmed after the first EOS of every row)."""
+        """Greedy or sampled generation: the new tokens [B, n] (n <= max_new_tokens; trimmed after the first EOS of every row).
+
+        Args:
+            input_ids: [B, S] prompts, left-padded where `attention_mask` ([B, S], 0 for padding) says so.
+                A dense cache (`static_cache`) needs `S + max_new_tokens` slots.
+            temperature: 0 is greedy; above it, `kvpop.sampling.gumbel_sample` with a seed per row
+                (`seeds`, int64 [B]): token `n` of a row depends on its seed, `n` and its logits only.
+        The tokens stay on the device: a stop at `eos_token_id` is checked every `check_every` steps
+        (one host sync each); rows that ended go on being fed their own tokens until all have.
+        """
+        from kvpop.sampling import next_tokens
+
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         B, S = input_ids.shape
-        nxt = self.prefill(input_ids, chunk).argmax(-1, keepdim=True)  # [B, 1]
-        out = torch.empty(B, max_new_tokens, dtype=torch.long, device=input_ids.device)
+        device = input_ids.device
+        if seeds is not None:
+            seeds = torch.as_tensor(seeds, dtype=torch.long, device=device)
+        step_mask = None
+        if attention_mask is None:
+            position = torch.full((B, 1), S, dtype=torch.long, device=device)
+        else:
+            position = attention_mask.long().sum(-1, keepdim=True)  # [B, 1] each row's real tokens
+            if not isinstance(self.cache, KVpopCache):
+                # a dense cache attends all its slots: the padding stays masked, the slots of new tokens are real
+                slots = self.cache.get_max_length()
+                if slots < S + max_new_tokens - 1:
+                    raise ValueError(f"a dense cache of {slots} slots cannot hold {S} prompt tokens (padding included) "
+                                     f"and {max_new_tokens - 1} decoded ones: use static_cache(model, {S + max_new_tokens})")
+                step_mask = torch.ones(B, slots, dtype=attention_mask.dtype, device=device)
+                step_mask[:, :S] = attention_mask
+        logits = self.prefill(input_ids, chunk, attention_mask)
+        nxt = next_tokens(logits, seeds, 0, temperature)[:, None]  # [B, 1]
+        out = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
         out[:, :1] = nxt
-        position = torch.full((B, 1), S, dtype=torch.long, device=input_ids.device)
-        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        cache_position = torch.full((1,), S, dtype=torch.long, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
         n = 1
         with self.decoding():
             while n < max_new_tokens:
@@ -188,9 +241,11 @@ class Decoder:
                     done |= nxt[:, 0] == eos_token_id
                     if n % check_every == 0 and bool(done.all()):
                         break
-                nxt = self.step(nxt, position).argmax(-1, keepdim=True)
+                logits = self.step(nxt, position, cache_position=cache_position, attention_mask=step_mask)
+                nxt = next_tokens(logits, seeds, n, temperature)[:, None]
                 out[:, n : n + 1] = nxt
                 position += 1
+                cache_position += 1
                 n += 1
         out = out[:, :n]
         if eos_token_id is not None:

@@ -6,12 +6,13 @@
 Teacher-forced tables say how well a policy predicts fixed text; this is the paper's regime instead:
 the text a policy writes itself, free-running, once its cache has started evicting. For each held-out
 champ problem (its chat prompt, `champ_prompt`), every policy at every budget generates up to `N`
-tokens after prefilling the prompt, one token per step: greedily, and `samples` times at temperature
-0.7 with a seed per (problem, sample). Every policy draws the same seeds, so all rows take the same
-random numbers and agree with the dense row until their caches make them differ. The `dense` row is
-the model with its own unbounded cache (`DynamicCache`). Generation stops at the EOS token (unless
-`ignore_eos`). Then one teacher-forced pass of the original model (no retrofit) over prompt +
-generation scores the text (`dense_scores`):
+tokens after prefilling the prompt, one token per step (`kvpop.eval.generation`: a CUDA-graph decode
+step on a GPU): greedily, and `samples` times at temperature 0.7 with a seed per (problem, sample).
+Every policy draws the same seeds, and a row's random numbers depend on its seed and step only
+(`kvpop.sampling`), so all rows take the same random numbers and agree with the dense row until
+their caches make them differ. The `dense` row is the model with its own unbounded cache. Generation
+stops at the EOS token (unless `ignore_eos`). Then one teacher-forced pass of the original model (no
+retrofit) over prompt + generation scores the text (`dense_scores`):
 
 - `nll`: mean negative log-likelihood of the generated tokens under the dense model; `nll_past_budget`
   the same over the counted steps only (below);
@@ -29,7 +30,10 @@ standard error over generations of the per-generation values, the spread to read
 Generations take minutes each on a CPU, so a run can keep them in a JSON-lines `store`
 (`kvpop eval --generate` uses OUT/generations.jsonl): each is appended when done, and a later run with
 the same settings reuses it instead of generating again (after an interruption, or to add policies,
-budgets or samples next to the ones done).
+budgets or samples next to the ones done). The key of a sampled generation names its sampler
+(`kvpop.sampling.SAMPLER`): texts drawn by the earlier per-row CPU generators are not reused. Greedy
+keys stay as they were: argmax decoding is the same on either backend, up to the rounding by which
+batch sizes always differed.
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+
+from kvpop.eval.generation import Backend, generate_batch, generate_tokens
+from kvpop.sampling import SAMPLER
 
 if TYPE_CHECKING:
     from kvpop.eval.evaluate import Entry
@@ -130,92 +137,6 @@ def champ_prompt(tokenizer, problem: str) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": problem + BOXED_HINT}], tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-@torch.no_grad()
-def generate_tokens(
-    model: nn.Module,
-    prompt: Sequence[int],
-    max_new_tokens: int,
-    cache,
-    *,
-    temperature: float = 0.0,
-    seed: int = 0,
-    eos_token_id: int | None = None,
-) -> list[int]:
-    """Prefill `prompt` into `cache`, then generate one token per step: greedy at temperature 0, else sampled.
-
-    Sampling draws from `softmax(logits / temperature)` with a generator seeded by `seed` alone, so two
-    models given the same seed take the same random numbers. Stops after `max_new_tokens` or at
-    `eos_token_id` (included). One prompt of `generate_batch`.
-    """
-    return generate_batch(model, [prompt], max_new_tokens, cache, temperature=temperature, seeds=[seed],
-                          eos_token_id=eos_token_id)[0]
-
-
-@torch.no_grad()
-def generate_batch(
-    model: nn.Module,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    cache,
-    *,
-    temperature: float = 0.0,
-    seeds: Sequence[int] | None = None,
-    eos_token_id: int | None = None,
-    pad_token_id: int = 0,
-) -> list[list[int]]:
-    """`generate_tokens` for several prompts at once, left-padded in one batch (faster on a GPU).
-
-    Each row samples with its own generator (`seeds`), so a row's tokens do not depend on the batch
-    (up to the rounding of batched kernels). A row that reached EOS goes on being fed until every row
-    has, and its tokens after the EOS are dropped.
-
-    Returns:
-        per prompt, its generated token ids.
-    """
-    from kvpop.cache import cache_kwargs
-
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("need at least one prompt, and no empty one")
-    seeds = list(seeds) if seeds is not None else [0] * len(prompts)
-    if len(seeds) != len(prompts):
-        raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
-    device = next(model.parameters()).device
-    kw = cache_kwargs(model, cache)
-    n, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros(n, width, dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p) :] = torch.tensor(list(p))
-        mask[r, width - len(p) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    position = (mask.cumsum(-1) - 1).clamp(min=0)
-    generators = [torch.Generator(device="cpu").manual_seed(s) for s in seeds] if temperature > 0 else None
-    logits = model(ids, attention_mask=mask, position_ids=position, **kw, use_cache=True, logits_to_keep=1).logits[:, -1]
-    out: list[list[int]] = [[] for _ in prompts]
-    done = [False] * n
-    position = position[:, -1:]
-    while True:
-        if generators is None:
-            tokens = logits.argmax(-1).tolist()
-        else:
-            probs = (logits.float() / temperature).softmax(-1).cpu()
-            tokens = [int(torch.multinomial(probs[r], 1, generator=g)) for r, g in enumerate(generators)]
-        for r, token in enumerate(tokens):
-            if not done[r]:
-                out[r].append(token)
-                done[r] = token == eos_token_id or len(out[r]) == max_new_tokens
-        if all(done):
-            return out
-        mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
-        position = position + 1
-        step = torch.tensor(tokens, device=device)[:, None]
-        logits = model(step, attention_mask=mask, position_ids=position, **kw, use_cache=True).logits[:, -1]
 
 
 def sample_seed(seed: int, problem: int, sample: int) -> int:
@@ -337,6 +258,7 @@ def run_fidelity(
     batch: int = 1,
     store: str | Path | None = None,
     tag: str = "",
+    backend: Backend = "fast",
     log=None,
 ) -> tuple[list[FidelityRow], list[Generation]]:
     """Generate with the dense model and every entry, score everything with the dense model.
@@ -351,11 +273,10 @@ def run_fidelity(
         batch: generations run together in one batch (`generate_batch`): 1 on a CPU, more on a GPU.
         store: a JSON-lines file of finished generations, appended to and reused (see the module docstring).
         tag: names the model in the store's keys (e.g. `--model`), so that one store never mixes models.
+        backend: `generate_batch`'s, "fast" (the default) or "reference".
     Returns:
         the rows (per budget: dense, then every entry; greedy, then sampled) and every generation.
     """
-    from transformers import DynamicCache
-
     from kvpop.cache import KVpopCache
     from kvpop.eval.evaluate import WINDOWED
     from kvpop.eval.metrics import is_correct
@@ -381,6 +302,9 @@ def run_fidelity(
     def key(rule, i, mode, s) -> str:
         what = [tag, rule, hashlib.sha1(json.dumps(prompts[i]).encode()).hexdigest(), mode, s, new_tokens, eos,
                 temperature if mode == "sampled" else 0.0]
+        if mode == "sampled":
+            # a sampled text is only reproduced by the same random numbers; greedy keys are unchanged
+            what.append(SAMPLER)
         return json.dumps(what)
 
     def run(open_model, rule, policy, budget) -> tuple[list[Generation], nn.Module | None]:
@@ -401,7 +325,7 @@ def run_fidelity(
                 outs = generate_batch(model, [prompts[i] for i, _, _ in group], new_tokens, make_cache(),
                                       temperature=temperature if mode == "sampled" else 0.0,
                                       seeds=[0 if s is None else s for _, _, s in group], eos_token_id=eos,
-                                      pad_token_id=pad)
+                                      pad_token_id=pad, backend=backend)
                 seconds = (time.perf_counter() - start) / len(group)
                 for (i, _, s), tokens in zip(group, outs):
                     g = gens[(i, mode, s)] = Generation(policy, budget, i, mode, s, len(prompts[i]), tokens,
@@ -413,7 +337,8 @@ def run_fidelity(
                     f"{[len(t) for t in outs]} tokens, {seconds:.1f} s per generation")
         return [gens[item] for item in plan], model
 
-    generations, _ = run(lambda: (base, DynamicCache), "dense", "dense", None)
+    # the dense model: each backend makes its own unbounded cache
+    generations, _ = run(lambda: (base, lambda: None), "dense", "dense", None)
     for entry in entries:
         rule = json.dumps([entry.trained, entry.cfg.to_dict()], sort_keys=True)
 
