@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="decoder layers of a *-shape preset (default: the real count; fewer compile faster)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the scorers (default 0)")
     parser.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON result to PATH")
     argv = sys.argv[1:] if argv is None else argv
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_bench_model(args.model, str(device), args.dtype).eval()
+    model = load_bench_model(args.model, str(device), args.dtype, args.num_layers).eval()
     contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
     kinds = [k.strip() for k in args.caches.split(",") if k.strip()]
     covered = [c for c in contexts if args.budget >= c]
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, cpu=False))
     import transformers
 
-    result = {"rows": rows, "device": machine, "model": args.model, "load_before": load,
+    result = {"rows": rows, "device": machine, "model": args.model, "num_layers": args.num_layers, "load_before": load,
               "command": shlex.join(["python", "bench/bench_generate.py", *argv]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "torch": torch.__version__, "transformers": transformers.__version__}

@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="decoder layers of a *-shape preset (default: the real count; fewer compile faster)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompt and the scorers (default 0)")
     parser.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON result to PATH")
     argv = sys.argv[1:] if argv is None else argv
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_bench_model(args.model, str(device), args.dtype).eval()
+    model = load_bench_model(args.model, str(device), args.dtype, args.num_layers).eval()
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context), generator=gen).to(device)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

@@ -81,18 +81,20 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
 case $phase in
 1)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
-  step tests 110 python -m pytest -q -rs -p no:cacheprovider tests/test_decode.py tests/test_dynamic.py \
-    tests/test_generation.py tests/test_fidelity.py -m "gpu or not slow" -k "cuda or triton or captured or graph"
-  # why the stateful scorers' inductor step leaves one CUDA graph (seventh session): inductor says so in perf_hints
-  TORCH_LOGS=perf_hints step cudagraph_skips 60 python -m pytest -q -p no:cacheprovider tests/test_decode.py \
-    -k "test_cuda_graph_step_equals_eager and (mlstm or evidence)"
+  # the CUDA tests of the fast paths; TORCH_LOGS=perf_hints makes inductor say why a step leaves a CUDA graph
+  # (the stateful scorers' inductor step did in the seventh session)
+  TORCH_LOGS=perf_hints step tests 150 python -m pytest -q -rs -p no:cacheprovider tests/test_decode.py \
+    tests/test_dynamic.py tests/test_generation.py -m "gpu or not slow" -k "cuda or captured"
+  grep -i "skipping cudagraphs" "$out/tests.log" | sort | uniq -c | head
   step prefill_8b 130 python bench/bench_prefill.py --model qwen3-8b-shape --device cuda --context 8192 \
     --budget 2048 --policies tova,kvpop --repeats 3 --no-replay --json-out "$out/prefill_8b.json"
-  step generate_8b_b1 150 python bench/bench_generate.py --model qwen3-8b-shape --device cuda --contexts 4096 \
-    --caches dense,static,kvpop --new-tokens 64 --budget 2048 --batch 1 --repeats 2 \
+  # 12 of the 36 layers: transformers compiles the whole decode step with inductor (minutes at 36 layers)
+  step generate_8b_b1 150 python bench/bench_generate.py --model qwen3-8b-shape --num-layers 12 --device cuda \
+    --contexts 4096 --caches dense,static,kvpop --new-tokens 64 --budget 2048 --batch 1 --repeats 2 \
     --json-out "$out/generate_8b_b1.json"
-  step generate_8b_b4 110 python bench/bench_generate.py --model qwen3-8b-shape --device cuda --contexts 4096 \
-    --caches static,kvpop --new-tokens 64 --budget 2048 --batch 4 --repeats 2 --json-out "$out/generate_8b_b4.json"
+  step generate_8b_b4 110 python bench/bench_generate.py --model qwen3-8b-shape --num-layers 12 --device cuda \
+    --contexts 4096 --caches static,kvpop --new-tokens 64 --budget 2048 --batch 4 --repeats 2 \
+    --json-out "$out/generate_8b_b4.json"
   ;;
 2)
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
