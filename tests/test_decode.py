@@ -180,6 +180,27 @@ def test_left_padded_rows_decode_as_they_do_alone(name):
         assert torch.equal(run(ids, mask, True), alone)
 
 
+def test_a_closed_decoder_is_freed_at_once():
+    import gc
+    import weakref
+
+    model = _model("kvpop")
+    decoder = Decoder(model, kvpop.KVpopCache(model), compile=True, backend=BACKEND)
+    with quiet():
+        decoder.generate(torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(5)), 3)
+    decoder.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        decoder.step(torch.ones(1, 1, dtype=torch.long), torch.full((1, 1), 12))
+    ref = weakref.ref(decoder)
+    gc.disable()
+    try:
+        del decoder
+        # no cycle left: reference counting frees it (and its cache) without a garbage collection
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_eager_steps_are_counted():
     model = _model("kvpop")
     ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(3))

@@ -17,7 +17,9 @@ The same `Decoder` runs the dense baseline on Hugging Face's `StaticCache`, so t
     kvpop bench --model qwen3-8b-shape --device cuda --contexts 4096,131072 --compile --fill random
 
 The prefill runs eagerly in chunks; only the one-token step is compiled. Tokens stay on the device
-during generation (an EOS stop is checked every `check_every` steps, one host sync each).
+during generation (an EOS stop is checked every `check_every` steps, one host sync each). `generate`
+takes left-padded batches (`attention_mask`) and samples on the device (`kvpop.sampling`): the fast
+path of `kvpop eval --generate` (`kvpop.eval.generation`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from torch import Tensor
 
 from kvpop.cache import KVpopCache, cache_kwargs
+from kvpop.sampling import next_tokens
 
 DEFAULT_BACKEND = "inductor"
 """`torch.compile` backend off CUDA (and on CUDA when asked for by name)."""
@@ -174,6 +177,14 @@ class Decoder:
             self.cache.fuse(None)
         self.fuse = False
 
+    def close(self) -> None:
+        """Let go of the compiled or captured step, and with it the decoder, its cache and the graph's memory.
+
+        The step refers back to the decoder (a bound method), so without this Python frees them only at
+        its next full garbage collection, while a long run may already hold the next decoder's cache.
+        """
+        self.step_fn = None
+
     def step(self, input_ids: Tensor, position: Tensor, *, cache_position: Tensor | None = None,
              attention_mask: Tensor | None = None) -> Tensor:
         """One token per row: `input_ids` [B, 1], `position` int64 [B, 1] (each row's own); returns logits [B, V].
@@ -187,6 +198,8 @@ class Decoder:
         not) at every step. The logits of a CUDA-graph step live in the graph's memory: use them (argmax,
         copy) before the next step.
         """
+        if self.step_fn is None:
+            raise RuntimeError("this decoder was closed")
         if self.compiled and input_ids.is_cuda and self.backend != CUDA_GRAPH:
             # a new replay begins: the previous step's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
@@ -207,8 +220,6 @@ class Decoder:
         The tokens stay on the device: a stop at `eos_token_id` is checked every `check_every` steps
         (one host sync each); rows that ended go on being fed their own tokens until all have.
         """
-        from kvpop.sampling import next_tokens
-
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         B, S = input_ids.shape

@@ -136,9 +136,13 @@ def _fast(model, ids: Tensor, mask: Tensor, max_new_tokens: int, cache, temperat
         # the last generated token is never fed: width + N - 1 slots are written
         cache = static_cache(model, ids.shape[1] + max_new_tokens)
     decoder = Decoder(model, cache, compile=ids.is_cuda)
-    # one prefill forward, as the reference does, so that both round alike
-    out = decoder.generate(ids, max_new_tokens, attention_mask=mask, temperature=temperature, seeds=seeds,
-                           eos_token_id=eos_token_id, chunk=ids.shape[1])
+    try:
+        # one prefill forward, as the reference does, so that both round alike
+        out = decoder.generate(ids, max_new_tokens, attention_mask=mask, temperature=temperature, seeds=seeds,
+                               eos_token_id=eos_token_id, chunk=ids.shape[1])
+    finally:
+        # the cache and the captured graph go now, not at the next full garbage collection
+        decoder.close()
     return out.tolist()
 
 
