@@ -864,12 +864,14 @@ def seed_lines(rows: list[dict], budget: int) -> list[str]:
 
 
 def table_md(result: dict) -> str:
+    some_frozen = not result.get("freeze_base") and any("+frozen" in r["policy"] for r in result["rows"])
     lines = [f"# Quality study: {result['model']}, S = {result['seq_len']}, sink {result['sink']}, "
              f"window {result['window']}", "",
              f"{result['date']}, {result['device']}, torch {result['torch']}, transformers {result['transformers']}; "
              f"{result['eval']['sequences']} held-out sequences ({result['data']}, split eval); "
              f"{result['steps']} training steps planned per run, "
-             f"{'scorers only (base frozen)' if result.get('freeze_base') else 'full distillation'}.", ""]
+             f"{'scorers only (base frozen)' if result.get('freeze_base') else 'full distillation'}"
+             f"{' (rows marked +frozen: scorers only, the base frozen)' if some_frozen else ''}.", ""]
     for budget in result["budgets"]:
         cr = 1 - budget / result["seq_len"]
         lines += [f"## B = {budget} (CR {cr:.0%})", "",
