@@ -9,18 +9,21 @@
 #   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; train the issue-17 ablation (ROWS, under
 #                                        # MPS) while the task suite and long-generation fidelity of the
 #                                        # training-free rows run beside it (issue 16)
-#   bash bench/gpu_evaluation.sh 3 OUT   # the teacher-forced table of the ablation (the seventh session's 8
-#                                        # sequences), recall curves, code and held-out-domain rows, the suite and
-#                                        # fidelity of the trained rows; then SmolLM2 `generate` (issue 18)
+#   bash bench/gpu_evaluation.sh 3 OUT   # the ablation resumed and evaluated (--phase all), the seventh session's 8
+#                                        # sequences
+#   bash bench/gpu_evaluation.sh 4 OUT   # pre-RoPE rows at both budgets; SmolLM2 `generate` and the fidelity fast path
 #
+# Lessons of the run (docs/RESULTS.md, eighth session): on one GPU, nine scorer-only runs under MPS with the suite
+# and fidelity beside them ran 3-18 s/step (MLP 3-5, evidence 11-12, mLSTM 5-7), so 120 steps need two calls;
+# give side processes their own call; the trained rows' suite and fidelity were not reached.
 # The table's TOVA and H2O rows are the seventh session's, on the same 8 sequences (their walk is the slow part of
 # an evaluation); StreamingLLM and the oracle run again and must repeat that session's digits (FREE_ROWS).
-# Knobs: ROWS (the ablation, quality_study.py --rows), FREE_ROWS (streaming_llm,oracle), STEPS (120), TRAIN_S (540), EVAL_S (300), FID_N (4096 new
-# tokens), FID_P (8 problems), FID_SAMPLES (1 sampled generation besides the greedy one), FID_BATCH (16), SIDE_S
+# Knobs: ROWS (the ablation, quality_study.py --rows), FREE_ROWS (streaming_llm,oracle), STEPS (120), TRAIN_S (540),
+# EVAL_S (330), FID_N (4096 new tokens), FID_P (8 problems), FID_SAMPLES (1 sampled generation besides the greedy one), FID_BATCH (16), SIDE_S
 # (seconds for each side process, 420), LENGTHS (suite: 4k,8000), SUITE_TASKS (all).
 set -uo pipefail
-phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3 OUT_DIR}
-dest=${2:?usage: bench/gpu_evaluation.sh 1|2|3 OUT_DIR}
+phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
+dest=${2:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
 # the device returns at most 8 files: everything goes to a work folder, packed into OUT/callN.tgz at the end
 out=$HOME/call$phase
 mkdir -p "$out" "$dest"
@@ -69,14 +72,6 @@ wait_for_model() {  # the study converts SmolLM2 once; the side processes start 
   done
 }
 
-trained() {  # trained B [ROW...]: --trained flags for this session's runs at budget B (final, else the newest checkpoint)
-  local b=$1; shift
-  for row in "$@"; do
-    local d=$HOME/study/runs/${row}_b$b
-    if [ -d "$d/final" ]; then echo --trained "$d/final"; fi
-  done
-}
-
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
 case $phase in
 1)
@@ -113,31 +108,33 @@ case $phase in
   wait
   ;;
 3)
-  "${study[@]}" --phase eval --deadline-s "${EVAL_S:-300}" --eval-sequences 8 > "$out/study_eval.log" 2>&1 &
-  study_pid=$!
-  # shellcheck disable=SC2046 # one word per flag and directory
-  suite suite_trained $(trained 2048 kvpop-mlp+frozen kvpop-evidence+frozen) \
-    $(trained 1024 kvpop-mlp+frozen kvpop-evidence+frozen kvpop-evidence+w64+frozen) &
-  # shellcheck disable=SC2046
-  fidelity fid_trained $(trained 2048 kvpop-mlp+frozen kvpop-evidence+frozen) \
-    $(trained 1024 kvpop-mlp+frozen kvpop-evidence+frozen kvpop-evidence+w64+frozen) &
-  # shellcheck disable=SC2046
-  step domains 300 python bench/domain_eval.py --seq-len 8192 --sequences 4 --budgets 1024 --policies tova \
-    --sources pystdlib,pydoc --out "$HOME/domains" \
-    $(trained 1024 kvpop-mlp+frozen kvpop-mlp+mix+frozen kvpop-evidence+frozen) &
-  step curve 240 python bench/recall_curve.py "$HOME"/study/runs/kvpop-mlstm+frozen+steps400_b1024 \
-    "$HOME"/study/runs/kvpop-mlp+frozen_b1024 --sequences 4 --out "$HOME/curve" &
-  wait $study_pid
-  tail -n 60 "$out/study_eval.log"
-  for f in results.json table.md eviction_pattern.png recall_per_layer.png; do cp "$HOME/study/$f" "$out/" 2>/dev/null; done
-  wait
-  cp "$HOME/curve"/recall_curve.* "$HOME/domains"/*.json "$out/" 2>/dev/null
-  # the GPU is quiet again: `generate` as a user calls it, against StaticCache + torch.compile
-  step generate_smollm2 100 python bench/bench_generate.py --model smollm2-135m --device cuda --contexts 4096 \
+  # what ran (2026-12-01): the ablation resumed with --phase all (training until the eval reserve, then the
+  # table); on one GPU the nine runs of call 2 reached 24-94 steps, so a third call finishes the MLP rows
+  "${study[@]}" --phase all --deadline-s "${TRAIN_S:-545}" --eval-reserve-s "${EVAL_S:-330}" --eval-sequences 8 \
+    --concurrency 12 > "$out/study.log" 2>&1
+  for f in results.json table.md eviction_pattern.png recall_per_layer.png train_status.json; do
+    cp "$HOME/study/$f" "$out/" 2>/dev/null
+  done
+  grep -v progress "$out/study.log" | tail -n 60
+  ;;
+4)
+  # the rows call 3's table asked for (pre-RoPE keys at both budgets, with the mixture), then the speed benches
+  python bench/quality_study.py --out "$HOME/study2" --steps "${STEPS:-120}" --mps \
+    --rows kvpop-mlp+prerope+frozen+b2048,kvpop-mlp+prerope+mix+frozen --mix champ,pystdlib,prose \
+    --free-rows streaming_llm,oracle --phase all --deadline-s 280 --eval-reserve-s 110 --eval-sequences 8 \
+    --concurrency 4 > "$out/study2.log" 2>&1
+  cp "$HOME/study2/results.json" "$out/results_study2.json" 2>/dev/null
+  grep -v progress "$out/study2.log" | tail -n 40
+  # the GPU is quiet again: `generate` as a user calls it (SmolLM2's compile needs more than 110 s), and the
+  # fidelity fast path against its reference
+  step generate_smollm2 240 python bench/bench_generate.py --model smollm2-135m --device cuda --contexts 4096 \
     --caches dense,static,kvpop --new-tokens 128 --budget 2048 --batch 1 --repeats 2 \
     --json-out "$out/generate_smollm2_b1.json"
+  step fidelity_generate 240 python bench/bench_fidelity_generate.py --model smollm2-135m --device cuda \
+    --policies dense,tova,kvpop --budget 1024 --batch 8 --new-tokens 1024 --backends fast,reference --repeats 1 \
+    --json-out "$out/fidelity_generate.json"
   ;;
 *)
-  echo "unknown phase $phase (1, 2 or 3)"; exit 2
+  echo "unknown phase $phase (1, 2, 3 or 4)"; exit 2
   ;;
 esac
