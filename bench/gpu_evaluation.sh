@@ -19,8 +19,8 @@
 # The table's TOVA and H2O rows are the seventh session's, on the same 8 sequences (their walk is the slow part of
 # an evaluation); StreamingLLM and the oracle run again and must repeat that session's digits (FREE_ROWS).
 # Knobs: ROWS (the ablation, quality_study.py --rows), FREE_ROWS (streaming_llm,oracle), STEPS (120), TRAIN_S (540),
-# EVAL_S (330), FID_N (4096 new tokens), FID_P (8 problems), FID_SAMPLES (1 sampled generation besides the greedy one), FID_BATCH (16), SIDE_S
-# (seconds for each side process, 420), LENGTHS (suite: 4k,8000), SUITE_TASKS (all).
+# EVAL_S (330), FID_N (4096 new tokens), FID_P (8 problems), FID_SAMPLES (1 sampled generation besides the greedy
+# one), FID_BATCH (16), SIDE_S# (seconds for each side process, 420), LENGTHS (suite: 4k,8000), SUITE_TASKS (all).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
 dest=${2:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
@@ -36,7 +36,9 @@ kvpop=(python -m kvpop.cli)
 # issue 17's ablation, scorers only (the base frozen: every row on the original weights, so the table isolates
 # what the scorer keeps): the paper's MLP and the evidence scorer at both budgets, then at B = 1024 a small window,
 # pre-RoPE keys, the domain mixture and the mLSTM given more steps
-ROWS=${ROWS:-kvpop-mlp+frozen,kvpop-evidence+frozen,kvpop-mlp+w64+frozen+b1024,kvpop-evidence+w64+frozen+b1024,kvpop-mlp+prerope+frozen+b1024,kvpop-mlp+mix+frozen+b1024,kvpop-mlstm+frozen+b1024+steps400}
+default_rows=(kvpop-mlp+frozen kvpop-evidence+frozen kvpop-mlp+w64+frozen+b1024 kvpop-evidence+w64+frozen+b1024
+              kvpop-mlp+prerope+frozen+b1024 kvpop-mlp+mix+frozen+b1024 kvpop-mlstm+frozen+b1024+steps400)
+ROWS=${ROWS:-$(IFS=,; echo "${default_rows[*]}")}
 study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --mps --rows "$ROWS"
        --mix champ,pystdlib,prose --keep-every 100 --free-rows "${FREE_ROWS:-streaming_llm,oracle}")
 free=(--policies streaming_llm,tova,h2o)
