@@ -20,7 +20,7 @@
 # an evaluation); StreamingLLM and the oracle run again and must repeat that session's digits (FREE_ROWS).
 # Knobs: ROWS (the ablation, quality_study.py --rows), FREE_ROWS (streaming_llm,oracle), STEPS (120), TRAIN_S (540),
 # EVAL_S (330), FID_N (4096 new tokens), FID_P (8 problems), FID_SAMPLES (1 sampled generation besides the greedy
-# one), FID_BATCH (16), SIDE_S# (seconds for each side process, 420), LENGTHS (suite: 4k,8000), SUITE_TASKS (all).
+# one), FID_BATCH (16), SIDE_S (seconds for each side process, 420), LENGTHS (suite: 4k,8000), SUITE_TASKS (all).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
 dest=${2:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
