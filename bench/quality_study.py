@@ -286,9 +286,9 @@ def plan_runs(args) -> list[Run]:
             if row.name in two_phase:
                 # scorer-only pre-training first, then the full distillation from its weights (`--init-from`)
                 name = f"{name}_pre{args.pretrain_steps}"
-                after = Run(name, row.base, budget, label, train_args(args, row, budget, seed, name, args.pretrain_steps,
-                                                                      True), args.out / "runs" / name,
-                            args.pretrain_steps, pretrain=True)
+                pre_args = train_args(args, row, budget, seed, name, args.pretrain_steps, True)
+                after = Run(name, row.base, budget, label, pre_args, args.out / "runs" / name, args.pretrain_steps,
+                            pretrain=True)
                 runs.append(after)
                 name = f"{name}_distill"
             runs.append(Run(name, row.base, budget, label, train_args(args, row, budget, seed, name, steps,
@@ -442,7 +442,8 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
     while pending or running:
         now = time.time()
         while len(running) < limit and deadline - now > args.min_start_s:
-            # a distillation after pre-training waits for it (final, its process ended); the next run ready takes the slot
+            # a distillation after pre-training waits for it (final, its process ended); the next run ready
+            # takes the slot
             run = next((r for r in pending if r.ready() and (r.after is None or r.after.name not in running)), None)
             if run is None:
                 break
