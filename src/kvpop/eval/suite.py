@@ -203,6 +203,7 @@ def run_suite(base: nn.Module, tokenizer, entries: Sequence[Entry], samples: Seq
     trained entries load their directory. Untrained scorers are seeded from `seed`.
     """
     from kvpop.cache import KVpopCache
+    from kvpop.eval.generation import left_pad
     from kvpop.retrofit import detach, kvpop_modules, load, retrofit
 
     if getattr(base, "kvpop", None) is not None:
@@ -226,7 +227,7 @@ def run_suite(base: nn.Module, tokenizer, entries: Sequence[Entry], samples: Seq
         bar = _progress(len(samples), f"suite {label}" + ("" if budget is None else f" B={budget}"), progress)
         try:
             for group in _batches(samples, batch_size):
-                ids, mask = _left_pad([s.input_ids for s in group], pad, device)
+                ids, mask = left_pad([s.input_ids for s in group], pad, device)
                 cache = _dense_cache(model) if entry is None else KVpopCache(model)
                 new, held = greedy(model, cache, ids, mask, group[0].max_new_tokens, eos, prefill_chunk)
                 for row, s in enumerate(group):
@@ -256,16 +257,6 @@ def _progress(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="prompt", disable=not enabled, leave=False)
-
-
-def _left_pad(seqs: Sequence[Sequence[int]], pad: int, device) -> tuple[Tensor, Tensor]:
-    S = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), S), pad, dtype=torch.long)
-    mask = torch.zeros(len(seqs), S, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, S - len(s):] = torch.tensor(s)
-        mask[i, S - len(s):] = 1
-    return ids.to(device), mask.to(device)
 
 
 def _record(s: Sample, label: str, budget: int | None, entry: Entry | None, tokenizer, new: list[int],
