@@ -1,0 +1,138 @@
+"""The dynamic policies' prefill walk alone, one layer, per kernel variant: where its time goes.
+
+    python bench/bench_walk.py --device cuda                       # Qwen3-8B shape: Hkv 8, G 4, D 128
+    python bench/bench_walk.py --device cuda --context 8192 --budget 2048 --variants v1,v2,v2-w8
+
+One layer's `dynamic_walk_triton` over a prompt of `--context` tokens into empty slots, per score
+(TOVA's paper split with the head average "mean", TOVA per KV head "max", H2O "sum"; sinks, window and
+top-k from `KVpopConfig.for_budget`), per kernel variant (`v1` the first kernel, `v2` two reductions
+per token; `-wN` its warps, `-rN` heads per tile for "mean", `-2pass` the softmax in two reductions).
+Next to it, in the same run: the walk's GEMM part alone (the per-block logits, candidates and key
+gather, no kernel) and the dense causal SDPA forward of the layer's queries (bf16), the attention
+that a dense prefill runs for this layer. Times are medians over `--repeats` after one warm-up.
+
+Output: a human table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+
+import torch
+
+from kvpop.config import KVpopConfig
+from kvpop.ops.dynamic.kernel import BLOCK_C, dynamic_walk_triton
+
+POLICIES = {"tova-mean": ("tova", "mean", True), "tova-max": ("tova", "max", False), "h2o": ("h2o", "sum", None)}
+
+
+def _variant(name: str) -> dict:
+    """`v2-w8-r2` -> dynamic_walk_triton keywords."""
+    head, *mods = name.split("-")
+    kw: dict = {"variant": head}
+    for m in mods:
+        if m.startswith("w"):
+            kw["num_warps"] = int(m[1:])
+        elif m.startswith("r"):
+            kw["rows_heads"] = int(m[1:])
+        elif m == "2pass":
+            kw["online"] = False
+        elif m == "online":
+            kw["online"] = True
+        else:
+            raise ValueError(f"variant modifier {m!r}: expected wN, rN, 2pass or online")
+    return kw
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up: compiles
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _gemm_only(q, key, N, block):
+    """The walk's per-block torch work without the kernel: candidates, logits, next block's keys."""
+    B, H, C, D = key.shape
+    G = q.shape[1] // H
+    qf = q.reshape(B, H, G, C, D).float()
+    keys = torch.zeros(B, H, N, D, device=key.device)
+    col = torch.arange(N, device=key.device).expand(B, H, N)
+    for c0 in range(0, C, block):
+        cb = min(block, C - c0)
+        cand = torch.cat([keys, key[:, :, c0 : c0 + cb].float()], dim=2)
+        torch.matmul(qf[:, :, :, c0 : c0 + cb], cand[:, :, None].transpose(-1, -2)).contiguous()
+        keys = cand.gather(2, col[..., None].expand(-1, -1, -1, D))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--policies", default="tova-mean,tova-max,h2o")
+    ap.add_argument("--variants", default="v1,v2")
+    ap.add_argument("--block", type=int, default=BLOCK_C)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    if args.device != "cuda" or not torch.cuda.is_available():
+        print("bench_walk.py times the Triton walk on CUDA; no CUDA device here", file=sys.stderr)
+        return 2
+    B, H, G, D, C = args.batch, args.kv_heads, args.group, args.head_dim, args.context
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, H * G, C, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    key = torch.randn(B, H, C, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    position = torch.arange(C, device="cuda").expand(B, C)
+    valid = torch.ones(B, C, dtype=torch.bool, device="cuda")
+    priority = torch.zeros(B, H, C, device="cuda")
+    rows = []
+    v = torch.randn_like(q)
+    sdpa = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, v, v, is_causal=True), args.repeats)
+    rows.append({"row": "dense SDPA fwd (bf16)", "s": sdpa})
+    for pol in args.policies.split(","):
+        policy, score, avg = POLICIES[pol]
+        kw = {"tova_head_average": avg} if avg is not None else {}
+        cfg = KVpopConfig.for_budget(args.budget, policy=policy, **kw)
+        N = cfg.sink + cfg.window + cfg.topk
+        slots = (torch.zeros(B, H, N, D, device="cuda"), torch.full((B, H, N), -1, device="cuda"),
+                 torch.full((B, H, N), float("-inf"), device="cuda"))
+        if pol == args.policies.split(",")[0]:
+            rows.append({"row": f"GEMM part only (block {args.block})",
+                         "s": _timed(lambda: _gemm_only(q, key, N, args.block), args.repeats)})
+        ref = None
+        for name in args.variants.split(","):
+            run = lambda: dynamic_walk_triton(q, key, *slots, position, valid, priority, cfg.sink, cfg.window,
+                                              cfg.topk, D**-0.5, score, block=args.block, **_variant(name))
+            s = _timed(run, args.repeats)
+            ev = run()[0]
+            same = None if ref is None else bool(torch.equal(ev, ref))
+            ref = ev if ref is None else ref
+            rows.append({"row": f"{pol} ({cfg.sink}/{cfg.window}/{cfg.topk}) {name}", "s": s,
+                         "us_per_token": s / C * 1e6, "same_evictions_as_first": same})
+    print(f"# bench_walk {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {platform.node()}")
+    print(f"# B={B} Hkv={H} G={G} D={D} context={C} budget={args.budget}")
+    for r in rows:
+        extra = f"  {r['us_per_token']:.2f} us/token  same={r['same_evictions_as_first']}" if "us_per_token" in r else ""
+        print(f"{r['row']:<48} {r['s'] * 1e3:10.2f} ms{extra}")
+    print(json.dumps({"bench": "walk", "args": vars(args), "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
