@@ -432,6 +432,80 @@ def _refuse_other_config(args: argparse.Namespace, saved, what: str, consequence
                          f"drop {', '.join(conflicts)}, or {instead}")
 
 
+@command("selfgen", "write the dense model's own generations of held-in prompts as a JSONL training source "
+                    "(kvpop train --data FILE.jsonl)", [
+    MODEL,
+    arg("--out", required=True, metavar="FILE.jsonl",
+        help="the JSON-lines file to write, one record per sequence (text, prompt_tokens, generated_tokens, "
+             "temperature, seed, model); an existing file needs --force"),
+    arg("--force", action="store_true", help="replace an existing --out"),
+    arg("--prompts", default="champ", metavar="SOURCE",
+        help="champ (its training-split problems, never the eval split) or any single source --data takes, "
+             "its training-split documents as the prompts (default champ); each is a user turn of the chat "
+             "template where the model has one"),
+    arg("--text-field", default=None, help="the record field of a --prompts file or dataset that holds the prompt"),
+    arg("--sequences", type=int, default=64, help="sequences to generate (default 64)"),
+    arg("--tokens", type=int, default=2048,
+        help="new tokens per sequence at most; a sequence stops at EOS (default 2048)"),
+    arg("--temperature", default="0,0.7",
+        help="sampling temperature, 0 greedy; a comma list divides the sequences evenly among them (default 0,0.7)"),
+    arg("--min-tokens", type=int, default=None,
+        help="sequences that stop at EOS before this many tokens are still written; the summary counts them "
+             "(default 256, or --tokens if fewer)"),
+    arg("--batch", type=int, default=None,
+        help="sequences generated together, left-padded (default 1 on a CPU, 8 on a GPU); the texts do not depend "
+             "on it (on a GPU, up to rounding at near-ties of the logits)"),
+    arg("--seed", type=int, default=0, help="shuffles the prompts and seeds each sequence's sampling (default 0)"),
+    DEVICE,
+    DTYPE,
+    NO_PROGRESS,
+])
+def selfgen(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from tqdm.auto import tqdm
+
+    from kvpop.eval import selfgen as sg
+    from kvpop.models import is_kvpop_dir, load_model
+
+    device = _device(args.device)
+    if args.batch is None:
+        args.batch = 8 if device.startswith("cuda") else 1
+    cfg = sg.SelfgenConfig(sequences=args.sequences, tokens=args.tokens,
+                           temperatures=sg.parse_temperatures(args.temperature), seed=args.seed, batch=args.batch,
+                           min_tokens=args.min_tokens, prompts=args.prompts, text_field=args.text_field)
+    out = Path(args.out)
+    if out.suffix != ".jsonl":
+        raise ValueError(f"--out {args.out}: must end in .jsonl (kvpop train --data reads a file by its suffix)")
+    if out.is_dir():
+        raise ValueError(f"--out {args.out} is a directory: give a file name ending in .jsonl")
+    if out.exists() and not args.force:
+        raise ValueError(f"--out {args.out} exists: pass --force to replace it, or choose another file")
+    if is_kvpop_dir(args.model):
+        raise ValueError(f"--model {args.model} is retrofitted: selfgen writes the dense model's generations, give "
+                         "its base model")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=device)
+    prompts = sg.load_prompts(cfg.prompts, tokenizer, text_field=cfg.text_field)
+    fits = sg.fitting(prompts, cfg.tokens, getattr(model.config, "max_position_embeddings", None))
+    if len(fits) < len(prompts):
+        limit = model.config.max_position_embeddings
+        if not fits:
+            raise ValueError(f"no prompt of --prompts {cfg.prompts} fits the model's {limit} positions with --tokens "
+                             f"{cfg.tokens} new tokens: ask for fewer tokens")
+        _note(args, f"{len(prompts) - len(fits)} of the {len(prompts)} prompts leave no room for --tokens "
+                    f"{cfg.tokens} in the model's {limit} positions: left out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=cfg.sequences, desc="kvpop selfgen", unit="seq", disable=args.no_progress) as bar:
+        stats = sg.write(out, sg.generate(model, tokenizer, fits, cfg, model_name=args.model, progress=bar.update))
+    rows = sg.summarise(stats, cfg.tokens, cfg.min_tokens)
+    print(sg.format_summary(rows, cfg.min_tokens))
+    print(json.dumps({"out": str(out), "prompts": len(fits), "summary": rows}))
+    print(f"kvpop selfgen: wrote {len(stats)} sequences to {out} (train on it with --data {out}, or in a mixture: "
+          f"--data champ:0.5,{out}:0.5)", file=sys.stderr)
+    return 0
+
+
 @command("eval", "compare eviction policies and budgets side by side: teacher-forced on held-out text (+ pass@1), "
                  "long-context tasks (--suite), long generation (--generate)", [
     MODEL,

@@ -8,10 +8,12 @@ make a file appear whole or not at all (temporary name, fsync, rename).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 class FileFormatError(ValueError):
@@ -114,13 +116,31 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | Path, data: bytes | str) -> None:
-    """Write `path` whole or not at all: a temporary file, fsync, then rename over `path`."""
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w") -> Iterator[IO]:
+    """A file to write `path` through, whole or not at all: a temporary file beside it, fsync, then a rename
+    over `path` when the block ends; an error in the block removes the temporary file and leaves `path` as it was.
+
+    Args:
+        mode: "w" (text) or "wb" (bytes).
+    """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"mode={mode!r} must be 'w' or 'wb'")
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def write_atomic(path: str | Path, data: bytes | str) -> None:
+    """Write `path` whole or not at all: a temporary file, fsync, then rename over `path`."""
+    with atomic_open(path, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)

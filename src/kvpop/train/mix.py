@@ -9,7 +9,9 @@
 The syntax: sources separated by commas, each `SOURCE` or `SOURCE:WEIGHT`. A SOURCE is anything
 `--data` takes alone (`kvpop.train.data.load_texts`: a named source, a file, a directory, a dataset
 name, `name:config` included), a WEIGHT a positive number (default 1); the weights are normalised to
-shares. A spec without a comma is one source, read exactly as before mixtures existed.
+shares. A spec without a comma is one source, read exactly as before mixtures existed. The JSONL file
+`kvpop selfgen` writes (`kvpop.eval.selfgen`: the dense model's own generations of champ's training
+problems) is such a source: `--data champ:0.5,runs/selfgen.jsonl:0.5` mixes the generation regime in.
 
 The pool of `ceil(pool_tokens / seq_len)` rows is divided among the sources by their shares (largest
 remainders; at least one row each). Each source's rows are cut from its own stream of training
