@@ -183,7 +183,8 @@ MODIFIERS = {
     "prerope": "mlp/evidence scorers read the keys with RoPE undone (--scorer-keys pre_rope)",
     "bN": "only at budget N (one of --budgets; repeatable), not at every budget",
     "stepsN": "N optimizer steps instead of --steps (a slow learner, e.g. the mLSTM scorer-only)",
-    "mix": "trained on --mix instead of --data (evaluated on --data's held-out split like every row)",
+    "mix": "trained on the first --mix instead of --data (evaluated on --data's held-out split like every row)",
+    "mixN": "trained on the N-th --mix (--mix is repeatable: e.g. without and with self-generated text)",
 }
 """Per-row variations of an ablation, appended to a row with `+`: `kvpop-mlp+w32+frozen`."""
 
@@ -200,21 +201,22 @@ class RowSpec:
     budgets: tuple[int, ...] = ()
     """The budgets this row trains at; empty: every budget of the study."""
     steps: int | None = None
-    mix: bool = False
+    mix: int = 0
+    """Which `--mix` this row trains on (1 = the first); 0: `--data`."""
 
     @classmethod
     def parse(cls, spec: str) -> RowSpec:
         base, *mods = spec.split("+")
         if base not in TRAINED:
             raise SystemExit(f"--rows: unknown row {base!r} in {spec!r}; choose from {', '.join(TRAINED)}")
-        window, frozen, prerope, budgets, steps, mix = None, False, False, [], None, False
+        window, frozen, prerope, budgets, steps, mix = None, False, False, [], None, 0
         for m in mods:
             if re.fullmatch(r"w[1-9][0-9]*", m):
                 window = int(m[1:])
             elif re.fullmatch(r"steps[1-9][0-9]*", m):
                 steps = int(m[5:])
-            elif m == "mix":
-                mix = True
+            elif re.fullmatch(r"mix([1-9][0-9]*)?", m):
+                mix = int(m[3:] or 1)
             elif re.fullmatch(r"b[1-9][0-9]*", m):
                 budgets.append(int(m[1:]))
             elif m == "frozen":
@@ -299,9 +301,10 @@ def plan_runs(args) -> list[Run]:
 
 def train_args(args, row: RowSpec, budget: int, seed: int, name: str, steps: int, freeze_base: bool) -> list[str]:
     """The `kvpop train` arguments of the run `name` (into OUT/runs/<name>), less how it starts (`Run.command`)."""
-    if row.mix and not args.mix:
-        raise SystemExit(f"--rows: {row.name} trains on --mix, which is not given")
-    data = args.mix if row.mix else args.data
+    mixes = args.mix or []
+    if row.mix > len(mixes):
+        raise SystemExit(f"--rows: {row.name} trains on --mix number {row.mix}, but {len(mixes)} --mix given")
+    data = mixes[row.mix - 1] if row.mix else args.data
     return ["train", "--model", args.model, "--data", data, "--seq-len", str(args.seq_len),
             "--sink", str(args.sink), "--budget", str(budget), *row.args(args.window, freeze_base),
             "--steps", str(steps), "--lr-scorer", str(args.lr_scorer), "--seed", str(seed),
@@ -919,8 +922,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="training data, one source or a mixture (champ,pystdlib,prose: kvpop.train.mix); the eval "
                         "phase uses its held-out split (a mixture's: --eval-sequences divided by the weights); "
                         "bench/domain_eval.py gives each source's rows apart")
-    p.add_argument("--mix", default=None, help="training data of the rows marked +mix (a `kvpop train --data` "
-                                                "mixture, e.g. several domains); they are evaluated on --data too")
+    p.add_argument("--mix", action="append", default=None,
+                   help="training data of the rows marked +mix (a `kvpop train --data` mixture, e.g. several "
+                        "domains); repeatable: +mixN trains on the N-th; they are evaluated on --data too")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--budgets", default="2048,1024")
     p.add_argument("--sink", type=int, default=4)

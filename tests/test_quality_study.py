@@ -187,6 +187,14 @@ def test_row_modifiers_set_window_frozen_base_and_prerope_per_row(tmp_path):
         (600, "600", "champ"), (120, "120", "champ,pystdlib")]
     with pytest.raises(SystemExit, match="--mix"):
         study.plan_runs(study.parse(["--rows", "kvpop-mlp+mix", "--out", str(tmp_path)]))
+    # +mixN: the N-th --mix, so one study compares training data (e.g. with and without self-generated text)
+    two_mixes = study.plan_runs(study.parse(["--rows", "kvpop-mlp+mix,kvpop-mlp+mix2", "--budgets", "1024",
+                                             "--mix", "champ,pystdlib", "--mix", "champ,gen.jsonl",
+                                             "--out", str(tmp_path)]))
+    assert [(r.name, flag(r, "--data")) for r in two_mixes] == [
+        ("kvpop-mlp+mix_b1024", "champ,pystdlib"), ("kvpop-mlp+mix2_b1024", "champ,gen.jsonl")]
+    with pytest.raises(SystemExit, match="number 3, but 2 --mix given"):
+        study.plan_runs(study.parse(["--rows", "kvpop-mlp+mix3", "--mix", "a", "--mix", "b", "--out", str(tmp_path)]))
     with pytest.raises(SystemExit, match="not among --budgets"):
         study.plan_runs(study.parse(["--rows", "kvpop-mlp+b512", "--budgets", "1024", "--out", str(tmp_path)]))
     for bad, why in (("kvpop-mlp+w0", "modifier 'w0'"), ("kvpop-mlp+fast", "modifier 'fast'"),
