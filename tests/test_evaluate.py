@@ -248,3 +248,18 @@ def test_mark_stronger_variants_and_the_headline():
     assert head[-1]["avg_cache_fraction"] == 0.55
     table = format_table([{**r, "positions": 1, "recall": None} for r in rows])
     assert "tova_windowed *" in table and "0.550" in table and "lower KL" in table
+
+
+def test_eval_labels_trained_rows_and_refuses_two_alike(text_file, tmp_path, capsys):
+    for name in ("a", "b"):
+        model, tok = load_model("tiny-random-qwen3")
+        kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(32, scorer_hidden=16)), tmp_path / name,
+                   tokenizer=tok)
+    base = ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--split", "all", "--seq-len", "128",
+            "--sequences", "1", "--policies", "none", "--out", str(tmp_path / "o")]
+    # two directories of one policy at one budget would share a row: refused, with the fix named
+    assert main([*base, "--trained", str(tmp_path / "a"), "--trained", str(tmp_path / "b")]) == 1
+    assert "are both 'kvpop' at budget 32" in capsys.readouterr().err
+    assert main([*base, "--trained", f"champ={tmp_path / 'a'}", "--trained", f"self+gen={tmp_path / 'b'}"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert {(r["policy"], r["budget"]) for r in rows} == {("champ", 32), ("self+gen", 32)}

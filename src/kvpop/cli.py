@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvpop.config import DEFAULT_BUDGET, DEFAULT_SINK
@@ -84,6 +86,14 @@ def _rule(args: argparse.Namespace, **kw: Any):
 
 def _note(args: argparse.Namespace, message: str) -> None:
     print(f"kvpop {args.command}: note: {message}", file=sys.stderr)
+
+
+def _trained_arg(value: str) -> tuple[str | None, str]:
+    """`--trained [NAME=]DIR` -> (NAME or None, DIR); a DIR that exists is taken whole, '=' and all."""
+    name, sep, path = value.partition("=")
+    if not sep or Path(value).exists() or not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
+        return None, value
+    return name, path
 
 
 def _untrained(args: argparse.Namespace, cfg) -> None:
@@ -527,8 +537,9 @@ def selfgen(args: argparse.Namespace) -> int:
     arg("--policies", default="streaming_llm,tova,tova_windowed,h2o,h2o_windowed,oracle",
         help="comma-separated training-free policies: streaming_llm, tova and h2o (as their papers define them), "
              "tova_windowed and h2o_windowed (4 sinks, window B/4), oracle; kvpop and dms untrained; or none"),
-    arg("--trained", action="append", default=[], metavar="DIR",
-        help="a kvpop.save directory (e.g. OUT/final of kvpop train), evaluated at its own budget; repeatable"),
+    arg("--trained", action="append", default=[], metavar="[NAME=]DIR",
+        help="a kvpop.save directory (e.g. OUT/final of kvpop train), evaluated at its own budget and labelled "
+             "NAME (default: its policy); repeatable"),
     arg("--sink", type=int, default=None, help="sinks of the training-free policies (default: each policy's own, "
                                                "0 for tova and h2o, 4 otherwise)"),
     arg("--layer-budgets", action="append", default=[], metavar="FILE",
@@ -577,7 +588,16 @@ def evaluate(args: argparse.Namespace) -> int:
         parse_mixture(args.data)
     device = _device(args.device)
     torch.manual_seed(args.seed)
-    entries = [from_directory(d) for d in args.trained] + _training_free_entries(args)
+    trained = [_trained_arg(t) for t in args.trained]
+    args.trained = [d for _, d in trained]
+    entries = [from_directory(d, name) for name, d in trained]
+    seen: dict[tuple[str, int], str] = {}
+    for (_, d), e in zip(trained, entries):
+        if (e.name, e.budget) in seen:
+            raise ValueError(f"--trained {seen[e.name, e.budget]} and {d} are both {e.name!r} at budget {e.budget}: "
+                             f"label them, e.g. --trained mine={d}")
+        seen[e.name, e.budget] = d
+    entries += _training_free_entries(args)
     entries += _layer_budget_entries(args, entries)
     base, tokenizer = load_model(args.model, device=device)
     if getattr(base, "kvpop", None) is not None:
