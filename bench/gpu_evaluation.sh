@@ -79,6 +79,7 @@ study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}"
        --rows kvpop-mlp+prerope+mix+frozen,kvpop-mlp+prerope+mix2+frozen "${mixes[@]}" --free-rows oracle)
 trained() {  # the seed-0 final weights of the study's rows at budget $1, as --trained arguments
   for d in "$HOME"/study/runs/*_b"$1"; do
+    case $d in *_s[0-9]*_b"$1") continue ;; esac  # seed 0 only
     [ -f "$d/final/kvpop_config.json" ] && echo --trained "$(basename "${d%_b$1}")=$d/final"
   done
 }
