@@ -285,3 +285,45 @@ def test_generate_compiles_the_kvpop_step_like_a_static_cache(models, cfg_name):
         torch._dynamo.reset()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["stats"])
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("rows", ["one", "one-padded", "two-padded"])
+@torch.no_grad()
+def test_generate_compiles_one_static_decode_graph(models, rows):
+    # generate's compile path with its defaults (automatic dynamic shapes, as on CUDA), forced on the CPU with a
+    # backend that only records graphs: one graph for the whole decode, every input of a static shape and stride.
+    # The padding mask of the new token used to be a view of generate's growing mask, whose row stride changed
+    # every step: a recompile, then a graph with a symbolic stride (transformers 5.17; 5.24 for a batch of one)
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = models[("qwen3", "base")]
+    a, b = _ids(7, 30)[0], _ids(8, 21)[0]
+    ids, mask, _ = padded_batch([a, b] if rows == "two-padded" else [a])
+    if rows == "one-padded":
+        # a batch of one with left padding (a padded batch cut down to one row, say)
+        ids, mask = (torch.cat([torch.zeros_like(t[:, :4]), t], dim=1) for t in (ids, mask))
+    graphs = []
+
+    def record(gm, example_inputs):
+        symbolic = [node.name for node in gm.graph.nodes if node.op == "placeholder" and _symbolic(node)]
+        graphs.append(symbolic)
+        return gm.forward
+
+    config = CompileConfig(backend=record, mode=None)
+    config._compile_all_devices = True
+    kw = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    with quiet():
+        eager = model.generate(ids, **kw, **cache_kwargs(kvpop.KVpopCache(model)), disable_compile=True)
+        torch._dynamo.reset()
+        compiled = model.generate(ids, **kw, **cache_kwargs(kvpop.KVpopCache(model)), compile_config=config)
+        torch._dynamo.reset()
+    assert graphs == [[]], f"graphs compiled (their symbolic inputs): {graphs}"
+    assert torch.equal(compiled, eager)
+
+
+def _symbolic(node) -> bool:
+    """A graph input that is a SymInt, or a tensor of symbolic size or stride."""
+    v = node.meta.get("example_value")
+    if isinstance(v, torch.Tensor):
+        return any(isinstance(x, torch.SymInt) for x in (*v.shape, *v.stride()))
+    return isinstance(v, torch.SymInt)

@@ -83,7 +83,12 @@ def padding_mask_passthrough(*args, attention_mask: Tensor | None = None, **kwar
     q = kwargs.get("q_length")
     if q is None and isinstance(kwargs.get("cache_position"), Tensor):
         q = kwargs["cache_position"].shape[0]
-    return attention_mask if q is None else attention_mask[:, -q:]
+    if q is None or q == attention_mask.shape[-1]:
+        return attention_mask
+    # a copy, not a view: a view's row stride is the growing mask's length, on which `generate`'s compiled
+    # step recompiles, then takes it as a symbolic stride (on CUDA: a new CUDA graph recorded per step).
+    # 5.24's `generate` copies it only when it is not contiguous, and a [1, q] view still is
+    return attention_mask[:, -q:].clone(memory_format=torch.contiguous_format)
 
 
 def _padding(attention_mask: Tensor | None, batch: int, length: int, device) -> Tensor:
