@@ -86,12 +86,12 @@ trained() {  # the seed-0 final weights of the study's rows at budget $1, as --t
 case $phase in
 1)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
-  TORCH_LOGS=perf_hints step tests 200 python -m pytest -q -rs -p no:cacheprovider tests/test_decode.py \
+  TORCH_LOGS=perf_hints step tests 120 python -m pytest -q -rs -p no:cacheprovider tests/test_decode.py \
     tests/test_dynamic.py tests/test_generation.py tests/test_cache.py -m "gpu or not slow" \
     -k "cuda or captured or triton or compile"
   grep -i "skipping cudagraphs" "$out/tests.log" | sort | uniq -c | head
-  step walk 200 python bench/bench_walk.py --variants "${WALK_VARIANTS:-v1,v2,v2-r2,v2-r4,v2-r8,v2-w32-r8,v2-online}"
-  step prefill_8b 130 python bench/bench_prefill.py --model qwen3-8b-shape --device cuda --context 8192 \
+  step walk 150 python bench/bench_walk.py --variants "${WALK_VARIANTS:-v1,v2,v2-r2,v2-r4,v2-r8,v2-w32-r8,v2-online}"
+  step prefill_8b 110 python bench/bench_prefill.py --model qwen3-8b-shape --device cuda --context 8192 \
     --budget 2048 --policies tova,h2o,kvpop --repeats 3 --no-replay --json-out "$out/prefill_8b.json"
   step generate_8b_b1 150 python bench/bench_generate.py --model qwen3-8b-shape --num-layers 12 --device cuda \
     --contexts 4096 --caches dense,static,kvpop --new-tokens 64 --budget 2048 --batch 1 --repeats 2 \
@@ -105,7 +105,7 @@ case $phase in
   step selfgen 200 "${kvpop[@]}" selfgen --model smollm2-135m --out "$selfgen" --sequences "${SG_N:-64}" \
     --tokens "${SG_TOKENS:-7680}" --temperature 0,0.7 --batch "${SG_N:-64}" --no-progress
   cp "$selfgen" "$out/" 2>/dev/null
-  "${study[@]}" --phase train --deadline-s "${TRAIN_S:-380}" --concurrency 8 > "$out/study_train.log" 2>&1
+  "${study[@]}" --phase train --deadline-s "${TRAIN_S:-330}" --concurrency 8 > "$out/study_train.log" 2>&1
   tail -n 40 "$out/study_train.log"
   cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
   ;;
