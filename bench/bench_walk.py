@@ -2,11 +2,17 @@
 
     python bench/bench_walk.py --device cuda                       # Qwen3-8B shape: Hkv 8, G 4, D 128
     python bench/bench_walk.py --device cuda --context 8192 --budget 2048 --variants v1,v2,v2-w8
+    python bench/bench_walk.py --device cuda --variants v2,parallel,parallel-b128
+    python bench/bench_walk.py --device cpu --kv-heads 2 --head-dim 64 --budget 512 --context 2048 \
+        --variants torch,parallel,parallel-b64,parallel-b128
 
 One layer's `dynamic_walk_triton` over a prompt of `--context` tokens into empty slots, per score
 (TOVA's paper split with the head average "mean", TOVA per KV head "max", H2O "sum"; sinks, window and
 top-k from `KVpopConfig.for_budget`), per kernel variant (`v1` the first kernel, `v2` two reductions
-per token; `-wN` its warps, `-rN` heads per tile for "mean", `-2pass` the softmax in two reductions).
+per token; `-wN` its warps, `-rN` heads per tile for "mean", `-2pass` the softmax in two reductions),
+`torch` the torch walk, `parallel` the speculated walk (`ops/dynamic/parallel.py`; `-bN` its block of N
+tokens), whose rows also give its verification rounds, mismatches and skips (from one more, untimed run).
+On the CPU the times are wall-clock medians (`time.perf_counter`) and the inputs float32.
 Next to it, in the same run: the walk's GEMM part alone (the per-block logits, candidates and key
 gather, no kernel) and the dense causal SDPA forward of the layer's queries (bf16), the attention
 that a dense prefill runs for this layer. Times are medians over `--repeats` after one warm-up.
@@ -18,22 +24,30 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import statistics
 import sys
+import time
 
 import torch
 
 from kvpop.config import KVpopConfig
+from kvpop.ops.dynamic import dynamic_walk
 from kvpop.ops.dynamic.kernel import BLOCK_C, dynamic_walk_triton
+from kvpop.ops.dynamic.parallel import dynamic_walk_parallel
 
 POLICIES = {"tova-mean": ("tova", "mean", True), "tova-max": ("tova", "max", False), "h2o": ("h2o", "sum", None)}
 
 
 def _variant(name: str) -> dict:
-    """`v2-w8-r2` -> dynamic_walk_triton keywords."""
+    """`v2-w8-r2` -> dynamic_walk_triton keywords; `parallel-b128` -> dynamic_walk_parallel keywords."""
     head, *mods = name.split("-")
+    if head in ("torch", "parallel"):
+        if head == "torch" and mods or any(not m.startswith("b") for m in mods):
+            raise ValueError(f"variant {name!r}: 'torch' takes no modifiers, 'parallel' only bN")
+        return {"block": int(mods[0][1:])} if mods else {}
     kw: dict = {"variant": head}
     for m in mods:
         if m.startswith("w"):
@@ -49,10 +63,25 @@ def _variant(name: str) -> dict:
     return kw
 
 
-def _timed(fn, repeats: int) -> float:
+def _runner(name: str, walk: tuple, block: int):
+    """The walk of variant `name` on the arguments `walk` of `dynamic_walk`, as a callable."""
+    kw = _variant(name)
+    if name in ("torch", "parallel"):
+        return functools.partial(dynamic_walk, *walk, backend=name)
+    if name.startswith("parallel"):
+        return functools.partial(dynamic_walk_parallel, *walk, **kw)
+    return functools.partial(dynamic_walk_triton, *walk, block=block, **kw)
+
+
+def _timed(fn, repeats: int, cuda: bool = True) -> float:
     fn()  # warm-up: compiles
     times = []
     for _ in range(repeats):
+        if not cuda:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -86,49 +115,65 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--policies", default="tova-mean,tova-max,h2o")
-    ap.add_argument("--variants", default="v1,v2")
+    ap.add_argument("--variants", default=None, help="default: v1,v2 on CUDA, torch,parallel on the CPU")
     ap.add_argument("--block", type=int, default=BLOCK_C)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    if args.device != "cuda" or not torch.cuda.is_available():
-        print("bench_walk.py times the Triton walk on CUDA; no CUDA device here", file=sys.stderr)
+    dev = args.device
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("bench_walk.py --device cuda: no CUDA device here", file=sys.stderr)
         return 2
+    args.variants = args.variants or ("v1,v2" if dev == "cuda" else "torch,parallel")
     B, H, G, D, C = args.batch, args.kv_heads, args.group, args.head_dim, args.context
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, H * G, C, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    key = torch.randn(B, H, C, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    position = torch.arange(C, device="cuda").expand(B, C)
-    valid = torch.ones(B, C, dtype=torch.bool, device="cuda")
-    priority = torch.zeros(B, H, C, device="cuda")
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(B, H * G, C, D, device=dev, generator=g, dtype=dtype)
+    key = torch.randn(B, H, C, D, device=dev, generator=g, dtype=dtype)
+    position = torch.arange(C, device=dev).expand(B, C)
+    valid = torch.ones(B, C, dtype=torch.bool, device=dev)
+    priority = torch.zeros(B, H, C, device=dev)
     rows = []
     v = torch.randn_like(q)
-    sdpa = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, v, v, is_causal=True), args.repeats)
-    rows.append({"row": "dense SDPA fwd (bf16)", "s": sdpa})
+    sdpa = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, v, v, is_causal=True), args.repeats,
+                  dev == "cuda")
+    rows.append({"row": f"dense SDPA fwd ({str(dtype)[6:]})", "s": sdpa})
     for pol in args.policies.split(","):
         policy, score, avg = POLICIES[pol]
         kw = {"tova_head_average": avg} if avg is not None else {}
         cfg = KVpopConfig.for_budget(args.budget, policy=policy, **kw)
         N = cfg.sink + cfg.window + cfg.topk
-        slots = (torch.zeros(B, H, N, D, device="cuda"), torch.full((B, H, N), -1, device="cuda"),
-                 torch.full((B, H, N), float("-inf"), device="cuda"))
+        slots = (torch.zeros(B, H, N, D, device=dev), torch.full((B, H, N), -1, device=dev),
+                 torch.full((B, H, N), float("-inf"), device=dev))
         if pol == args.policies.split(",")[0]:
-            rows.append({"row": f"GEMM part only (block {args.block})",
-                         "s": _timed(lambda: _gemm_only(q, key, N, args.block), args.repeats)})
+            gemm = functools.partial(_gemm_only, q, key, N, args.block)
+            rows.append({"row": f"GEMM part only (block {args.block})", "s": _timed(gemm, args.repeats, dev == "cuda")})
         ref = None
         for name in args.variants.split(","):
-            run = lambda: dynamic_walk_triton(q, key, *slots, position, valid, priority, cfg.sink, cfg.window,
-                                              cfg.topk, D**-0.5, score, block=args.block, **_variant(name))
-            s = _timed(run, args.repeats)
+            walk = (q, key, *slots, position, valid, priority, cfg.sink, cfg.window, cfg.topk, D**-0.5, score)
+            run = _runner(name, walk, args.block)
+            s = _timed(run, args.repeats, dev == "cuda")
             ev = run()[0]
             same = None if ref is None else bool(torch.equal(ev, ref))
             ref = ev if ref is None else ref
-            rows.append({"row": f"{pol} ({cfg.sink}/{cfg.window}/{cfg.topk}) {name}", "s": s,
-                         "us_per_token": s / C * 1e6, "same_evictions_as_first": same})
+            row = {"row": f"{pol} ({cfg.sink}/{cfg.window}/{cfg.topk}) {name}", "s": s,
+                   "us_per_token": s / C * 1e6, "same_evictions_as_first": same}
+            if name.startswith("parallel"):
+                stats = {}
+                dynamic_walk_parallel(*walk, stats=stats, **_variant(name))
+                row["stats"] = {k: v for k, v in stats.items() if k != "first_mismatch"}
+            rows.append(row)
+    device = (torch.cuda.get_device_name() if dev == "cuda"
+              else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads")
     print(f"# bench_walk {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-          f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {platform.node()}")
+          f"{device}, torch {torch.__version__}, {platform.node()}")
     print(f"# B={B} Hkv={H} G={G} D={D} context={C} budget={args.budget}")
     for r in rows:
         extra = f"  {r['us_per_token']:.2f} us/token  same={r['same_evictions_as_first']}" if "us_per_token" in r else ""
+        if "stats" in r:
+            st = r["stats"]
+            extra += (f"  rounds/block {st['rounds'] / max(1, st['blocks']):.2f}"
+                      f"  mismatched rows {st.get('mismatch_rows', 0)}"
+                      f"  skips/decision {st.get('skips', 0) / max(1, st['decisions']):.1f}")
         print(f"{r['row']:<48} {r['s'] * 1e3:10.2f} ms{extra}")
     print(json.dumps({"bench": "walk", "args": vars(args), "rows": rows}))
     return 0

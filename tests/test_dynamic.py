@@ -291,3 +291,182 @@ def test_triton_walk_refuses_what_it_does_not_implement():
                             torch.zeros(1, 2, 6), *rest, "mean")
     with pytest.raises(ValueError, match="score="):
         dynamic_walk_triton(q, k, *slots, *rest, "median")
+
+
+# --- the parallel walk (ops/dynamic/parallel.py): speculated, verified, redone from a mismatch ---
+
+
+def _chunk_after_a_first(B, H, G, C, D, s, w, k, score, ties, pad, seed):
+    """Inputs of `dynamic_walk` for the second half of a sequence, after the torch walk took the first half."""
+    g = torch.Generator().manual_seed(seed)
+    q, key = torch.randn(B, H * G, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
+    if ties == "duplicates":
+        key[:, :, 2::3] = key[:, :, 0:1]
+        q[:, :, 1::2] = q[:, :, 0::2][:, :, : C // 2]
+    elif ties == "zeros":
+        key.zero_()
+    valid = _left_padded(B, C, seed) if pad else torch.ones(B, C, dtype=torch.bool)
+    N = s + w + k
+    slots = (torch.zeros(B, H, N, D), torch.full((B, H, N), -1), torch.full((B, H, N), float("-inf")))
+    position = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    half = C // 2
+    first = dynamic_walk(q[:, :, :half], key[:, :, :half], *slots, position[:, :half], valid[:, :half],
+                         torch.zeros(B, H, half), s, w, k, D**-0.5, score, backend="torch")
+    # the slots' keys: each held position's key
+    held = (first[1][..., None] == position[:, None, None, :half]) & valid[:, None, None, :half]
+    keys = key[:, :, :half].gather(2, held.float().argmax(-1)[..., None].expand(B, H, N, D))
+    return (q[:, :, half:], key[:, :, half:], keys, first[1], first[2], position[:, half:], valid[:, half:],
+            torch.zeros(B, H, C - half), s, w, k, D**-0.5, score)
+
+
+def _assert_same_walk(got, want, what):
+    """Evictions and slot positions equal; priorities equal up to float rounding (-inf where the walk's are)."""
+    assert torch.equal(got[0], want[0]), f"{what}: evictions differ at {(got[0] != want[0]).nonzero()[:3].tolist()}"
+    assert torch.equal(got[1], want[1]), f"{what}: slot positions differ"
+    finite = want[2].isfinite()
+    assert torch.equal(got[2].isfinite(), finite), f"{what}: -inf priorities differ"
+    err = (got[2] - want[2])[finite].abs()
+    bound = PRI_RTOL * max(1.0, float(want[2][finite].abs().max())) if finite.any() else 0.0
+    assert err.numel() == 0 or float(err.max()) <= bound, f"{what}: priorities max err {err.max():.3g} mean {err.mean():.3g}"
+
+
+PRI_RTOL = 1e-5  # the parallel walk's priorities against the torch walk's, relative to the largest, float32
+
+# (B, H, G, C, D, sink, window, topk): odd lengths, the paper's splits, no long-range slots, GQA groups 1..4,
+# batch > 1, and a budget above the chunk; duplicate keys only at small N: the walk's mean over the query heads
+# (`probs.mean(dim=(1, 2))`) is, on the CPU, not the same float operation at every column for some N (33, 35, ...),
+# so there the walk may break an exact tie by rounding
+PARALLEL_SHAPES = [
+    ((1, 2, 2, 31, 16, 2, 3, 5), "duplicates"), ((2, 2, 3, 40, 12, 0, 1, 7), "zeros"),
+    ((2, 1, 4, 37, 16, 0, 4, 4), None), ((1, 2, 1, 25, 8, 2, 3, 0), "duplicates"), ((1, 1, 2, 9, 8, 1, 2, 3), "zeros"),
+    ((2, 1, 2, 12, 8, 0, 4, 8), None), ((3, 2, 4, 160, 8, 0, 1, 23), "duplicates"), ((2, 3, 1, 150, 8, 2, 9, 20), None),
+    ((1, 2, 4, 300, 16, 0, 1, 63), None), ((2, 2, 2, 200, 8, 0, 30, 30), "zeros"), ((1, 1, 3, 90, 8, 0, 50, 50), None),
+]
+
+
+@pytest.mark.parametrize("score", ["max", "mean", "sum"])
+@pytest.mark.parametrize("case", range(len(PARALLEL_SHAPES)))
+@pytest.mark.parametrize("pad", [False, True])
+def test_parallel_walk_makes_the_torch_walks_decisions(score, case, pad):
+    from kvpop.ops.dynamic.parallel import dynamic_walk_parallel
+
+    shape, ties = PARALLEL_SHAPES[case]
+    args = _chunk_after_a_first(*shape, score, ties, pad, seed=case)
+    want = dynamic_walk(*args, backend="torch")
+    # one block for the chunk, and blocks of 8 tokens (many verification rounds, slots carried between blocks)
+    _assert_same_walk(dynamic_walk(*args, backend="parallel"), want, f"{shape} {ties} {score}")
+    _assert_same_walk(dynamic_walk_parallel(*args, block=8), want, f"{shape} {ties} {score} block 8")
+
+
+@pytest.mark.parametrize("score", ["max", "mean", "sum"])
+@pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk", [
+    (1, 1, 1, 1, 4, 0, 1, 0), (2, 3, 1, 37, 4, 1, 1, 5), (1, 2, 4, 100, 8, 0, 50, 50), (2, 1, 2, 70, 8, 3, 7, 11),
+])
+@pytest.mark.parametrize("neg_inf", [False, True])
+def test_parallel_walk_from_decoded_slots(score, B, Hkv, G, S, D, sink, window, topk, neg_inf):
+    # as test_torch_walk_equals_the_reference_walk: slots that decoding left, some priorities -inf
+    g = torch.Generator().manual_seed(S)
+    q, k, _ = _inputs(B, Hkv, G, S, D, None, seed=S)
+    N = sink + window + topk
+    valid = _left_padded(B, S, seed=3)
+    seen = torch.randint(0, 2 * N, (B,), generator=g)
+    position = seen[:, None] + valid.long().cumsum(-1) - 1
+    layer, policy = _layer_and_policy(sink, window, topk, Hkv, D, policy="h2o" if score == "sum" else "tova",
+                                      tova_head_average=score == "mean")
+    m = int(seen.max())
+    if m:
+        _replay(layer, policy, *_inputs(B, Hkv, G, m, D, None, seed=S + 1),
+                torch.arange(m)[None] >= (m - seen)[:, None], D**-0.5)
+    priority = torch.zeros(B, Hkv, S)
+    if neg_inf:
+        priority = torch.where(torch.rand(B, Hkv, S, generator=g) < 0.3, float("-inf"), priority)
+    args = (q, k, layer.keys, layer.pos, layer.pri, position, valid, priority, sink, window, topk, D**-0.5, score)
+    from kvpop.ops.dynamic.parallel import dynamic_walk_parallel
+
+    _assert_same_walk(dynamic_walk_parallel(*args, block=16), dynamic_walk(*args, backend="torch"), "decoded slots")
+
+
+def test_parallel_walk_redoes_blocks_from_a_mismatch():
+    # small slots and long blocks: in-block evictions move the normalisers enough to flip some speculated decisions
+    from kvpop.ops.dynamic.parallel import dynamic_walk_parallel
+
+    args = _chunk_after_a_first(1, 2, 4, 300, 16, 0, 1, 31, "max", None, False, seed=7)
+    stats = {}
+    _assert_same_walk(dynamic_walk_parallel(*args, stats=stats), dynamic_walk(*args, backend="torch"), "mismatches")
+    assert stats["mismatch_rows"] > 0 and stats["rounds"] > stats["blocks"], stats
+    assert stats["decisions"] == 150 * 2 and stats["skips"] > 0, stats
+
+
+def test_parallel_walk_falls_back_where_it_does_not_apply():
+    from kvpop.ops.dynamic.parallel import supported
+
+    args = list(_chunk_after_a_first(1, 2, 2, 40, 8, 1, 2, 5, "mean", None, False, seed=1))
+    assert supported(args[3], args[4], "mean")
+    # "mean" with heads whose slots differ; an empty slot with a finite priority
+    args[4] = args[4].clone()
+    args[4][0, 1, -1] += 1.0
+    assert not supported(args[3], args[4], "mean")
+    for bad in (args, [*args[:4], args[4].masked_fill(args[3] < 0, 0.0), *args[5:]]):
+        assert torch.equal(dynamic_walk(*bad, backend="parallel")[0], dynamic_walk(*bad, backend="torch")[0])
+    pos = torch.tensor([[[3, -1, 5]]])
+    assert not supported(pos, torch.tensor([[[0.5, 0.0, 0.2]]]), "max")
+    assert supported(pos, torch.tensor([[[0.5, float("-inf"), 0.2]]]), "max")
+
+
+PARALLEL_TRITON_CHECK = textwrap.dedent(
+    """
+    import torch
+    import kvpop.ops.dynamic.parallel as par
+    from kvpop.ops.dynamic import dynamic_walk
+    from kvpop.ops.dynamic.parallel import _select, _select_host, dynamic_walk_parallel
+
+    # the selection kernel against the host loop: random keys, few columns, long blocks (many skips, chunks of 32)
+    g = torch.Generator().manual_seed(0)
+    for B, Hd, T, M, start in [(2, 3, 70, 90, 0), (1, 2, 64, 64 + 9, 17), (1, 1, 1, 5, 0)]:
+        key = torch.randint(0, 40, (B, Hd, T, M), generator=g) * M + torch.arange(M)
+        enter = torch.randint(-1, T, (B, Hd, M), generator=g)
+        decide = torch.rand(B, Hd, T, generator=g) < 0.8
+        enter[..., :T] = torch.where(decide, torch.arange(T), enter[..., :T])
+        known = torch.full((B, Hd, T), M)
+        host = par._select_host
+        par._select_host = None  # the kernel must serve
+        if start:
+            known = _select(key, enter, decide, None)
+        stats = {}
+        got = _select(key, enter, decide, stats, start, known)
+        par._select_host = host
+        want = torch.where(decide, _select_host(*[t.reshape(B * Hd, *t.shape[2:]) for t in (
+            torch.where(enter[:, :, None, :] <= torch.arange(start, T)[:, None], key[:, :, start:], par._MAX)
+            .topk(T, dim=-1, largest=False)[1], decide, known)], start, M)[0].reshape(B, Hd, T), M)
+        assert torch.equal(torch.where(decide, got, M), want), (B, Hd, T, M, start)
+    # one order at every step: step j passes over the j columns taken before it (chunks of 32 entries)
+    T, M = 100, 120
+    key, enter = torch.arange(M).expand(1, 1, T, M), torch.full((1, 1, M), -1)
+    decide = torch.ones(1, 1, T, dtype=torch.bool)
+    stats = {}
+    assert torch.equal(_select(key, enter, decide, stats)[0, 0], torch.arange(T))
+    assert stats["skips"] == T * (T - 1) // 2, stats
+    # and the walk with it, in blocks of 8
+    g = torch.Generator().manual_seed(1)
+    B, H, G, C, D = 2, 2, 2, 40, 8
+    q, key = torch.randn(B, H * G, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
+    slots = (torch.zeros(B, H, 9, D), torch.full((B, H, 9), -1), torch.full((B, H, 9), float("-inf")))
+    for score in ("max", "sum", "mean"):
+        args = (q, key, *slots, torch.arange(C).expand(B, C), torch.ones(B, C, dtype=torch.bool),
+                torch.zeros(B, H, C), 1, 2, 6, D**-0.5, score)
+        got, want = dynamic_walk_parallel(*args, block=8), dynamic_walk(*args, backend="torch")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), score
+    print("ok")
+    """
+)
+
+
+def test_parallel_selection_kernel():
+    pytest.importorskip("triton", reason="the selection kernel is optional (pip install triton)")
+    code = PARALLEL_TRITON_CHECK
+    if torch.cuda.is_available():
+        exec(compile(code, "<parallel selection check>", "exec"), {})
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]

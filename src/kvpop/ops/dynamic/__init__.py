@@ -8,9 +8,10 @@ chunk's attention output is then one sparse-attention call under the resulting e
 same call the static policies make (`ops/attention`).
 
 `dynamic_walk` picks the backend: `reference` (the decode step, token by token), `torch` (the same
-loop with a fraction of its operations, vectorised over batch and heads; the CPU default) or `triton`
+loop with a fraction of its operations, vectorised over batch and heads; the CPU default), `triton`
 (one program per (batch, KV head) that walks all positions with the slot state on chip; the CUDA
-default). Every backend makes the decode step's decisions; the torch walk computes the very same
+default) or `parallel` (a block of decisions speculated at once, verified at once, redone from the
+first mismatch; `parallel.py`). Every backend makes the decode step's decisions; the torch walk computes the very same
 floats as the decode step (`step_probs`, `score_update`), so its slots equal a token-by-token replay
 bit for bit. The derivation is in `README.md` beside this file.
 """
@@ -25,7 +26,7 @@ from torch import Tensor
 from kvpop.ops.dynamic.score import SCORES, Score, score_update
 from kvpop.ops.topk import NEVER
 
-Backend = Literal["auto", "reference", "torch", "triton"]
+Backend = Literal["auto", "reference", "torch", "triton", "parallel"]
 
 
 def dynamic_walk(
@@ -60,7 +61,8 @@ def dynamic_walk(
         sink, window, topk: the budget split, `N = sink + window + topk`.
         scale: the attention logit scale.
         score: how probabilities become priorities, one of `SCORES` ("max", "mean": TOVA; "sum": H2O).
-        backend: "auto" (Triton on CUDA when available, else torch), "reference", "torch" or "triton".
+        backend: "auto" (Triton on CUDA when available, else torch), "reference", "torch", "triton" or
+            "parallel" (the torch walk where `parallel.supported` refuses the slots).
     Returns:
         evicted: int64 [B, H, C], the position of the token step `j` evicted (-1: none);
         pos, pri: the slots' positions and priorities after the chunk, [B, H, N].
@@ -92,6 +94,12 @@ def dynamic_walk(
         from kvpop.ops.dynamic.reference import dynamic_walk_reference
 
         return dynamic_walk_reference(*args)
+    if backend == "parallel":
+        from kvpop.ops.dynamic.parallel import dynamic_walk_parallel, supported
+
+        if supported(slot_pos, slot_pri, score):
+            return dynamic_walk_parallel(*args)
+        backend = "torch"
     if backend == "torch":
         from kvpop.ops.dynamic.walk import dynamic_walk_torch
 
@@ -100,7 +108,7 @@ def dynamic_walk(
         from kvpop.ops.dynamic.kernel import dynamic_walk_triton
 
         return dynamic_walk_triton(*args)
-    raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'torch', 'triton'")
+    raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'torch', 'triton', 'parallel'")
 
 
 def eviction_from_steps(

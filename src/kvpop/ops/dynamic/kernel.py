@@ -32,7 +32,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU installs have no Triton; the torch walk serves them
-    triton = None
+    triton = tl = None
 
 SCORES = {"max": 0, "sum": 1, "mean": 2}
 """The scores this kernel implements, as its `SCORE` constant."""

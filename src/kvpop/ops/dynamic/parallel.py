@@ -1,0 +1,396 @@
+"""The dynamic policies' prefill walk by speculation: a block of decisions at once, verified, redone from a mismatch.
+
+Same contract and decisions as `walk.dynamic_walk_torch` (its reference), for every score. The walk is
+sequential because query `j`'s probabilities are normalised over the tokens held at `j`, which depend on
+the decisions before `j`. But a block of `T` tokens (the slots held at its start plus its own tokens, `M =
+N + T` candidate columns, as in `kernel.py`) needs only a few passes over its `[T, M]` logits:
+
+1. speculate: every step's probabilities from one batched softmax over the held set as if the block
+   evicted nothing (the slots at its start plus its tokens inserted so far, causal), hence every step's
+   priorities ("max"/"mean" the last query's score, "sum" a cumulative sum over the steps);
+2. select: step `j` evicts the weakest of its competitors (the token leaving the window and the
+   long-range tokens) that no earlier step of the block evicted. The competitors a step can see are known
+   in advance (the long-range tokens at the block start and the tokens that left the window up to `j`),
+   so each step's are sorted once (`topk` of the `T` weakest: at most `j` of them are gone), and a light
+   sequential pass takes each step's first one still held (a Triton program per row on CUDA, a Python
+   loop on the host elsewhere);
+3. verify: those evictions give the held set of every step, hence the exact normalisers, priorities and
+   every step's decision, all steps at once. Where they agree the block is done (one host sync). At the
+   first mismatch `m` the prefix before `m` is right, and the priorities just computed are exact up to
+   step `m`; selecting again with them (step 2) keeps the prefix, gives step `m` its true decision and
+   the steps after it a better speculation; then verify again. Each round fixes at least one more step,
+   and the result is the fixed point `e = select(priorities(e))`, which the sequential walk's decisions
+   are and no other sequence is (step `j`'s decision depends only on those before it).
+
+Step `j`'s competition, as in `README.md`: the token `x` in the ring slot that `p` takes against the
+long-range tokens; the weakest by (priority, position), empty slots `(-inf, -1)` first in slot order, a
+`-inf` leaving token weakest of all (it never takes a slot). The lowest of these keys is evicted: `x`
+itself, or the long-range token whose slot `x` then takes (an empty slot: nothing evicted). Keys are one
+int64 per (step, column): the priority's bits made order-preserving in the high half, the column's rank
+by (position, slot) in the low half, so exact ties resolve as the walk resolves them.
+
+Its floats are its own (a blocked GEMM and batched softmax, a cumulative sum for "sum"), so against the
+torch walk it can differ only where two priorities are within rounding of each other; exact ties (equal
+keys, uniform attention) it resolves identically. Per block of `T` tokens everything is `[rows, T, M]`
+at most (the logits `[B, Hkv, G, T, M]`); host syncs: one per verification round (one per block when the
+speculation holds), plus, off CUDA, one per selection pass. `supported` says when it applies: empty slots
+must carry `-inf` (as the cache makes them) and "mean" needs the heads' slots alike (as `kernel.py`);
+`ops.dynamic.dynamic_walk` runs the torch walk otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvpop.ops.dynamic.kernel import available, tl, triton
+
+BLOCK_T = {"cuda": 256, "cpu": 64}
+"""Tokens per block by device: the logits of a block are `B x Hkv x G x T x (N + T)` float32. Longer blocks
+pay fewer launches and syncs per token, shorter ones fewer verification rounds (mismatches grow with `T`);
+on the CPU (2 threads, Hkv 2, G 4, D 64, N 512) 64 was fastest of 64, 128 and 256."""
+
+_MAX = torch.iinfo(torch.long).max
+
+
+def supported(slot_pos: Tensor, slot_pri: Tensor, score: str) -> bool:
+    """Whether the parallel walk takes these slots ([B, H, N]); two host syncs."""
+    # an empty slot with a finite priority could win a comparison in the walk, which the candidates here leave out
+    if not bool(((slot_pos >= 0) | (slot_pri == float("-inf"))).all()):
+        return False
+    if score == "mean":
+        return torch.equal(slot_pos, slot_pos[:, :1].expand_as(slot_pos)) and torch.equal(
+            slot_pri, slot_pri[:, :1].expand_as(slot_pri))
+    return True
+
+
+def _order_keys(pri: Tensor, rank: Tensor) -> Tensor:
+    """int64 keys ordered as (priority, rank): float32 `pri` [..., T, M], `rank` [..., M] in [0, 2^32)."""
+    # +0.0 turns -0.0 into +0.0 (equal priorities, equal keys); flipping a negative float's other bits orders it
+    bits = (pri + 0.0).view(torch.int32)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return (bits.long() << 32) | rank[..., None, :]
+
+
+_NEG_INF_KEY = int(_order_keys(torch.tensor([[float("-inf")]]), torch.zeros(1, dtype=torch.long)))
+"""The key of a leaving token of priority -inf: below every other key (rank 0; other columns rank from 1)."""
+
+
+def _priorities(
+    logits: Tensor,  # [B, H, G, T, M]
+    ins: Tensor,  # [B, Hd, M]
+    rm: Tensor,  # [B, Hd, M]
+    real: Tensor,  # [B, T]
+    pri0: Tensor,  # [B, Hd, M]
+    ins_pri: Tensor,  # [B, Hd, T]
+    score: str,
+) -> tuple[Tensor, Tensor]:
+    """Each column's priority at every step's decision, [B, Hd, T, M], and after the block, [B, Hd, M].
+
+    Column `c` is inserted at step `ins[c]` (-1: before the block) and held at query `j` while `j < rm[c]`;
+    `pri0` holds the priorities at the block's start (for "sum" 0 at the block's tokens, which start from
+    their insertion priority `ins_pri` at their own step). The normalisers are over the held columns; a column
+    inserted but no longer held gets the probability it would have under them (`exp(l - max) / sum`), so that
+    its priority is a fair guess should a later round find it held after all.
+    """
+    B, Hd, M = ins.shape
+    T = logits.shape[3]
+    N = M - T
+    step = torch.arange(T, device=ins.device)[:, None]
+    present = (ins[:, :, None, :] <= step)[:, :, None]  # [B, Hd, 1, T, M]
+    held = present & (step < rm[:, :, None, :])[:, :, None]
+    # a padded step's row may hold nothing (NaN below): it is never read
+    top = logits.masked_fill(~held, float("-inf")).amax(dim=-1, keepdim=True)
+    # capped: a column no longer held may exceed the held maximum
+    ex = torch.exp((logits - top).clamp_(max=60.0))
+    probs = ex / torch.where(held, ex, 0.0).sum(dim=-1, keepdim=True)
+    if score == "max":
+        new = probs.amax(dim=2)
+    else:
+        # added head by head, the same operation at every column: a reduction over a middle dimension may
+        # take another path at the last columns (on the CPU) and break an exact tie by rounding
+        heads = probs.unbind(2) if score == "sum" else probs.flatten(1, 2).unbind(1)
+        new = heads[0]
+        for h in heads[1:]:
+            new = new + h
+        if score == "mean":
+            new = (new / len(heads))[:, None]
+    update = present[:, :, 0] & real[:, None, :, None]
+    if score == "sum":
+        inc = torch.where(update, new, 0.0)
+        # token i at its own step: its insertion priority plus its first probabilities, as the walk adds them
+        own = inc[..., N:].diagonal(dim1=2, dim2=3)
+        own.copy_(torch.where(real[:, None], ins_pri + own, own))
+        run = torch.cat([pri0[:, :, None], inc], dim=2).cumsum(dim=2)
+        return run[:, :, :T], run[:, :, T]
+    # TOVA replaces: at step j every column has the last real query's score before j
+    step = step[:, 0]
+    last = torch.where(real, step, -1).cummax(dim=1).values  # [B, T]: the last real step <= j
+    src = torch.cat([last.new_full((B, 1), -1), last], dim=1)  # [B, T + 1]: before step j, and after the block
+    idx = src.clamp(min=0)[:, None, :, None].expand(B, Hd, T + 1, M)
+    took = update.gather(2, idx) & (src >= 0)[:, None, :, None]
+    out = torch.where(took, new.gather(2, idx), pri0[:, :, None])
+    return out[:, :, :T], out[:, :, T]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _first_free(b_c, b_ev, o_k, BK: tl.constexpr):
+        # the first entry of b_c [BK] that is a column (>= 0) not in b_ev [BT]: its index (BK: none) and column
+        b_hit = tl.max((b_c[:, None] == b_ev[None, :]).to(tl.int32), axis=1)  # [BK]
+        r = tl.min(tl.where((b_hit == 0) & (b_c >= 0), o_k, BK))
+        return r, tl.sum(tl.where(o_k == r, b_c, 0))
+
+    @triton.jit
+    def dynamic_select_fwd_kernel(
+        cand_ptr,  # [R, T - START, K] int32: each step's competitors from START on, weakest first (-1: none)
+        decide_ptr,  # [R, T] int8: whether step j evicts
+        ev_ptr,  # [R, T] int32, in (steps before START) and out: the column step j evicts (-1: none)
+        skip_ptr,  # [R] int32 out: entries passed over because an earlier step of the block evicted them
+        T, K, START,
+        BT: tl.constexpr, BK: tl.constexpr,
+    ):
+        i_r = tl.program_id(0)
+        o_t = tl.arange(0, BT)
+        o_k = tl.arange(0, BK)
+        p_ev = ev_ptr + i_r.to(tl.int64) * T
+        p_dec = decide_ptr + i_r.to(tl.int64) * T
+        p_cand = cand_ptr + i_r.to(tl.int64) * (T - START) * K
+        # [BT] the columns evicted so far, by step: the known ones before START
+        b_ev = tl.load(p_ev + o_t, mask=o_t < START, other=-1)
+        n_skip = tl.zeros([], dtype=tl.int32)
+        # each step's flag and first BK competitors are loaded one step ahead
+        d_next = tl.load(p_dec + START) != 0
+        b_next = tl.load(p_cand + o_k, mask=(o_k < K) & (o_k <= START), other=-1)  # [BK]
+        j = START
+        while j < T:
+            d, b_c = d_next, b_next
+            more = j + 1 < T
+            d_next = tl.load(p_dec + j + 1, mask=more, other=0) != 0
+            b_next = tl.load(p_cand + (j + 1 - START) * K + o_k, mask=more & (o_k < K) & (o_k <= j + 1), other=-1)
+            # the first competitor no earlier step evicted, BK at a time; one exists within the first j + 1
+            r, e = _first_free(b_c, b_ev, o_k, BK)
+            e = tl.where(d & (r < BK), e, -1)
+            n_skip += tl.where(d & (r < BK), r, 0)
+            r0 = BK
+            while d & (e < 0) & (r0 <= j):
+                b_c = tl.load(p_cand + (j - START) * K + r0 + o_k, mask=(r0 + o_k < K) & (r0 + o_k <= j), other=-1)
+                r, e = _first_free(b_c, b_ev, o_k, BK)
+                e = tl.where(r < BK, e, -1)
+                n_skip += tl.where(r < BK, r0 + r, 0)
+                r0 += BK
+            tl.store(p_ev + j, e)
+            b_ev = tl.where(o_t == j, e, b_ev)
+            j += 1
+        tl.store(skip_ptr + i_r, n_skip)
+
+
+def _select(
+    key: Tensor,  # [B, Hd, T, M] int64
+    enter: Tensor,  # [B, Hd, M]
+    decide: Tensor,  # [B, Hd, T]
+    stats: dict | None,
+    start: int = 0,
+    known: Tensor | None = None,  # [B, Hd, T]
+) -> Tensor:
+    """Each step's eviction under these keys, sequentially from step `start` on, the steps before it keeping
+    their `known` evictions: [B, Hd, T] columns (`M`: none)."""
+    B, Hd, T, M = key.shape
+    R = B * Hd
+    if known is None:
+        known = torch.full((B, Hd, T), M, dtype=torch.long, device=key.device)
+    step = torch.arange(start, T, device=key.device)
+    # step j sees the long-range columns and the leaving tokens up to j; at most j of them are gone before it
+    val, cand = torch.where(enter[:, :, None, :] <= step[:, None], key[:, :, start:], _MAX).topk(
+        T, dim=-1, largest=False)
+    cand = cand.masked_fill(val == _MAX, -1).reshape(R, T - start, T)
+    dec = decide.reshape(R, T)
+    known = known.reshape(R, T)
+    if available(key):
+        ev = torch.where(known < M, known, -1).int()
+        skips = torch.empty(R, dtype=torch.int32, device=key.device)
+        dynamic_select_fwd_kernel[(R,)](
+            cand.int().contiguous(), dec.to(torch.int8).contiguous(), ev, skips, T, T, start,
+            BT=triton.next_power_of_2(T), BK=32, num_warps=4)
+        ev, skips = torch.where(ev >= 0, ev.long(), M), int(skips.sum())
+    else:
+        ev, skips = _select_host(cand, dec, known, start, M)
+    if stats is not None:
+        stats["skips"] = stats.get("skips", 0) + skips
+    return ev.reshape(B, Hd, T)
+
+
+def _select_host(cand: Tensor, dec: Tensor, known: Tensor, start: int, M: int) -> tuple[Tensor, int]:
+    """`_select`'s sequential pass on the host, in Python (a few hundred ns a step)."""
+    R, T = dec.shape
+    out, skips = [], 0
+    for cands, decs, row in zip(cand.tolist(), dec.tolist(), known[:, :start].tolist()):
+        gone = set(row)
+        for j, d in enumerate(decs[start:], start):
+            e = M
+            if d:
+                # the list holds at least j + 1 competitors (-1 after them) and at most j are gone
+                for e in cands[j - start]:
+                    if e not in gone:
+                        break
+                    skips += 1
+                gone.add(e)
+            row.append(e)
+        out.append(row)
+    return torch.tensor(out, device=dec.device), skips
+
+
+def _block(
+    logits: Tensor,  # [B, H, G, T, M]
+    cand_pos: Tensor,  # [B, Hd, M]
+    pri_state: Tensor,  # [B, Hd, N]
+    position: Tensor,  # [B, T]
+    real: Tensor,  # [B, T]
+    slot: Tensor,  # [B, T]
+    ins_pri: Tensor,  # [B, Hd, T]
+    sink: int,
+    window: int,
+    topk: int,
+    score: str,
+    stats: dict | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One block: (evicted positions [B, Hd, T], slot positions and priorities after it [B, Hd, N], and the
+    candidate column each slot then holds [B, Hd, N])."""
+    B, H, G, T, M = logits.shape
+    Hd, N = cand_pos.shape[1], M - T
+    dev = logits.device
+    never = T
+    step = torch.arange(T, device=dev)
+    steps = step.expand(B, Hd, T)
+    cols = torch.arange(M + 1, device=dev)
+    # the column in the slot that step j's token takes: the block's last earlier real token there, else the slot's
+    same = real[:, None, :] & (slot[:, None, :] == slot[:, :, None]) & (step[None, :] < step[:, None])  # [B, T, T]
+    last = torch.where(same, step, -1).amax(-1)
+    x = torch.where(last >= 0, N + last, slot)[:, None].expand(B, Hd, T)  # [B, Hd, T]
+    held_x = cand_pos.gather(2, x) >= 0
+    leaving = (real & (position >= sink + window))[:, None]
+    decide = leaving & held_x  # [B, Hd, T]
+    # a token in a sink or ring slot that a non-leaving token takes is dropped without a decision
+    overwrite = real[:, None] & ~leaving & held_x
+    ins = torch.cat([torch.where(cand_pos[..., :N] >= 0, -1, never),
+                     torch.where(real, step, never)[:, None].expand(B, Hd, T)], dim=2)  # [B, Hd, M]
+    rm0 = torch.full((B, Hd, M + 1), never, device=dev).scatter_(2, torch.where(overwrite, x, M), steps)[..., :M]
+    if score == "sum":
+        pri0 = torch.cat([pri_state, pri_state.new_zeros(B, Hd, T)], dim=2)
+    else:
+        pri0 = torch.cat([pri_state, pri_state.new_full((B, Hd, T), float("-inf"))], dim=2)
+
+    def removal(ev: Tensor) -> tuple[Tensor, Tensor]:  # the step each column is evicted at, and its removal step
+        at = torch.full((B, Hd, M + 1), never, device=dev).scatter_(2, ev, steps)[..., :M]
+        return at, torch.minimum(rm0, at)
+
+    if topk == 0:
+        ev = torch.where(decide, x, M)
+        _, final = _priorities(logits, ins, removal(ev)[1], real, pri0, ins_pri, score)
+        enter = torch.full_like(ins, never)
+    else:
+        # competitors: the long-range columns at the start, and each leaving token from its step on
+        enter = torch.full((B, Hd, M + 1), never, device=dev)
+        enter[..., sink + window : N] = -1
+        enter = enter.scatter_(2, torch.where(decide, x, M), steps)[..., :M]
+        # ties go to the older token, empty slots (position -1) first in slot order; rank 0 is kept for -inf
+        order = (cand_pos * (M + 1) + cols[:M]).argsort(dim=-1)
+        rank = torch.empty_like(order).scatter_(2, order, cols[1:].expand_as(order))
+        xi = x[..., None]
+
+        def keys(pri: Tensor) -> Tensor:
+            key = _order_keys(pri, rank)
+            # a leaving token of priority -inf never takes a slot: its key goes below every other
+            lost = decide & (pri.gather(3, xi)[..., 0] == float("-inf"))
+            return key.scatter_(3, xi, torch.where(lost[..., None], _NEG_INF_KEY, key.gather(3, xi)))
+
+        # speculation: priorities as if the block evicted nothing
+        pri, _ = _priorities(logits, ins, rm0, real, pri0, ins_pri, score)
+        ev = torch.where(decide, _select(keys(pri), enter, decide, stats), M)
+        rounds = 0
+        while True:
+            # verification: the priorities under the held sets these evictions give, every step's decision
+            at, rm = removal(ev)
+            pri, final = _priorities(logits, ins, rm, real, pri0, ins_pri, score)
+            key = keys(pri)
+            competing = (enter[:, :, None, :] <= step[:, None]) & (at[:, :, None, :] >= step[:, None])
+            wrong = decide & (torch.where(competing, key, _MAX).argmin(dim=-1) != ev)
+            first = torch.where(wrong, step, T).amin(dim=-1)  # [B, Hd]
+            rounds += 1
+            m = int(first.amin())
+            if m == T:
+                break
+            if stats is not None:
+                stats["mismatch_rows"] = stats.get("mismatch_rows", 0) + int((first < T).sum())
+                stats.setdefault("first_mismatch", []).extend(first[first < T].tolist())
+            # the steps before m are right and these priorities exact up to m: select again from m
+            ev = torch.where(decide, _select(key, enter, decide, stats, m, ev), M)
+        if stats is not None:
+            stats["rounds"] = stats.get("rounds", 0) + rounds
+            stats["blocks"] = stats.get("blocks", 0) + 1
+    if stats is not None:
+        stats["decisions"] = stats.get("decisions", 0) + int(decide.sum())
+
+    # the slots after the block: a promoted leaving token takes the slot of the token it evicted
+    promoted = decide & (ev != x)
+    parent = cols.expand(B, Hd, M + 1).clone()
+    parent.scatter_(2, torch.where(promoted, x, M), torch.where(promoted, ev, M))
+    for _ in range(T.bit_length() + 1):
+        parent = parent.gather(2, parent)
+    _, rm = removal(ev)
+    kept = (ins <= T - 1) & (rm >= never) & (enter <= T - 1)  # held long-range columns after the block
+    newest = torch.full((B, N + 1), -1, dtype=torch.long, device=dev).scatter_reduce(
+        1, torch.where(real, slot, N), step.expand(B, T), "amax")[:, None, :N]
+    col = torch.cat([torch.where(newest >= 0, N + newest, cols[:N]).expand(B, Hd, N),
+                     torch.full((B, Hd, 1), N, device=dev)], dim=2)
+    col = col.scatter_(2, torch.where(kept, parent[..., :M], N), cols[:M].expand(B, Hd, M))[..., :N]
+    evicted = torch.where(decide, cand_pos.gather(2, ev.clamp(max=M - 1)), -1)
+    return evicted, cand_pos.gather(2, col), final.gather(2, col), col
+
+
+def dynamic_walk_parallel(
+    query: Tensor,  # [B, Hq, C, D]
+    key: Tensor,  # [B, H, C, D]
+    slot_keys: Tensor,  # [B, H, N, D]
+    slot_pos: Tensor,  # [B, H, N]
+    slot_pri: Tensor,  # [B, H, N]
+    position: Tensor,  # [B, C]
+    valid: Tensor,  # [B, C]
+    priority: Tensor,  # [B, H, C]
+    sink: int,
+    window: int,
+    topk: int,
+    scale: float,
+    score: str,
+    block: int | None = None,
+    stats: dict | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """See `ops.dynamic.dynamic_walk`; the slots must pass `supported`. `block`: tokens per block (`BLOCK_T`
+    by device). `stats`, if given, counts per call (with a few host syncs more): blocks with long-range
+    slots, their verification rounds, rows with a mismatch (and the step of each first mismatch), decisions,
+    and skips (competitors passed over because an earlier step of their block evicted them)."""
+    B, Hq, C, D = query.shape
+    H, N = key.shape[1], slot_pos.shape[-1]
+    G = Hq // H
+    # "mean" ranks alike in every KV head: one row of decisions per batch row
+    Hd = 1 if score == "mean" else H
+    q = query.reshape(B, H, G, C, D).float() * scale
+    keys = slot_keys.float()
+    pos = slot_pos[:, :Hd].long()
+    pri = slot_pri[:, :Hd].float()
+    position = position.long()
+    slot = torch.where(position < sink, position.clamp(min=0), sink + (position - sink).clamp(min=0) % window)
+    ev = torch.full((B, Hd, C), -1, dtype=torch.long, device=key.device)
+    block = block or BLOCK_T["cuda" if key.is_cuda else "cpu"]
+    for c0 in range(0, C, block):
+        blk = slice(c0, min(C, c0 + block))
+        T = blk.stop - c0
+        cand = torch.cat([keys, key[:, :, blk].float()], dim=2)  # [B, H, M, D]
+        logits = torch.matmul(q[:, :, :, blk], cand[:, :, None].transpose(-1, -2))  # [B, H, G, T, M]
+        cand_pos = torch.cat([pos, torch.where(valid[:, blk], position[:, blk], -1)[:, None].expand(B, Hd, T)], 2)
+        ev[:, :, blk], pos, pri, col = _block(
+            logits, cand_pos, pri, position[:, blk], valid[:, blk], slot[:, blk], priority[:, :Hd, blk].float(),
+            sink, window, topk, score, stats)
+        keys = cand.gather(2, col.expand(B, H, N)[..., None].expand(B, H, N, D))
+    return ev.expand(B, H, C).contiguous(), pos.expand(B, H, N).contiguous(), pri.expand(B, H, N).contiguous()
