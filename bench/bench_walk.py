@@ -1,16 +1,16 @@
 """The dynamic policies' prefill walk alone, one layer, per kernel variant: where its time goes.
 
     python bench/bench_walk.py --device cuda                       # Qwen3-8B shape: Hkv 8, G 4, D 128
-    python bench/bench_walk.py --device cuda --context 8192 --budget 2048 --variants v1,v2,v2-w8
-    python bench/bench_walk.py --device cuda --variants v2,parallel,parallel-b128
+    python bench/bench_walk.py --device cuda --context 8192 --budget 2048 --variants triton,triton-w8
+    python bench/bench_walk.py --device cuda --variants triton,parallel,parallel-b128
     python bench/bench_walk.py --device cpu --kv-heads 2 --head-dim 64 --budget 512 --context 2048 \
         --variants torch,parallel,parallel-b64,parallel-b128
 
 One layer's `dynamic_walk_triton` over a prompt of `--context` tokens into empty slots, per score
 (TOVA's paper split with the head average "mean", TOVA per KV head "max", H2O "sum"; sinks, window and
-top-k from `KVpopConfig.for_budget`), per kernel variant (`v1` the first kernel, `v2` two reductions
-per token; `-wN` its warps, `-rN` heads per tile for "mean", `-2pass` the softmax in two reductions),
-`torch` the torch walk, `parallel` the speculated walk (`ops/dynamic/parallel.py`; `-bN` its block of N
+top-k from `KVpopConfig.for_budget`), per variant: `triton` the Triton walk (`ops/dynamic/kernel.py`;
+`-wN` its warps; the kernel variants measured before it was chosen are in docs/RESULTS.md, ninth
+session), `torch` the torch walk, `parallel` the speculated walk (`ops/dynamic/parallel.py`; `-bN` its block of N
 tokens), whose rows also give its verification rounds, mismatches and skips (from one more, untimed run).
 On the CPU the times are wall-clock medians (`time.perf_counter`) and the inputs float32.
 Next to it, in the same run: the walk's GEMM part alone (the per-block logits, candidates and key
@@ -42,25 +42,16 @@ POLICIES = {"tova-mean": ("tova", "mean", True), "tova-max": ("tova", "max", Fal
 
 
 def _variant(name: str) -> dict:
-    """`v2-w8-r2` -> dynamic_walk_triton keywords; `parallel-b128` -> dynamic_walk_parallel keywords."""
+    """`triton-w8` -> dynamic_walk_triton keywords; `parallel-b128` -> dynamic_walk_parallel keywords."""
     head, *mods = name.split("-")
-    if head in ("torch", "parallel"):
-        if head == "torch" and mods or any(not m.startswith("b") for m in mods):
-            raise ValueError(f"variant {name!r}: 'torch' takes no modifiers, 'parallel' only bN")
+    if head not in ("triton", "torch", "parallel"):
+        raise ValueError(f"variant {name!r}: expected triton[-wN], parallel[-bN] or torch")
+    if head == "torch" and mods or head == "parallel" and any(not m.startswith("b") for m in mods) \
+            or head == "triton" and any(not m.startswith("w") for m in mods):
+        raise ValueError(f"variant {name!r}: 'torch' takes no modifiers, 'parallel' only bN, 'triton' only wN")
+    if head == "parallel":
         return {"block": int(mods[0][1:])} if mods else {}
-    kw: dict = {"variant": head}
-    for m in mods:
-        if m.startswith("w"):
-            kw["num_warps"] = int(m[1:])
-        elif m.startswith("r"):
-            kw["rows_heads"] = int(m[1:])
-        elif m == "2pass":
-            kw["online"] = False
-        elif m == "online":
-            kw["online"] = True
-        else:
-            raise ValueError(f"variant modifier {m!r}: expected wN, rN, 2pass or online")
-    return kw
+    return {"num_warps": int(mods[0][1:])} if mods else {}
 
 
 def _runner(name: str, walk: tuple, block: int):
@@ -115,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--policies", default="tova-mean,tova-max,h2o")
-    ap.add_argument("--variants", default=None, help="default: v1,v2 on CUDA, torch,parallel on the CPU")
+    ap.add_argument("--variants", default=None, help="default: triton,parallel on CUDA, torch,parallel on the CPU")
     ap.add_argument("--block", type=int, default=BLOCK_C)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
@@ -123,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if dev == "cuda" and not torch.cuda.is_available():
         print("bench_walk.py --device cuda: no CUDA device here", file=sys.stderr)
         return 2
-    args.variants = args.variants or ("v1,v2" if dev == "cuda" else "torch,parallel")
+    args.variants = args.variants or ("triton,parallel" if dev == "cuda" else "torch,parallel")
     B, H, G, D, C = args.batch, args.kv_heads, args.group, args.head_dim, args.context
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)

@@ -10,8 +10,8 @@ same call the static policies make (`ops/attention`).
 `dynamic_walk` picks the backend: `reference` (the decode step, token by token), `torch` (the same
 loop with a fraction of its operations, vectorised over batch and heads; the CPU default), `triton`
 (one program per (batch, KV head) that walks all positions with the slot state on chip; the CUDA
-default) or `parallel` (a block of decisions speculated at once, verified at once, redone from the
-first mismatch; `parallel.py`). Every backend makes the decode step's decisions; the torch walk computes the very same
+default for "max" and "sum") or `parallel` (a block of decisions speculated at once, verified at once,
+redone from the first mismatch; `parallel.py`; the CUDA default for "mean"). Every backend makes the decode step's decisions; the torch walk computes the very same
 floats as the decode step (`step_probs`, `score_update`), so its slots equal a token-by-token replay
 bit for bit. The derivation is in `README.md` beside this file.
 """
@@ -61,8 +61,8 @@ def dynamic_walk(
         sink, window, topk: the budget split, `N = sink + window + topk`.
         scale: the attention logit scale.
         score: how probabilities become priorities, one of `SCORES` ("max", "mean": TOVA; "sum": H2O).
-        backend: "auto" (Triton on CUDA when available, else torch), "reference", "torch", "triton" or
-            "parallel" (the torch walk where `parallel.supported` refuses the slots).
+        backend: "auto" (on CUDA with Triton: "parallel" for "mean", else "triton"; else torch), "reference",
+            "torch", "triton" or "parallel" (the torch walk where `parallel.supported` refuses the slots).
     Returns:
         evicted: int64 [B, H, C], the position of the token step `j` evicted (-1: none);
         pos, pri: the slots' positions and priorities after the chunk, [B, H, N].
@@ -89,7 +89,10 @@ def dynamic_walk(
         if query.is_cuda:
             from kvpop.ops.dynamic.kernel import available
 
-            backend = "triton" if available(query) else "torch"
+            # measured on an H200 at the Qwen3-8B shape (docs/RESULTS.md, ninth session): the parallel walk
+            # is faster for the head average (paper TOVA: 20 vs 26 us/token), the kernel for the rest (6.5
+            # vs 16-28); the CPU keeps the torch walk, whose floats are the decode step's bit for bit
+            backend = ("parallel" if score == "mean" else "triton") if available(query) else "torch"
     if backend == "reference":
         from kvpop.ops.dynamic.reference import dynamic_walk_reference
 

@@ -52,6 +52,15 @@ BLOCK_C = 256
 if triton is not None:
 
     @triton.jit
+    def _leaving_and_weakest(lpos_a, lpri_a, lcol_a, wpri_a, wpos_a, widx_a,
+                             lpos_b, lpri_b, lcol_b, wpri_b, wpos_b, widx_b):
+        # the leaving token's fields: one lane at most holds them, the others zeros, so a sum extracts them;
+        # the weakest long-range slot: lowest priority, then oldest position, then lowest index
+        b_first = (wpri_b < wpri_a) | ((wpri_b == wpri_a) & ((wpos_b < wpos_a) | ((wpos_b == wpos_a) & (widx_b < widx_a))))
+        return (lpos_a + lpos_b, lpri_a + lpri_b, lcol_a + lcol_b, tl.where(b_first, wpri_b, wpri_a),
+                tl.where(b_first, wpos_b, wpos_a), tl.where(b_first, widx_b, widx_a))
+
+    @triton.jit
     def dynamic_walk_fwd_kernel(
         l_ptr,  # [B, H, G, CB, N + CB] float32: the block's logits over its candidates
         pos_ptr,  # [B, H, N] int64, in and out
@@ -65,7 +74,9 @@ if triton is not None:
         G: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, SCORE: tl.constexpr, NH: tl.constexpr,
     ):
         # the row of slots this program walks: (batch, KV head), or with SCORE 2 (mean) the batch row's
-        # first head, whose slots every head of the row shares; NH heads' probabilities are read
+        # first head, whose slots every head of the row shares; NH heads' probabilities are read.
+        # Per token: one tuple reduction finds the leaving token and the weakest long-range slot together,
+        # and the softmax takes a max and a sum per head; the next token's scalars load meanwhile.
         if SCORE == 2:
             i_b = tl.program_id(0)
             i_bh = i_b * H
@@ -76,104 +87,6 @@ if triton is not None:
         o_g = tl.arange(0, BG)
         m_n = o_n < N
         m_g = o_g < G
-        M = N + CB
-        p_pos = pos_ptr + i_bh.to(tl.int64) * N + o_n
-        p_pri = pri_ptr + i_bh.to(tl.int64) * N + o_n
-        b_pos = tl.load(p_pos, mask=m_n, other=-1)  # [BN]
-        b_pri = tl.load(p_pri, mask=m_n, other=float("-inf"))  # [BN]
-        b_col = o_n.to(tl.int64)  # [BN] slot n starts in candidate column n
-        top = m_n & (o_n >= SINK + WINDOW)  # [BN] the long-range slots
-        j = 0
-        # a while loop: Triton's interpreter cannot `range` over a runtime bound
-        while j < C:
-            p = tl.load(position_ptr + i_b.to(tl.int64) * C + j)
-            real = tl.load(valid_ptr + i_b.to(tl.int64) * C + j) != 0
-            slot = tl.where(p < SINK, tl.maximum(p, 0), SINK + tl.maximum(p - SINK, 0) % WINDOW)
-            at = o_n == slot
-            leave_pos = tl.sum(tl.where(at, b_pos, 0))
-            leave_pri = tl.sum(tl.where(at, b_pri, 0.0))
-            leave_col = tl.sum(tl.where(at, b_col, 0))
-            leaving = real & (p >= SINK + WINDOW)
-            # the weakest long-range slot: lowest priority, then oldest, then first; empty slots (-inf, -1) first
-            weakest_pri = tl.min(tl.where(top, b_pri, float("inf")))
-            ties = top & (b_pri == weakest_pri)
-            weakest_pos = tl.min(tl.where(ties, b_pos, 1 << 62))
-            widx = tl.min(tl.where(ties & (b_pos == weakest_pos), o_n, BN))
-            # the leaving token is newer than every long-range token: it wins ties; a -inf token never enters
-            promote = leaving & (TOPK > 0) & (leave_pri >= weakest_pri) & (leave_pri > float("-inf"))
-            gone = tl.where(promote, weakest_pos, leave_pos)
-            tl.store(ev_ptr + i_bh.to(tl.int64) * C + j, tl.where(leaving, gone, -1))
-            moved = promote & (o_n == widx)
-            b_pos = tl.where(moved, leave_pos, b_pos)
-            b_pri = tl.where(moved, leave_pri, b_pri)
-            b_col = tl.where(moved, leave_col, b_col)
-            # the new token takes its sink or window-ring slot
-            here = real & at
-            b_pos = tl.where(here, p, b_pos)
-            b_pri = tl.where(here, tl.load(new_pri_ptr + i_bh.to(tl.int64) * C + j), b_pri)
-            b_col = tl.where(here, N + j, b_col)
-            # the query's probabilities over the occupied slots, from its logits at the slots' columns
-            occupied = m_n & (b_pos >= 0)
-            b_acc = tl.zeros([BN], dtype=tl.float32)
-            for h in tl.static_range(NH):
-                p_l = l_ptr + (((i_bh + h).to(tl.int64) * G + o_g[:, None]) * CB + j) * M + b_col[None, :]
-                b_s = tl.load(p_l, mask=m_g[:, None] & occupied[None, :], other=float("-inf"))  # [BG, BN]
-                b_m = tl.max(b_s, axis=1)  # [BG]
-                b_e = tl.exp(b_s - b_m[:, None])
-                b_p = b_e / tl.sum(b_e, axis=1)[:, None]
-                if SCORE == 0:
-                    b_acc = tl.max(tl.where(m_g[:, None], b_p, float("-inf")), axis=0)
-                else:
-                    b_acc += tl.sum(tl.where(m_g[:, None], b_p, 0.0), axis=0)
-            if SCORE == 0:
-                b_new_pri = b_acc
-            elif SCORE == 1:
-                b_new_pri = b_pri + b_acc
-            else:
-                b_new_pri = b_acc / (NH * G)
-            b_pri = tl.where(real & occupied, b_new_pri, b_pri)
-            j += 1
-        tl.store(p_pos, b_pos, mask=m_n)
-        tl.store(p_pri, b_pri, mask=m_n)
-        tl.store(col_ptr + i_bh.to(tl.int64) * N + o_n, b_col, mask=m_n)
-
-
-    @triton.jit
-    def _leaving_and_weakest(lpos_a, lpri_a, lcol_a, wpri_a, wpos_a, widx_a,
-                             lpos_b, lpri_b, lcol_b, wpri_b, wpos_b, widx_b):
-        # the leaving token's fields: one lane at most holds them, the others zeros, so a sum extracts them;
-        # the weakest long-range slot: lowest priority, then oldest position, then lowest index
-        b_first = (wpri_b < wpri_a) | ((wpri_b == wpri_a) & ((wpos_b < wpos_a) | ((wpos_b == wpos_a) & (widx_b < widx_a))))
-        return (lpos_a + lpos_b, lpri_a + lpri_b, lcol_a + lcol_b, tl.where(b_first, wpri_b, wpri_a),
-                tl.where(b_first, wpos_b, wpos_a), tl.where(b_first, widx_b, widx_a))
-
-    @triton.jit
-    def _softmax_combine(m_a, s_a, m_b, s_b):
-        # online softmax: (max, sum of exp(x - max)); an all-empty pair stays (-inf, 0) instead of NaN
-        m = tl.maximum(m_a, m_b)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        return m, s_a * tl.exp(m_a - m_safe) + s_b * tl.exp(m_b - m_safe)
-
-    @triton.jit
-    def dynamic_walk_fwd_kernel_v2(
-        l_ptr, pos_ptr, pri_ptr, col_ptr, position_ptr, valid_ptr, new_pri_ptr, ev_ptr,
-        C, CB, H, N, SINK, WINDOW, TOPK,
-        G: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr, SCORE: tl.constexpr, NH: tl.constexpr,
-        RT: tl.constexpr, ONLINE: tl.constexpr,
-    ):
-        # as `dynamic_walk_fwd_kernel`, with two block-wide reductions per token instead of nine: the leaving
-        # token and the weakest slot in one tuple reduction, the softmax's max and sum in one (ONLINE), over
-        # RT heads' rows at once; the next token's scalars are loaded while this one is walked
-        if SCORE == 2:
-            i_b = tl.program_id(0)
-            i_bh = i_b * H
-        else:
-            i_bh = tl.program_id(0)
-            i_b = i_bh // H
-        o_n = tl.arange(0, BN)
-        o_r = tl.arange(0, BR)
-        m_n = o_n < N
-        m_r = o_r < RT * G
         M = N + CB
         p_pos = pos_ptr + i_bh.to(tl.int64) * N + o_n
         p_pri = pri_ptr + i_bh.to(tl.int64) * N + o_n
@@ -213,20 +126,15 @@ if triton is not None:
             b_col = tl.where(here, N + j, b_col)
             occupied = m_n & (b_pos >= 0)
             b_acc = tl.zeros([BN], dtype=tl.float32)
-            for t in tl.static_range(NH // RT):
-                # rows (head, g) of RT heads: row r is query head i_bh * G + t * RT * G + r
-                p_l = l_ptr + (((i_bh * G + t * RT * G).to(tl.int64) + o_r[:, None]) * CB + j) * M + b_col[None, :]
-                m_l = m_r[:, None] & occupied[None, :]
-                b_s = tl.load(p_l, mask=m_l, other=float("-inf"))  # [BR, BN]
-                if ONLINE:
-                    b_m, b_z = tl.reduce((b_s, m_l.to(tl.float32)), 1, _softmax_combine)
-                    b_p = tl.exp(b_s - tl.where(b_m == float("-inf"), 0.0, b_m)[:, None]) / b_z[:, None]
-                else:
-                    b_m = tl.max(b_s, axis=1)
-                    b_e = tl.exp(b_s - b_m[:, None])
-                    b_p = b_e / tl.sum(b_e, axis=1)[:, None]
+            for h in tl.static_range(NH):
+                p_l = l_ptr + (((i_bh + h).to(tl.int64) * G + o_g[:, None]) * CB + j) * M + b_col[None, :]
+                m_l = m_g[:, None] & occupied[None, :]
+                b_s = tl.load(p_l, mask=m_l, other=float("-inf"))  # [BG, BN]
+                b_m = tl.max(b_s, axis=1)
+                b_e = tl.exp(b_s - b_m[:, None])
+                b_p = b_e / tl.sum(b_e, axis=1)[:, None]
                 if SCORE == 0:
-                    b_acc = tl.max(tl.where(m_r[:, None], b_p, float("-inf")), axis=0)
+                    b_acc = tl.max(tl.where(m_g[:, None], b_p, float("-inf")), axis=0)
                 else:
                     b_acc += tl.sum(tl.where(m_l, b_p, 0.0), axis=0)
             if SCORE == 0:
@@ -259,12 +167,9 @@ def dynamic_walk_triton(
     scale: float,
     score: str,
     block: int = BLOCK_C,
-    variant: str = "v2",
     num_warps: int | None = None,
-    online: bool = False,
-    rows_heads: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """See `ops.dynamic.dynamic_walk`."""
+    """See `ops.dynamic.dynamic_walk`; `num_warps` overrides the launch's (for `bench/bench_walk.py`)."""
     if triton is None:
         raise RuntimeError("the Triton walk needs `triton` (pip install triton)")
     if score not in SCORES:
@@ -289,9 +194,6 @@ def dynamic_walk_triton(
     BN = triton.next_power_of_2(max(N, 1))
     warps = num_warps or (4 if BN <= 512 else (8 if BN <= 1024 else 16))
     NH = H if mean else 1
-    RT = rows_heads or 1
-    if NH % RT:
-        RT = 1
     for c0 in range(0, C, block):
         cb = min(block, C - c0)
         cand = torch.cat([keys, key[:, :, c0 : c0 + cb].float()], dim=2)  # [B, H, N + cb, D]
@@ -300,13 +202,8 @@ def dynamic_walk_triton(
         evb = torch.empty(B, H, cb, dtype=torch.int64, device=key.device)
         args = (logits, pos, pri, col, position[:, c0 : c0 + cb].contiguous(), valid[:, c0 : c0 + cb].contiguous(),
                 priority[:, :, c0 : c0 + cb].contiguous(), evb, cb, cb, H, N, sink, window, topk)
-        if variant == "v1":
-            dynamic_walk_fwd_kernel[(B,) if mean else (B * H,)](
-                *args, G=G, BG=triton.next_power_of_2(G), BN=BN, SCORE=SCORES[score], NH=NH, num_warps=warps)
-        else:
-            dynamic_walk_fwd_kernel_v2[(B,) if mean else (B * H,)](
-                *args, G=G, BR=triton.next_power_of_2(RT * G), BN=BN, SCORE=SCORES[score], NH=NH, RT=RT,
-                ONLINE=online, num_warps=warps)
+        dynamic_walk_fwd_kernel[(B,) if mean else (B * H,)](
+            *args, G=G, BG=triton.next_power_of_2(G), BN=BN, SCORE=SCORES[score], NH=NH, num_warps=warps)
         if mean:
             # the program walked each row's first head; the others hold the same slots
             for t in (pos, pri, col, evb):
