@@ -186,3 +186,44 @@ def test_a_retrofitted_model_is_refused(capsys, tmp_path):
     rc = main(["selfgen", "--model", str(saved), "--out", str(tmp_path / "g.jsonl")])
     err = capsys.readouterr().err
     assert rc == 1 and "is retrofitted: selfgen writes the dense model's generations" in err
+
+
+def test_a_stopped_run_keeps_its_finished_sequences_and_continues(capsys, written, tmp_path, monkeypatch):
+    import kvpop.eval.selfgen as sg
+
+    out = tmp_path / "gen.jsonl"
+    argv = ("--sequences", "4", "--tokens", "24", "--temperature", "0,0.7", "--batch", "1", "--min-tokens", "8")
+    real, calls = sg.generate_batch, []
+
+    def stop_at_third(*a, **kw):  # a time limit or Ctrl-C while the third sequence is generated
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sg, "generate_batch", stop_at_third)
+    rc, _, err = selfgen(capsys, out, *argv)
+    assert rc == 130 and "the same command continues" in err and not out.exists()
+    part = sg.partial_path(out)
+    assert len(part.read_text().splitlines()) == 1 + 2  # the header and the two finished sequences
+    # a torn last line (stopped mid-write) is generated again
+    with open(part, "a") as f:
+        f.write('{"record": {"te')
+    monkeypatch.setattr(sg, "generate_batch", real)
+    rc, _, err = selfgen(capsys, out, *argv)
+    assert rc == 0 and "2 of 4 sequences were finished" in err
+    # the same bytes as the run that never stopped (the fixture's, at batch 3), and no partial file left
+    assert out.read_bytes() == written.read_bytes() and not part.exists()
+
+
+def test_a_partial_file_of_another_run_is_refused(capsys, tmp_path):
+    import kvpop.eval.selfgen as sg
+
+    out = tmp_path / "gen.jsonl"
+    header = sg.run_header(SelfgenConfig(sequences=4, tokens=24, seed=5), MODEL, 10)
+    sg.partial_path(out).write_text(json.dumps({"kvpop_selfgen": header}) + "\n")
+    rc, _, err = selfgen(capsys, out, "--sequences", "4", "--tokens", "24")
+    assert rc == 1 and "holds the unfinished sequences of another run" in err and "seed: 5 there, 0 now" in err
+    # --force starts over
+    rc, _, _ = selfgen(capsys, out, "--sequences", "4", "--tokens", "24", "--force")
+    assert rc == 0 and len(records(out)) == 4 and not sg.partial_path(out).exists()

@@ -448,7 +448,9 @@ def _refuse_other_config(args: argparse.Namespace, saved, what: str, consequence
     arg("--out", required=True, metavar="FILE.jsonl",
         help="the JSON-lines file to write, one record per sequence (text, prompt_tokens, generated_tokens, "
              "temperature, seed, model); an existing file needs --force"),
-    arg("--force", action="store_true", help="replace an existing --out"),
+    arg("--force", action="store_true",
+        help="replace an existing --out and discard an unfinished run's FILE.jsonl.partial (without it, the same "
+             "command continues an unfinished run: finished sequences are kept as they are generated)"),
     arg("--prompts", default="champ", metavar="SOURCE",
         help="champ (its training-split problems, never the eval split) or any single source --data takes, "
              "its training-split documents as the prompts (default champ); each is a user turn of the chat "
@@ -506,8 +508,23 @@ def selfgen(args: argparse.Namespace) -> int:
         _note(args, f"{len(prompts) - len(fits)} of the {len(prompts)} prompts leave no room for --tokens "
                     f"{cfg.tokens} in the model's {limit} positions: left out")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tqdm(total=cfg.sequences, desc="kvpop selfgen", unit="seq", disable=args.no_progress) as bar:
-        stats = sg.write(out, sg.generate(model, tokenizer, fits, cfg, model_name=args.model, progress=bar.update))
+    header, part = sg.run_header(cfg, args.model, len(fits)), sg.partial_path(out)
+    if args.force:
+        part.unlink(missing_ok=True)
+    done = sg.resume(out, header)
+    if done:
+        _note(args, f"continuing from {part}: {len(done)} of {cfg.sequences} sequences were finished")
+    try:
+        with tqdm(total=cfg.sequences, initial=len(done), desc="kvpop selfgen", unit="seq",
+                  disable=args.no_progress) as bar:
+            records = sg.generate(model, tokenizer, fits, cfg, model_name=args.model, progress=bar.update,
+                                  skip=len(done))
+            stats = sg.write(out, records, header, done)
+    except KeyboardInterrupt:
+        if part.exists():
+            print(f"kvpop selfgen: stopped; the finished sequences are kept in {part}: the same command continues "
+                  "from there", file=sys.stderr)
+        raise
     rows = sg.summarise(stats, cfg.tokens, cfg.min_tokens)
     print(sg.format_summary(rows, cfg.min_tokens))
     print(json.dumps({"out": str(out), "prompts": len(fits), "summary": rows}))

@@ -34,6 +34,11 @@ Each line of the JSONL file:
     {"text": prompt + continuation, "prompt_tokens": int, "generated_tokens": int,
      "temperature": float, "seed": int, "model": str}
 
+Nothing finished is lost: each sequence is appended to `FILE.jsonl.partial` as soon as its batch ends
+(after a header naming the run), and `FILE.jsonl` is written whole from it at the end. A run stopped by
+a time limit or Ctrl-C is continued by the same command (`resume`; a partial file of another run is
+refused, `--force` starts over). The first GPU run lost 200 s of generation to a time limit without it.
+
 `text` is the prompt's and the generated tokens decoded together with their special tokens (the chat
 markers, the EOS): what the model read and wrote (tokenized again, the same tokens, except where the
 model wrote a split the tokenizer would not make, or bytes that are no valid UTF-8). `kvpop train
@@ -45,8 +50,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -192,8 +199,9 @@ def generate(
     *,
     model_name: str,
     progress: Callable[[int], Any] | None = None,
+    skip: int = 0,
 ) -> Iterator[tuple[dict[str, Any], list[int]]]:
-    """The records of `plan(cfg, len(prompts))` and their generated token ids, in order, as each batch ends.
+    """The records of `plan(cfg, len(prompts))[skip:]` and their generated token ids, in order, as each batch ends.
 
     Args:
         model: the plain (dense) model, not retrofitted.
@@ -205,7 +213,7 @@ def generate(
         raise ValueError("the model is retrofitted: selfgen writes the dense model's generations, give its base")
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
-    rows = plan(cfg, len(prompts))
+    rows = plan(cfg, len(prompts))[skip:]
     for t in cfg.temperatures:
         block = [r for r in rows if r.temperature == t]
         for start in range(0, len(block), cfg.batch):
@@ -221,22 +229,82 @@ def generate(
                 progress(len(group))
 
 
-def write(path, records: Iterator[tuple[dict[str, Any], list[int]]]) -> list[dict[str, Any]]:
-    """Write `generate`'s records as JSON lines to `path`, which appears whole at the end or not at all.
+def partial_path(path) -> Path:
+    """Where `write` keeps the finished sequences of an unfinished run: `FILE.jsonl.partial` (a directory given to
+    `--data` reads `.jsonl` files, not this one)."""
+    return Path(f"{path}.partial")
+
+
+def run_header(cfg: SelfgenConfig, model_name: str, prompts: int) -> dict[str, Any]:
+    """What makes the sequences what they are (not `batch`: they do not depend on it): a partial file's first line."""
+    return {"model": model_name, "prompts": cfg.prompts, "text_field": cfg.text_field, "prompt_count": prompts,
+            "sequences": cfg.sequences, "tokens": cfg.tokens, "temperatures": list(cfg.temperatures), "seed": cfg.seed}
+
+
+def resume(path, header: dict[str, Any]) -> list[dict[str, Any]]:
+    """The finished sequences of an unfinished run into `path` (its `partial_path`), as `write` left them.
+
+    A torn last line (the run stopped while writing it) is dropped. Raises ValueError, naming what differs, when
+    the partial file is another run's (other model, prompts, seed, ...): its sequences would not be this plan's.
+    """
+    part = partial_path(path)
+    if not part.exists():
+        return []
+    lines = part.read_text().splitlines()
+    try:
+        found = json.loads(lines[0])["kvpop_selfgen"] if lines else None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        found = None
+    if found != header:
+        diff = ", ".join(f"{k}: {found.get(k)!r} there, {v!r} now" for k, v in header.items()
+                         if found.get(k) != v) if isinstance(found, dict) else "no kvpop selfgen header"
+        raise ValueError(f"{part} holds the unfinished sequences of another run ({diff}): pass --force to start over, "
+                         "or repeat that run's command to finish it")
+    done = []
+    for line in lines[1:]:
+        try:
+            done.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # torn by a stop mid-write: generated again
+    return done[: header["sequences"]]
+
+
+def write(path, records: Iterator[tuple[dict[str, Any], list[int]]], header: dict[str, Any],
+          done: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Write `done` and then `generate`'s records as JSON lines to `path`, which appears whole at the end.
+
+    Every finished sequence is first appended (and fsynced) to `partial_path(path)`, after `header`: a run that
+    stops (a time limit, Ctrl-C, a crash) loses only the batch it was generating, and `resume` gives the rest
+    back to the same command. At the end `path` is written atomically from them and the partial file removed.
 
     Returns:
         per record, what `summarise` needs: its temperature, generated tokens and 4-gram counts.
     """
-    from kvpop.files import atomic_open
+    from kvpop.files import atomic_open, fsync_dir
 
-    stats = []
-    with atomic_open(path, "w") as f:
+    part = partial_path(path)
+    entries = list(done)
+    with open(part, "w") as f:
+        # rewritten whole: drops a torn last line before appending
+        f.write(json.dumps({"kvpop_selfgen": header}) + "\n")
+        for e in entries:
+            f.write(json.dumps(e) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
         for record, new in records:
-            f.write(json.dumps(record) + "\n")
             repeated, grams = repeated_ngrams(new)
-            stats.append({"temperature": record["temperature"], "generated_tokens": len(new), "repeated": repeated,
-                          "grams": grams})
-    return stats
+            entry = {"record": record, "stats": {"temperature": record["temperature"], "generated_tokens": len(new),
+                                                 "repeated": repeated, "grams": grams}}
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            entries.append(entry)
+    with atomic_open(path, "w") as out:
+        for e in entries:
+            out.write(json.dumps(e["record"]) + "\n")
+    part.unlink()
+    fsync_dir(Path(path).parent)
+    return [e["stats"] for e in entries]
 
 
 def summarise(stats: Sequence[dict[str, Any]], tokens: int, min_tokens: int) -> list[dict[str, Any]]:
