@@ -22,10 +22,10 @@ from kvpop.cache import KVpopLayerCache
 from kvpop.ops.attention import sparse_attention
 from kvpop.ops.dynamic import (
     NEVER,
+    SCORES,
     dynamic_eviction_positions,
     dynamic_walk,
     eviction_from_steps,
-    SCORES,
     score_update,
 )
 
