@@ -17,8 +17,9 @@
 # Lessons of the eighth session: nine scorer-only runs under MPS ran 3-18 s/step on one GPU (plan fewer runs per
 # call); side processes (suite, fidelity) need their own call; the table's TOVA and H2O rows are the seventh
 # session's on the same 8 sequences, and StreamingLLM / the oracle must repeat that session's digits.
-# Knobs: STEPS (120), SEEDS (0,1), TRAIN_S (call 2's training seconds, 380), EVAL_S (330), SG_N (selfgen
-# sequences, 64), SG_TOKENS (7680), FID_N (2048 new tokens), FID_P (8 problems), SIDE_S (420), LENGTHS (4k,8000).
+# Knobs: STEPS (120), SEEDS (0,1), TRAIN_S (call 2's training seconds, 330), EVAL_S (330), SG_N (selfgen
+# sequences, 32), SG_TOKENS (4096), SG_S (300; selfgen ran ~33 ms/step at batch 16 on the H200, and a stopped run
+# keeps its finished sequences in selfgen.jsonl.partial: repeat the call to continue), FID_N (2048 new tokens), FID_P (8 problems), SIDE_S (420), LENGTHS (4k,8000).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
 dest=${2:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
@@ -102,8 +103,10 @@ case $phase in
     && python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/*.whl \
     || { echo "staging failed"; ls -la "$stage"; exit 1; }
   (cd "$stage" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf; cat SHA256 2>/dev/null)
-  step selfgen 200 "${kvpop[@]}" selfgen --model smollm2-135m --out "$selfgen" --sequences "${SG_N:-64}" \
-    --tokens "${SG_TOKENS:-7680}" --temperature 0,0.7 --batch "${SG_N:-64}" --no-progress
+  # the ninth session lost two runs here (64 x 7680 and 32 x 4096 tokens stopped at their limits, before
+  # the partial file existed); give selfgen its own call and repeat it until the file is whole
+  step selfgen "${SG_S:-300}" "${kvpop[@]}" selfgen --model smollm2-135m --out "$selfgen" --sequences "${SG_N:-32}" \
+    --tokens "${SG_TOKENS:-4096}" --temperature 0,0.7 --batch "${SG_N:-32}" --no-progress
   cp "$selfgen" "$out/" 2>/dev/null
   "${study[@]}" --phase train --deadline-s "${TRAIN_S:-330}" --concurrency 8 > "$out/study_train.log" 2>&1
   tail -n 40 "$out/study_train.log"
