@@ -29,8 +29,8 @@ def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor
         float32 [B, Hkv, N]; empty slots keep their priority.
     """
     # the sums run over the heads innermost and contiguous: then every slot's sum is the same sequence of
-    # adds, and slots with equal probabilities get equal priorities, so the rule's "ties go to the older
-    # token" holds. A reduction over outer dims (`probs.mean(dim=(1, 2))`) sums some columns in another
+    # adds, and slots with equal probabilities get equal priorities, so the rule's "the newer token wins
+    # ties" holds. A reduction over outer dims (`probs.mean(dim=(1, 2))`) sums some columns in another
     # order on the CPU (measured: widths 5, 6, 33, ... at 8 x 4 heads), one bit apart (tests/test_dynamic.py)
     B, H, G, N = probs.shape
     if score == "max":
