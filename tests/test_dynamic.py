@@ -169,7 +169,8 @@ def test_torch_walk_equals_the_reference_walk(score, B, Hkv, G, S, D, sink, wind
 @pytest.mark.parametrize("score", SCORES)
 def test_equal_probabilities_give_equal_priorities(score):
     # the rule gives a tie of priorities to the newer token: slots whose probabilities are equal in every
-    # head must get bit-equal priorities, at every width (a reduction over outer dims did not: widths 5, 6, 33 at 8 x 4 heads)
+    # head must get bit-equal priorities, at every width (a reduction over outer dims did not: widths 5,
+    # 6, 33 at 8 x 4 heads)
     g = torch.Generator().manual_seed(0)
     for N in (*range(2, 70), 191, 255, 513):
         for B, H, G in ((1, 8, 4), (3, 9, 1), (2, 2, 3), (1, 4, 8)):
