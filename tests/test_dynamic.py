@@ -136,15 +136,15 @@ def test_chunks_and_decode_steps_with_left_padding(name, sink, window, topk, spl
     assert_close(got[real], want[real], OUT_ATOL, "outputs at real tokens")
 
 
-@pytest.mark.parametrize("score", ["max", "mean", "sum"])
-@pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk", [
-    (1, 1, 1, 1, 4, 0, 1, 0), (2, 3, 1, 37, 4, 1, 1, 5), (1, 2, 4, 100, 8, 0, 50, 50), (2, 1, 2, 70, 8, 3, 7, 11),
-])
-@pytest.mark.parametrize("neg_inf", [False, True])
-def test_torch_walk_equals_the_reference_walk(score, B, Hkv, G, S, D, sink, window, topk, neg_inf):
-    # the op level, with arbitrary slots before the chunk and -inf priorities (never promoted)
+DECODED_SLOTS = [(1, 1, 1, 1, 4, 0, 1, 0), (2, 3, 1, 37, 4, 1, 1, 5), (1, 2, 4, 100, 8, 0, 50, 50),
+                 (2, 1, 2, 70, 8, 3, 7, 11)]
+"""(B, Hkv, G, S, D, sink, window, topk) of the walks that start from slots decoding left."""
+
+
+def _walk_args_from_decoded_slots(score, B, Hkv, G, S, D, sink, window, topk, neg_inf) -> tuple:
+    """`dynamic_walk`'s arguments for a chunk into the slots a replay of random tokens left, some priorities -inf."""
     g = torch.Generator().manual_seed(S)
-    q, k, v = _inputs(B, Hkv, G, S, D, None, seed=S)
+    q, k, _ = _inputs(B, Hkv, G, S, D, None, seed=S)
     N = sink + window + topk
     valid = _left_padded(B, S, seed=3)
     seen = torch.randint(0, 2 * N, (B,), generator=g)
@@ -159,7 +159,15 @@ def test_torch_walk_equals_the_reference_walk(score, B, Hkv, G, S, D, sink, wind
     priority = torch.zeros(B, Hkv, S)
     if neg_inf:
         priority = torch.where(torch.rand(B, Hkv, S, generator=g) < 0.3, float("-inf"), priority)
-    args = (q, k, layer.keys, layer.pos, layer.pri, position, valid, priority, sink, window, topk, D**-0.5, score)
+    return q, k, layer.keys, layer.pos, layer.pri, position, valid, priority, sink, window, topk, D**-0.5, score
+
+
+@pytest.mark.parametrize("score", ["max", "mean", "sum"])
+@pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk", DECODED_SLOTS)
+@pytest.mark.parametrize("neg_inf", [False, True])
+def test_torch_walk_equals_the_reference_walk(score, B, Hkv, G, S, D, sink, window, topk, neg_inf):
+    # the op level, with arbitrary slots before the chunk and -inf priorities (never promoted)
+    args = _walk_args_from_decoded_slots(score, B, Hkv, G, S, D, sink, window, topk, neg_inf)
     want = dynamic_walk(*args, backend="reference")
     got = dynamic_walk(*args, backend="torch")
     for a, b, what in zip(got, want, ("evicted", "pos", "pri")):
@@ -375,30 +383,13 @@ def test_parallel_walk_makes_the_torch_walks_decisions(score, case, pad):
 
 
 @pytest.mark.parametrize("score", ["max", "mean", "sum"])
-@pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk", [
-    (1, 1, 1, 1, 4, 0, 1, 0), (2, 3, 1, 37, 4, 1, 1, 5), (1, 2, 4, 100, 8, 0, 50, 50), (2, 1, 2, 70, 8, 3, 7, 11),
-])
+@pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk", DECODED_SLOTS)
 @pytest.mark.parametrize("neg_inf", [False, True])
 def test_parallel_walk_from_decoded_slots(score, B, Hkv, G, S, D, sink, window, topk, neg_inf):
     # as test_torch_walk_equals_the_reference_walk: slots that decoding left, some priorities -inf
-    g = torch.Generator().manual_seed(S)
-    q, k, _ = _inputs(B, Hkv, G, S, D, None, seed=S)
-    N = sink + window + topk
-    valid = _left_padded(B, S, seed=3)
-    seen = torch.randint(0, 2 * N, (B,), generator=g)
-    position = seen[:, None] + valid.long().cumsum(-1) - 1
-    layer, policy = _layer_and_policy(sink, window, topk, Hkv, D, policy="h2o" if score == "sum" else "tova",
-                                      tova_head_average=score == "mean")
-    m = int(seen.max())
-    if m:
-        _replay(layer, policy, *_inputs(B, Hkv, G, m, D, None, seed=S + 1),
-                torch.arange(m)[None] >= (m - seen)[:, None], D**-0.5)
-    priority = torch.zeros(B, Hkv, S)
-    if neg_inf:
-        priority = torch.where(torch.rand(B, Hkv, S, generator=g) < 0.3, float("-inf"), priority)
-    args = (q, k, layer.keys, layer.pos, layer.pri, position, valid, priority, sink, window, topk, D**-0.5, score)
     from kvpop.ops.dynamic.parallel import dynamic_walk_parallel
 
+    args = _walk_args_from_decoded_slots(score, B, Hkv, G, S, D, sink, window, topk, neg_inf)
     _assert_same_walk(dynamic_walk_parallel(*args, block=16), dynamic_walk(*args, backend="torch"), "decoded slots")
 
 
