@@ -1,25 +1,29 @@
 #!/usr/bin/env bash
-# The ninth session's device calls (issues 16, 17, 18), back to back in one warm lease of one H200 (`nvidia-h200`);
-# the eighth session's calls are this file at commit 63a8c82. bench/README.md has the runbook.
+# The tenth session's device calls (issues 16, 17, 18), back to back in one warm lease of one H200 (`nvidia-h200`);
+# the ninth session's calls are this file at commit 0594aa1. bench/README.md has the runbook.
 #
-#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; the CUDA tests of the fast
-#                                        # paths; the prefill walk per kernel variant (bench_walk.py) and TOVA / H2O
-#                                        # prefill at the Qwen3-8B shape; `generate` against StaticCache + compile
+#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; the CUDA tests of the walk and
+#                                        # top-k kernels; TOVA / H2O prefill at the Qwen3-8B shape (parallel walk now
+#                                        # the "mean" default); `generate` against StaticCache + compile at batch 1 and 4;
+#                                        # the training path's cutoffs and block mask (bench_train_attention.py)
 #   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; `kvpop selfgen` (the dense model's own
-#                                        # generations of champ training problems); train the issue-17 data ablation
-#                                        # (pre-RoPE MLP scorers, scorer-only, on the domain mixture without (+mix) and
-#                                        # with (+mix2) self-generated text, two seeds, both budgets) under MPS
+#                                        # generations of champ training problems); train the issue-17 data ablation:
+#                                        # pre-RoPE MLP and evidence scorers, scorer-only, on the domain mixture with
+#                                        # self-generated text (+mix2), two seeds, both budgets, under MPS
 #   bash bench/gpu_evaluation.sh 3 OUT   # the ablation finished and evaluated (--phase all) on the seventh session's 8
-#                                        # sequences; then long-generation fidelity of its seed-0 rows and the
-#                                        # training-free rows (issue 16)
-#   bash bench/gpu_evaluation.sh 4 OUT   # the task suite of the same rows (issue 16)
+#                                        # sequences; then the task suite (every family) of its seed-0 rows and the
+#                                        # training-free rows, per budget (issue 16)
+#   bash bench/gpu_evaluation.sh 4 OUT   # long-generation fidelity of the same rows under MPS: 4096 tokens at B = 2048,
+#                                        # 2048 tokens at B = 1024 (the ninth session's B = 1024 table) (issue 16)
 #
-# Lessons of the eighth session: nine scorer-only runs under MPS ran 3-18 s/step on one GPU (plan fewer runs per
-# call); side processes (suite, fidelity) need their own call; the table's TOVA and H2O rows are the seventh
-# session's on the same 8 sequences, and StreamingLLM / the oracle must repeat that session's digits.
-# Knobs: STEPS (120), SEEDS (0,1), TRAIN_S (call 2's training seconds, 330), EVAL_S (330), SG_N (selfgen
-# sequences, 32), SG_TOKENS (4096), SG_S (300; selfgen ran ~33 ms/step at batch 16 on the H200, and a stopped run
-# keeps its finished sequences in selfgen.jsonl.partial: repeat the call to continue), FID_N (2048 new tokens), FID_P (8 problems), SIDE_S (420), LENGTHS (4k,8000).
+# Lessons: nine scorer-only runs under MPS ran 3-18 s/step on one GPU (eighth session), four MLP runs 0.85 s/step
+# (ninth); selfgen ran ~33 ms/step at batch 16 and keeps finished sequences in selfgen.jsonl.partial (repeat the call
+# to continue); the table's TOVA and H2O rows are the seventh session's on the same 8 sequences, and StreamingLLM /
+# the oracle must repeat that session's digits; fidelity decodes ~20-40 ms per batch step (launch-bound), so its
+# processes share the GPU under MPS.
+# Knobs: STEPS (120), SEEDS (0,1), TRAIN_S (call 2's training seconds, 320), STUDY_S / EVAL_S (call 3: 270 / 200),
+# SG_N (selfgen sequences, 32), SG_TOKENS (4096), SG_S (240), FID_P (8 problems), SIDE_S (suite / fidelity: 270 / 430),
+# LENGTHS (4k,8000).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
 dest=${2:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
@@ -32,16 +36,6 @@ stage=$HOME/stage
 gguf=$stage/SmolLM2-135M-Instruct.Q4_1.gguf
 export PYTHONPATH=$HOME/site:$PWD/src KVPOP_SMOLLM2_GGUF=$gguf
 kvpop=(python -m kvpop.cli)
-# issue 17's ablation, scorers only (the base frozen: every row on the original weights, so the table isolates
-# what the scorer keeps): the paper's MLP and the evidence scorer at both budgets, then at B = 1024 a small window,
-# pre-RoPE keys, the domain mixture and the mLSTM given more steps
-default_rows=(kvpop-mlp+frozen kvpop-evidence+frozen kvpop-mlp+w64+frozen+b1024 kvpop-evidence+w64+frozen+b1024
-              kvpop-mlp+prerope+frozen+b1024 kvpop-mlp+mix+frozen+b1024 kvpop-mlstm+frozen+b1024+steps400)
-ROWS=${ROWS:-$(IFS=,; echo "${default_rows[*]}")}
-study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --mps --rows "$ROWS"
-       --mix champ,pystdlib,prose --keep-every 100 --free-rows "${FREE_ROWS:-streaming_llm,oracle}")
-free=(--policies streaming_llm,tova,h2o)
-
 step() {  # step NAME SECONDS COMMAND...: a time limit, the log in OUT/NAME.log, never aborts the script
   local name=$1 limit=$2; shift 2
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*"
@@ -52,7 +46,7 @@ step() {  # step NAME SECONDS COMMAND...: a time limit, the log in OUT/NAME.log,
 
 fidelity() {  # fidelity NAME ARGS...: long-generation fidelity into $HOME/NAME (finished generations kept)
   local name=$1; shift
-  step "$name" "${SIDE_S:-420}" "${kvpop[@]}" eval --model smollm2-135m --generate "${FID_N:-2048}" \
+  step "$name" "${SIDE_S:-430}" "${kvpop[@]}" eval --model smollm2-135m --generate "${FID_N:-2048}" \
     --problems "${FID_P:-8}" --samples "${FID_SAMPLES:-1}" --gen-batch "${FID_BATCH:-16}" --ignore-eos \
     --no-progress --out "$HOME/$name" "$@"
   mkdir -p "$out/$name" && cp "$HOME/$name"/fidelity.* "$out/$name/" 2>/dev/null
@@ -66,18 +60,24 @@ suite() {  # suite NAME ARGS...
   mkdir -p "$out/$name" && cp "$HOME/$name"/*.json "$HOME/$name"/*.txt "$out/$name/" 2>/dev/null
 }
 
-wait_for_model() {  # the study converts SmolLM2 once; the side processes start after it
-  for _ in $(seq 120); do
-    grep -q "train:" "$out/study_train.log" 2>/dev/null && return 0
-    sleep 2
-  done
+mps_on() {  # NVIDIA's MPS daemon, so launch-bound side processes run their kernels at once; off if a probe fails
+  export CUDA_MPS_PIPE_DIRECTORY=$HOME/mps/pipe CUDA_MPS_LOG_DIRECTORY=$HOME/mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d && python -c "import torch; print(float(torch.ones(8, device='cuda').sum()))" \
+      | grep -q '^8.0$'; then
+    echo "MPS on"
+  else  # without a daemon to connect to, CUDA would fail in every process: run time-sliced instead
+    echo quit | timeout 5 nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    echo "MPS off (the daemon or its probe failed)"
+  fi
 }
 
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
 selfgen=$HOME/selfgen.jsonl
 mixes=(--mix champ,pystdlib,prose --mix "champ,pystdlib,prose,$selfgen")
+rows=${ROWS:-kvpop-evidence+prerope+mix2+frozen,kvpop-mlp+prerope+mix2+frozen}
 study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --seeds "${SEEDS:-0,1}" --mps
-       --rows kvpop-mlp+prerope+mix+frozen,kvpop-mlp+prerope+mix2+frozen "${mixes[@]}" --free-rows oracle)
+       --rows "$rows" "${mixes[@]}" --free-rows oracle,streaming_llm)
 trained() {  # the seed-0 final weights of the study's rows at budget $1, as --trained arguments
   for d in "$HOME"/study/runs/*_b"$1"; do
     case $d in *_s[0-9]*_b"$1") continue ;; esac  # seed 0 only
@@ -87,46 +87,53 @@ trained() {  # the seed-0 final weights of the study's rows at budget $1, as --t
 case $phase in
 1)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
-  TORCH_LOGS=perf_hints step tests 120 python -m pytest -q -rs -p no:cacheprovider tests/test_decode.py \
-    tests/test_dynamic.py tests/test_generation.py tests/test_cache.py -m "gpu or not slow" \
-    -k "cuda or captured or triton or compile"
-  grep -i "skipping cudagraphs" "$out/tests.log" | sort | uniq -c | head
-  step walk 150 python bench/bench_walk.py --variants "${WALK_VARIANTS:-v1,v2,v2-r2,v2-r4,v2-r8,v2-w32-r8,v2-online}"
-  step prefill_8b 110 python bench/bench_prefill.py --model qwen3-8b-shape --device cuda --context 8192 \
-    --budget 2048 --policies tova,h2o,kvpop --repeats 3 --no-replay --json-out "$out/prefill_8b.json"
-  step generate_8b_b1 150 python bench/bench_generate.py --model qwen3-8b-shape --num-layers 12 --device cuda \
-    --contexts 4096 --caches dense,static,kvpop --new-tokens 64 --budget 2048 --batch 1 --repeats 2 \
-    --json-out "$out/generate_8b_b1.json"
+  step tests 100 python -m pytest -q -rs -p no:cacheprovider tests/test_dynamic.py tests/test_topk_kernel.py \
+    tests/test_attention_flex.py -m "gpu or not slow" -k "cuda or triton or kernel"
+  step train_attention 150 python bench/bench_train_attention.py --lengths 16384 ${TA_ARGS:-}
+  step prefill_8b 100 python bench/bench_prefill.py --model qwen3-8b-shape --device cuda --context 8192 \
+    --budget 2048 --policies tova,h2o,kvpop --repeats 2 --no-replay --json-out "$out/prefill_8b.json"
+  step generate_8b_b4 120 python bench/bench_generate.py --model qwen3-8b-shape --num-layers 12 --device cuda \
+    --contexts 4096 --caches static,kvpop --new-tokens 64 --budget 2048 --batch 4 --repeats 2 \
+    --json-out "$out/generate_8b_b4.json"
   ;;
 2)
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
     && python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/*.whl \
     || { echo "staging failed"; ls -la "$stage"; exit 1; }
   (cd "$stage" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf; cat SHA256 2>/dev/null)
-  # the ninth session lost two runs here (64 x 7680 and 32 x 4096 tokens stopped at their limits, before
-  # the partial file existed); give selfgen its own call and repeat it until the file is whole
-  step selfgen "${SG_S:-300}" "${kvpop[@]}" selfgen --model smollm2-135m --out "$selfgen" --sequences "${SG_N:-32}" \
+  step selfgen "${SG_S:-240}" "${kvpop[@]}" selfgen --model smollm2-135m --out "$selfgen" --sequences "${SG_N:-32}" \
     --tokens "${SG_TOKENS:-4096}" --temperature 0,0.7 --batch "${SG_N:-32}" --no-progress
   cp "$selfgen" "$out/" 2>/dev/null
-  "${study[@]}" --phase train --deadline-s "${TRAIN_S:-330}" --concurrency 8 > "$out/study_train.log" 2>&1
-  tail -n 40 "$out/study_train.log"
-  cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
+  if [ -f "$selfgen" ]; then
+    "${study[@]}" --phase train --deadline-s "${TRAIN_S:-320}" --concurrency 8 > "$out/study_train.log" 2>&1
+    tail -n 40 "$out/study_train.log"
+    cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
+  else
+    echo "selfgen did not finish: repeat this call (it continues from selfgen.jsonl.partial)"
+  fi
   ;;
 3)
-  "${study[@]}" --phase all --deadline-s "${STUDY_S:-300}" --eval-reserve-s "${EVAL_S:-200}" --eval-sequences 8 \
+  "${study[@]}" --phase all --deadline-s "${STUDY_S:-270}" --eval-reserve-s "${EVAL_S:-200}" --eval-sequences 8 \
     --concurrency 8 > "$out/study.log" 2>&1
   for f in results.json table.md recall_per_layer.png train_status.json; do cp "$HOME/study/$f" "$out/" 2>/dev/null; done
   grep -v progress "$out/study.log" | tail -n 50
-  # long-generation fidelity (greedy), the trained seed-0 rows beside the training-free ones, per budget
+  mps_on
   for b in 2048 1024; do
-    fidelity "fid_b$b" --policies streaming_llm,tova,h2o --budgets "$b" --samples 0 $(trained "$b") &
+    SIDE_S=${SIDE_S:-270} suite "suite_b$b" --policies streaming_llm,tova,h2o --budgets "$b" $(trained "$b") &
   done
   wait
+  for b in 2048 1024; do cp "$HOME/suite_b$b"/*.png "$out/suite_b$b/" 2>/dev/null; done
   ;;
 4)
-  for b in 2048 1024; do
-    suite "suite_b$b" --policies streaming_llm,tova,h2o --budgets "$b" $(trained "$b") &
-  done
+  mps_on
+  # B = 2048 needs 4096 tokens to fill its cache for long (the ninth session's 2048 showed nothing); one row or two
+  # per process, so the launch-bound decodes overlap
+  FID_N=4096 fidelity fid_b2048_a --policies streaming_llm,tova --budgets 2048 --samples 0 &
+  FID_N=4096 fidelity fid_b2048_b --policies h2o --budgets 2048 --samples 0 &
+  while read -r flag t; do
+    FID_N=4096 fidelity "fid_b2048_${t%%=*}" --policies none --budgets 2048 --samples 0 "$flag" "$t" &
+  done < <(trained 2048)
+  FID_N=2048 fidelity fid_b1024 --policies none --budgets 1024 --samples 0 $(trained 1024) &
   wait
   ;;
 *)
