@@ -10,19 +10,19 @@
 #                                        # generations of champ training problems); train the issue-17 data ablation:
 #                                        # pre-RoPE MLP and evidence scorers, scorer-only, on the domain mixture with
 #                                        # self-generated text (+mix2), two seeds, both budgets, under MPS
-#   bash bench/gpu_evaluation.sh 3 OUT   # the ablation finished and evaluated (--phase all) on the seventh session's 8
-#                                        # sequences; then the task suite (every family) of its seed-0 rows and the
-#                                        # training-free rows, per budget (issue 16)
-#   bash bench/gpu_evaluation.sh 4 OUT   # long-generation fidelity of the same rows under MPS: 4096 tokens at B = 2048,
-#                                        # 2048 tokens at B = 1024 (the ninth session's B = 1024 table) (issue 16)
+#   bash bench/gpu_evaluation.sh 3 OUT   # under one MPS daemon: the ablation's runs finished, then side by side its
+#                                        # teacher-forced table on the seventh session's 8 sequences, the task suite
+#                                        # (every family) and the long-generation fidelity (4096 tokens at B = 2048, 2048
+#                                        # at B = 1024) of its seed-0 rows and the training-free rows (issue 16)
+#   bash bench/gpu_evaluation.sh 4 OUT   # `generate` of SmolLM2 against StaticCache + compile, batch 1 and 4 (issue 18)
 #
 # Lessons: nine scorer-only runs under MPS ran 3-18 s/step on one GPU (eighth session), four MLP runs 0.85 s/step
 # (ninth); selfgen ran ~33 ms/step at batch 16 and keeps finished sequences in selfgen.jsonl.partial (repeat the call
 # to continue); the table's TOVA and H2O rows are the seventh session's on the same 8 sequences, and StreamingLLM /
 # the oracle must repeat that session's digits; fidelity decodes ~20-40 ms per batch step (launch-bound), so its
 # processes share the GPU under MPS.
-# Knobs: STEPS (120), SEEDS (0,1), TRAIN_S (call 2's training seconds, 320), STUDY_S / EVAL_S (call 3: 270 / 200),
-# SG_N (selfgen sequences, 32), SG_TOKENS (4096), SG_S (240), FID_P (8 problems), SIDE_S (suite / fidelity: 270 / 430),
+# Knobs: STEPS (120), SEEDS (0,1), TRAIN_S (call 2's training seconds, 320), TRAIN3_S / EVAL_S (call 3: 150 / 420),
+# SG_N (selfgen sequences, 32), SG_TOKENS (4096), SG_S (240), FID_P (8 problems), SUITE_S (400), SIDE_S (fidelity, 430),
 # LENGTHS (4k,8000).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
@@ -76,7 +76,7 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
 selfgen=$HOME/selfgen.jsonl
 mixes=(--mix champ,pystdlib,prose --mix "champ,pystdlib,prose,$selfgen")
 rows=${ROWS:-kvpop-evidence+prerope+mix2+frozen,kvpop-mlp+prerope+mix2+frozen}
-study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --seeds "${SEEDS:-0,1}" --mps
+study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --seeds "${SEEDS:-0,1}"
        --rows "$rows" "${mixes[@]}" --free-rows oracle,streaming_llm)
 trained() {  # the seed-0 final weights of the study's rows at budget $1, as --trained arguments
   for d in "$HOME"/study/runs/*_b"$1"; do
@@ -105,7 +105,7 @@ case $phase in
     --tokens "${SG_TOKENS:-4096}" --temperature 0,0.7 --batch "${SG_N:-32}" --no-progress
   cp "$selfgen" "$out/" 2>/dev/null
   if [ -f "$selfgen" ]; then
-    "${study[@]}" --phase train --deadline-s "${TRAIN_S:-320}" --concurrency 8 > "$out/study_train.log" 2>&1
+    "${study[@]}" --mps --phase train --deadline-s "${TRAIN_S:-320}" --concurrency 8 > "$out/study_train.log" 2>&1
     tail -n 40 "$out/study_train.log"
     cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
   else
@@ -113,21 +113,20 @@ case $phase in
   fi
   ;;
 3)
-  "${study[@]}" --phase all --deadline-s "${STUDY_S:-270}" --eval-reserve-s "${EVAL_S:-200}" --eval-sequences 8 \
-    --concurrency 8 > "$out/study.log" 2>&1
-  for f in results.json table.md recall_per_layer.png train_status.json; do cp "$HOME/study/$f" "$out/" 2>/dev/null; done
-  grep -v progress "$out/study.log" | tail -n 50
+  # everything of the evaluation at once, under one MPS daemon that every process joins (the study without its own
+  # --mps): the runs finished, then the teacher-forced table, the suite and the fidelity side by side
   mps_on
+  "${study[@]}" --phase train --deadline-s "${TRAIN3_S:-150}" --concurrency 8 > "$out/study_train.log" 2>&1
+  tail -n 12 "$out/study_train.log"
+  ( "${study[@]}" --phase eval --deadline-s "${EVAL_S:-420}" --eval-sequences 8 --concurrency 8 > "$out/study.log" 2>&1
+    for f in results.json table.md recall_per_layer.png train_status.json; do cp "$HOME/study/$f" "$out/" 2>/dev/null; done
+    grep -v progress "$out/study.log" | tail -n 40 ) &
   for b in 2048 1024; do
-    SIDE_S=${SIDE_S:-270} suite "suite_b$b" --policies streaming_llm,tova,h2o --budgets "$b" $(trained "$b") &
+    ( SIDE_S=${SUITE_S:-400} suite "suite_b$b" --policies streaming_llm,tova,h2o --budgets "$b" $(trained "$b")
+      cp "$HOME/suite_b$b"/*.png "$out/suite_b$b/" 2>/dev/null ) &
   done
-  wait
-  for b in 2048 1024; do cp "$HOME/suite_b$b"/*.png "$out/suite_b$b/" 2>/dev/null; done
-  ;;
-4)
-  mps_on
   # B = 2048 needs 4096 tokens to fill its cache for long (the ninth session's 2048 showed nothing); one row or two
-  # per process, so the launch-bound decodes overlap
+  # per process, so the launch-bound decodes overlap; B = 1024 at 2048 tokens as in the ninth session's table
   FID_N=4096 fidelity fid_b2048_a --policies streaming_llm,tova --budgets 2048 --samples 0 &
   FID_N=4096 fidelity fid_b2048_b --policies h2o --budgets 2048 --samples 0 &
   while read -r flag t; do
@@ -135,6 +134,14 @@ case $phase in
   done < <(trained 2048)
   FID_N=2048 fidelity fid_b1024 --policies none --budgets 1024 --samples 0 $(trained 1024) &
   wait
+  ;;
+4)
+  # issue 18 item 2 on SmolLM2 (batch 1 and 4), on a quiet GPU after the evaluation
+  for bs in 1 4; do
+    step "generate_smollm2_b$bs" 100 python bench/bench_generate.py --model smollm2-135m --device cuda \
+      --contexts 4096 --caches static,kvpop --new-tokens 64 --budget 1024 --batch "$bs" --repeats 2 \
+      --json-out "$out/generate_smollm2_b$bs.json"
+  done
   ;;
 *)
   echo "unknown phase $phase (1, 2, 3 or 4)"; exit 2
