@@ -2,8 +2,8 @@
 # The tenth session's device calls (issues 16, 17, 18), back to back in one warm lease of one H200 (`nvidia-h200`);
 # the ninth session's calls are this file at commit 0594aa1. bench/README.md has the runbook.
 #
-#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; the CUDA tests of the walk and
-#                                        # top-k kernels; TOVA / H2O prefill at the Qwen3-8B shape (parallel walk now
+#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; the CUDA tests of the walk;
+#                                        # TOVA / H2O prefill at the Qwen3-8B shape (the parallel walk now
 #                                        # the "mean" default); `generate` against StaticCache + compile at batch 4
 #   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; `kvpop selfgen` (the dense model's own
 #                                        # generations of champ training problems); train the issue-17 data ablation:
