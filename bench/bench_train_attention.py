@@ -11,8 +11,8 @@ Per sequence length it times, with CUDA events (`triton.testing.do_bench`, media
 - `cutoffs`: the eviction positions of every key (`eviction_positions`, the training path's call:
   the two-level Triton kernel on CUDA) and, beside it, the earlier tile-scan kernel
   (`cutoffs_scan_ms`, backend "triton_scan") and the wavelet form;
-- `block_mask`: FlexAttention's `BlockMask` built from the eviction positions (`sparse_block_mask`)
-  and, for scale, `create_block_mask` evaluating the same `mask_mod` at every point (optional);
+- `block_mask`: FlexAttention's `BlockMask` built from the eviction positions (`sparse_block_mask`:
+  the two Triton launches on CUDA), beside its torch form (`block_mask_torch_ms`) and, for scale, `create_block_mask` evaluating the same `mask_mod` at every point (optional);
 - `sparse_fwd`, `sparse_fwd_bwd`: compiled FlexAttention with that block mask (mask prebuilt);
 - `target`: the scorers' label, the transposed future-attention pass (`future_attention_target`);
 - `dense_fwd`, `dense_fwd_bwd`: causal `scaled_dot_product_attention` (flash) on the same tensors.
@@ -107,8 +107,16 @@ def run(S: int, args) -> dict:
         return sparse_block_mask(pos, valid, pos, valid, evict, s, w, Hq)
 
     bm = build()
+    torch_bm = sparse_block_mask(pos, valid, pos, valid, evict, s, w, Hq, backend="torch")
+    tables = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    row["block_mask_equal_torch"] = all(torch.equal(getattr(bm, n), getattr(torch_bm, n)) for n in tables)
+    _note(row, "block_mask_equal_torch")
     row["block_mask_ms"] = _bench(build, args.rep)
     _note(row, "block_mask_ms")
+    row["block_mask_torch_ms"] = _bench(
+        lambda: sparse_block_mask(pos, valid, pos, valid, evict, s, w, Hq, backend="torch"), args.rep)
+    _note(row, "block_mask_torch_ms")
     if args.naive_mask:
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -133,6 +141,9 @@ def run(S: int, args) -> dict:
         _note(row, "sparse_fwd_ms")
     row["mask_share_of_sparse_fwd"] = (row["cutoffs_ms"] + row["block_mask_ms"]) / row["sparse_fwd_ms"]
     _note(row, "mask_share_of_sparse_fwd")
+    # the same share with the earlier pieces (tile-scan cutoffs, torch block mask), measured in this run
+    row["mask_share_before"] = (row["cutoffs_scan_ms"] + row["block_mask_torch_ms"]) / row["sparse_fwd_ms"]
+    _note(row, "mask_share_before")
     if args.quick:
         row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return row
@@ -179,8 +190,9 @@ def main(argv=None) -> int:
         print("bench_train_attention needs CUDA", file=sys.stderr)
         return 2
     rows = [run(int(S), args) for S in args.lengths.split(",")]
-    cols = ("S", "cutoffs_ms", "cutoffs_scan_ms", "cutoffs_wavelet_ms", "block_mask_ms", "sparse_fwd_ms", "sparse_fwd_bwd_ms",
-            "target_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "mask_share_of_sparse_fwd", "train_vs_dense")
+    cols = ("S", "cutoffs_ms", "cutoffs_scan_ms", "cutoffs_wavelet_ms", "block_mask_ms", "block_mask_torch_ms",
+            "sparse_fwd_ms", "sparse_fwd_bwd_ms",
+            "target_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "mask_share_before", "mask_share_of_sparse_fwd", "train_vs_dense")
     print("  ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print("  ".join(f"{r.get(c):>14.3f}" if isinstance(r.get(c), float) else f"{r.get(c)!s:>14}" for c in cols))
