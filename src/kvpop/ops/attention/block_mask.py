@@ -5,8 +5,11 @@ on an H200, against 5-7 ms for the attention itself); this builder took 0.9-1.5 
 visible to query `q` exactly on an interval of query positions, `pos_t <= pos_q < alive_t`, so a
 `(q block, kv block)` tile is empty or full by comparing a few per-block minima and maxima
 (derivation: `README.md` beside this file). The builder works on `[Q / block, N / block]` tensors
-only, stays on the device and needs no host sync. `block_mask_reference` builds the same mask the
-slow way, for tests.
+only, stays on the device and needs no host sync. On CUDA its tables come from two Triton launches
+(`block_mask_kernel.py`: the per-block statistics, then the eight ordered tables written directly),
+bit for bit the torch form's (`tile_states` and a stable argsort per table, `backend="torch"`); the
+1.06 ms above is the torch form's, the kernels' time is not measured yet. `block_mask_reference`
+builds the same mask the slow way, for tests.
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
-"""The running top-k as a Triton kernel: the `k`-th oldest token that outranks each token, on the GPU.
+"""The running top-k as Triton kernels: the `k`-th oldest token that outranks each token, on the GPU.
 
 Same answer as `wavelet.eviction_positions` for a teacher-forced sequence (tokens stored in
 position order), by a different parallel formulation (derivation in `README.md` beside this file):
 
     e[t] = max(pos_t, P_k(t)) + w,   P_k(t) = position of the k-th oldest token u with rank_u < rank_t
 
-One program owns a block of `BLOCK_T` tokens of one (batch, KV head) row and walks the row's tokens
-oldest first in tiles of `BLOCK_U`, counting for each of its tokens how many outrank it; the tile in
-which a token's count reaches `k` gives `P_k(t)` by an in-tile prefix sum. A program stops as soon
-as every token of its block has found its `k`-th outranking token. Work is O(S^2 / 2) comparisons
-per row in the worst case (a high-priority token is never evicted and scans the whole row), but
-they are integer compares in registers, parallel over batch, heads *and* token blocks - where the
-paper's Fenwick walk is a chain of S dependent steps per row, and the wavelet form is ~log S
-rounds of small launches each.
+`kth_beater_tiled` (the default): a program owns `block_r` tokens of consecutive rank; a table
+built by a first launch gives, per block of ranks and position tile, how many better-ranked tokens
+lie in tiles `<= j`, so the tile where a token's count reaches `k` is found with one compare per
+(token, tile), and only that tile is scanned token by token. O(S^1.5) compares per row.
+
+`kth_beater` (backend "triton_scan", kept for comparison): one program owns a block of `BLOCK_T`
+tokens of one (batch, KV head) row and walks the row oldest first in tiles of `BLOCK_U`, counting
+for each of its tokens how many outrank it; the tile in which a token's count reaches `k` gives
+`P_k(t)` by an in-tile prefix sum. O(S^2 / 2) compares per row in the worst case, and in practice.
 
 Triton is optional: `available()` says whether this path can run. With `TRITON_INTERPRET=1` it
 runs on CPU tensors (slowly), which is how the CPU test suite checks it against the reference.
