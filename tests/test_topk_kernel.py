@@ -1,4 +1,4 @@
-"""The Triton running top-k (`ops/topk/kernel.py`) against the dense reference and the wavelet form.
+"""The Triton running top-k (`ops/topk/kernel.py`: the two-level kernel and the tile scan) against the references.
 
 On a machine without CUDA the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which
 must be set before Triton compiles anything, so those checks run in a child process.
