@@ -9,12 +9,16 @@ Qwen3-4B's attention shape by default (32 query heads, 8 KV heads, head dim 128,
 Per sequence length it times, with CUDA events (`triton.testing.do_bench`, median):
 
 - `cutoffs`: the eviction positions of every key (`eviction_positions`, the training path's call:
-  the Triton kernel on CUDA) and, beside it, the wavelet form it replaces;
-- `block_mask`: FlexAttention's `BlockMask` built from the eviction positions (`sparse_block_mask`)
-  and, for scale, `create_block_mask` evaluating the same `mask_mod` at every point (optional);
+  the two-level Triton kernel on CUDA) and, beside it, the earlier tile-scan kernel
+  (`cutoffs_scan_ms`, backend "triton_scan") and the wavelet form;
+- `block_mask`: FlexAttention's `BlockMask` built from the eviction positions (`sparse_block_mask`:
+  the two Triton launches on CUDA), beside its torch form (`block_mask_torch_ms`) and, for scale, `create_block_mask` evaluating the same `mask_mod` at every point (optional);
 - `sparse_fwd`, `sparse_fwd_bwd`: compiled FlexAttention with that block mask (mask prebuilt);
 - `target`: the scorers' label, the transposed future-attention pass (`future_attention_target`);
 - `dense_fwd`, `dense_fwd_bwd`: causal `scaled_dot_product_attention` (flash) on the same tensors.
+
+`--quick` skips what the mask-share ratio does not need (dense and sparse forward + backward, the
+target pass): it keeps the cutoffs, the block mask and the sparse forward.
 
 Targets of the GPU-speed issue, reported as ratios: (cutoffs + block mask) / sparse forward <= 0.10,
 and (sparse forward + backward + target) / dense forward + backward <= 2.5.
@@ -79,9 +83,10 @@ def run(S: int, args) -> dict:
     def dense_fwd_bwd():
         dense_fwd().backward(grad)
 
-    dense_fwd_bwd()
-    row["dense_fwd_bwd_ms"] = _bench(dense_fwd_bwd, args.rep)
-    _note(row, "dense_fwd_bwd_ms")
+    if not args.quick:
+        dense_fwd_bwd()
+        row["dense_fwd_bwd_ms"] = _bench(dense_fwd_bwd, args.rep)
+        _note(row, "dense_fwd_bwd_ms")
 
     def cutoffs(backend="auto"):
         return eviction_positions(pri, pos[:, None], valid[:, None], s, w, topk, ordered=True, backend=backend)
@@ -89,8 +94,12 @@ def run(S: int, args) -> dict:
     evict = cutoffs()
     row["cutoffs_equal_wavelet"] = bool(torch.equal(evict, cutoffs("wavelet")))
     _note(row, "cutoffs_equal_wavelet")
+    row["cutoffs_equal_scan"] = bool(torch.equal(evict, cutoffs("triton_scan")))
+    _note(row, "cutoffs_equal_scan")
     row["cutoffs_ms"] = _bench(cutoffs, args.rep)
     _note(row, "cutoffs_ms")
+    row["cutoffs_scan_ms"] = _bench(lambda: cutoffs("triton_scan"), args.rep)
+    _note(row, "cutoffs_scan_ms")
     row["cutoffs_wavelet_ms"] = _bench(lambda: cutoffs("wavelet"), args.rep)
     _note(row, "cutoffs_wavelet_ms")
 
@@ -98,8 +107,16 @@ def run(S: int, args) -> dict:
         return sparse_block_mask(pos, valid, pos, valid, evict, s, w, Hq)
 
     bm = build()
+    torch_bm = sparse_block_mask(pos, valid, pos, valid, evict, s, w, Hq, backend="torch")
+    tables = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+              "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+    row["block_mask_equal_torch"] = all(torch.equal(getattr(bm, n), getattr(torch_bm, n)) for n in tables)
+    _note(row, "block_mask_equal_torch")
     row["block_mask_ms"] = _bench(build, args.rep)
     _note(row, "block_mask_ms")
+    row["block_mask_torch_ms"] = _bench(
+        lambda: sparse_block_mask(pos, valid, pos, valid, evict, s, w, Hq, backend="torch"), args.rep)
+    _note(row, "block_mask_torch_ms")
     if args.naive_mask:
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -122,6 +139,14 @@ def run(S: int, args) -> dict:
         sparse_fwd()
         row["sparse_fwd_ms"] = _bench(sparse_fwd, args.rep)
         _note(row, "sparse_fwd_ms")
+    row["mask_share_of_sparse_fwd"] = (row["cutoffs_ms"] + row["block_mask_ms"]) / row["sparse_fwd_ms"]
+    _note(row, "mask_share_of_sparse_fwd")
+    # the same share with the earlier pieces (tile-scan cutoffs, torch block mask), measured in this run
+    row["mask_share_before"] = (row["cutoffs_scan_ms"] + row["block_mask_torch_ms"]) / row["sparse_fwd_ms"]
+    _note(row, "mask_share_before")
+    if args.quick:
+        row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        return row
     out, lse = sparse_fwd()
 
     def sparse_fwd_bwd():
@@ -141,7 +166,6 @@ def run(S: int, args) -> dict:
     row["target_ms"] = _bench(target, args.rep)
     _note(row, "target_ms")
 
-    row["mask_share_of_sparse_fwd"] = (row["cutoffs_ms"] + row["block_mask_ms"]) / row["sparse_fwd_ms"]
     row["train_vs_dense"] = (row["sparse_fwd_bwd_ms"] + row["target_ms"]) / row["dense_fwd_bwd_ms"]
     row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return row
@@ -158,14 +182,17 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rep", type=int, default=200, help="do_bench's target milliseconds per measurement")
     p.add_argument("--naive-mask", action="store_true", help="also time create_block_mask over every point")
+    p.add_argument("--quick", action="store_true",
+                   help="skip dense/sparse forward+backward and the target (keeps cutoffs, block mask, sparse forward)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_train_attention needs CUDA", file=sys.stderr)
         return 2
     rows = [run(int(S), args) for S in args.lengths.split(",")]
-    cols = ("S", "cutoffs_ms", "cutoffs_wavelet_ms", "block_mask_ms", "sparse_fwd_ms", "sparse_fwd_bwd_ms",
-            "target_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "mask_share_of_sparse_fwd", "train_vs_dense")
+    cols = ("S", "cutoffs_ms", "cutoffs_scan_ms", "cutoffs_wavelet_ms", "block_mask_ms", "block_mask_torch_ms",
+            "sparse_fwd_ms", "sparse_fwd_bwd_ms",
+            "target_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "mask_share_before", "mask_share_of_sparse_fwd", "train_vs_dense")
     print("  ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print("  ".join(f"{r.get(c):>14.3f}" if isinstance(r.get(c), float) else f"{r.get(c)!s:>14}" for c in cols))

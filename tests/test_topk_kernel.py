@@ -1,4 +1,4 @@
-"""The Triton running top-k (`ops/topk/kernel.py`) against the dense reference and the wavelet form.
+"""The Triton running top-k (`ops/topk/kernel.py`: the two-level kernel and the tile scan) against the references.
 
 On a machine without CUDA the kernel runs under Triton's interpreter (`TRITON_INTERPRET=1`), which
 must be set before Triton compiles anything, so those checks run in a child process.
@@ -61,7 +61,41 @@ CHECK = textwrap.dedent(
 
 
 def _run_check(max_examples: int) -> None:
-    code = CHECK.replace("MAX_EXAMPLES", str(max_examples))
+    _run(CHECK.replace("MAX_EXAMPLES", str(max_examples)))
+
+
+def test_kernel_equals_reference_and_wavelet():
+    _run_check(max_examples=400 if torch.cuda.is_available() else 40)
+
+
+TILED = textwrap.dedent(
+    """
+    import torch
+    from kvpop.ops.topk.kernel import kth_beater, kth_beater_tiled
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    # (S, topk, ties, share of unranked tokens): tiny rows, k at and past the ends, S off the tile sizes
+    for S, topk, ties, unranked in [(1, 1, False, 0.0), (2, 1, True, 0.0), (17, 3, True, 0.3), (63, 5, False, 0.3),
+                                    (100, 34, True, 0.0), (100, 99, False, 0.0), (57, 60, True, 0.2)]:
+        pri = torch.randint(0, 3, (2, S), generator=g).float() if ties else torch.randn(2, S, generator=g)
+        ranked = torch.rand(2, S, generator=g) >= unranked
+        # ranks as the training path makes them: best first, ties to the newer token, unranked last
+        key = torch.where(ranked, pri, float("-inf")).flip(-1)
+        order = (S - 1) - torch.argsort(key, dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(S).expand(2, S)).int().to(device)
+        ranked = ranked.to(device)
+        expected = kth_beater(rank, ranked, topk)
+        # small tiles walk every loop of the kernel: several rank blocks, tile chunks and scan steps
+        for blocks in ({}, dict(block_r=8, block_u=4, block_j=2, block_e=2), dict(block_r=16, block_u=8, block_j=4)):
+            got = kth_beater_tiled(rank, ranked, topk, **blocks)
+            assert torch.equal(got, expected), (S, topk, ties, unranked, blocks)
+    print("ok")
+    """
+)
+
+
+def _run(code: str) -> None:
     if torch.cuda.is_available():
         exec(compile(code, "<kernel check>", "exec"), {})
         return
@@ -70,8 +104,9 @@ def _run_check(max_examples: int) -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
 
 
-def test_kernel_equals_reference_and_wavelet():
-    _run_check(max_examples=400 if torch.cuda.is_available() else 40)
+def test_tiled_kernel_equals_scan_kernel():
+    # the two-level kernel against the tile scan it replaces, on the same ranks (ties, unranked tokens)
+    _run(TILED)
 
 
 def test_kernel_backend_errors():
@@ -83,6 +118,13 @@ def test_kernel_backend_errors():
         eviction_positions(pri, pos, ones, 1, 2, 3, backend="triton")
     with pytest.raises(ValueError, match="backend='bogus'"):
         eviction_positions(pri, pos, ones, 1, 2, 3, ordered=True, backend="bogus")
+    from kvpop.ops.topk.kernel import kth_beater_tiled
+
+    rank = torch.arange(8, dtype=torch.int32)[None]
+    with pytest.raises(ValueError, match="block_u=3"):
+        kth_beater_tiled(rank, torch.ones_like(rank, dtype=torch.bool), 2, block_u=3)
+    with pytest.raises(ValueError, match="topk=0"):
+        kth_beater_tiled(rank, torch.ones_like(rank, dtype=torch.bool), 0)
 
 
 @pytest.mark.gpu
@@ -96,4 +138,5 @@ def test_kernel_is_the_cuda_default_at_long_length():
     ones = torch.ones(16384, dtype=torch.bool, device="cuda")
     auto = eviction_positions(pri, pos, ones, 4, 256, 1788, ordered=True)
     wave = eviction_positions(pri, pos, ones, 4, 256, 1788, backend="wavelet")
-    assert torch.equal(auto, wave)
+    scan = eviction_positions(pri, pos, ones, 4, 256, 1788, ordered=True, backend="triton_scan")
+    assert torch.equal(auto, wave) and torch.equal(scan, wave)

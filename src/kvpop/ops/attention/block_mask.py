@@ -5,8 +5,11 @@ on an H200, against 5-7 ms for the attention itself); this builder took 0.9-1.5 
 visible to query `q` exactly on an interval of query positions, `pos_t <= pos_q < alive_t`, so a
 `(q block, kv block)` tile is empty or full by comparing a few per-block minima and maxima
 (derivation: `README.md` beside this file). The builder works on `[Q / block, N / block]` tensors
-only, stays on the device and needs no host sync. `block_mask_reference` builds the same mask the
-slow way, for tests.
+only, stays on the device and needs no host sync. On CUDA its tables come from two Triton launches
+(`block_mask_kernel.py`: the per-block statistics, then the eight ordered tables written directly),
+bit for bit the torch form's (`tile_states` and a stable argsort per table, `backend="torch"`); the
+1.06 ms above is the torch form's, the kernels' time is not measured yet. `block_mask_reference`
+builds the same mask the slow way, for tests.
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ def retention_mask_mod(
     """
     q_eff = torch.where(q_valid, q_pos, _MIN)  # [B, Q]
     alive = alive_until(k_pos, k_valid, evict, sink, window)  # [B, Hkv, N]
+    return _folded_mask_mod(q_eff, k_pos, alive, group)
+
+
+def _folded_mask_mod(q_eff: Tensor, k_pos: Tensor, alive: Tensor, group: int):
+    """`retention_mask_mod` from its folded inputs (q_eff [B, Q], k_pos [B, N], alive [B, Hkv, N])."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         qp = q_eff[b, q_idx]
@@ -156,6 +164,7 @@ def sparse_block_mask(
     window: int,
     num_q_heads: int,
     block_size: int = 128,
+    backend: str = "auto",
 ) -> BlockMask:
     """The FlexAttention `BlockMask` of the retention rule, without evaluating the `Q x N` points.
 
@@ -171,6 +180,10 @@ def sparse_block_mask(
         evict: int64 [B, Hkv, N], eviction positions of the keys (`NEVER` if never).
         sink, window: the budget split of `KVPOP.md` Sec. 1.
         num_q_heads: `Hq`, a multiple of `Hkv`.
+        backend: "auto" (the Triton kernels on CUDA, else torch), "torch" (`tile_states` and a
+            stable argsort per table), or "triton" (`block_mask_kernel.py`: the statistics in one
+            launch, the eight ordered tables in a second; also on CPU under `TRITON_INTERPRET=1`).
+            Both give the same tables, bit for bit.
     Returns:
         BlockMask of shape [B, Hq, Q, N] with `retention_mask_mod` deciding partial tiles.
     """
@@ -179,7 +192,14 @@ def sparse_block_mask(
     if num_q_heads % Hkv:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of the {Hkv} KV heads")
     G = num_q_heads // Hkv
-    tables = _tables(q_pos, q_valid, k_pos, k_valid, evict, sink, window, G, block_size)
+    if _use_kernel(evict, backend):
+        from kvpop.ops.attention.block_mask_kernel import block_tables
+
+        tables, q_eff, alive = block_tables(q_pos, q_valid, k_pos, k_valid, evict, sink, window, G, block_size)
+        mask_mod = _folded_mask_mod(q_eff, k_pos, alive, G)
+    else:
+        tables = _tables(q_pos, q_valid, k_pos, k_valid, evict, sink, window, G, block_size)
+        mask_mod = retention_mask_mod(q_pos, q_valid, k_pos, k_valid, evict, sink, window, G)
     kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx = tables
     return BlockMask(
         seq_lengths=(Q, N),
@@ -192,8 +212,23 @@ def sparse_block_mask(
         full_q_num_blocks=full_q_num,
         full_q_indices=full_q_idx,
         BLOCK_SIZE=(block_size, block_size),
-        mask_mod=retention_mask_mod(q_pos, q_valid, k_pos, k_valid, evict, sink, window, G),
+        mask_mod=mask_mod,
     )
+
+
+def _use_kernel(evict: Tensor, backend: str) -> bool:
+    from kvpop.ops.attention import block_mask_kernel
+
+    if backend == "auto":
+        return evict.is_cuda and block_mask_kernel.available(evict)
+    if backend == "torch":
+        return False
+    if backend != "triton":
+        raise ValueError(f"backend={backend!r} must be 'auto', 'torch' or 'triton'")
+    if not block_mask_kernel.available(evict):
+        raise RuntimeError(f"the Triton block-mask kernels cannot run on {evict.device} here: they need `triton` and "
+                           "CUDA, or TRITON_INTERPRET=1 on the CPU")
+    return True
 
 
 def block_mask_reference(

@@ -1,7 +1,7 @@
 """Running top-k of the retention rule: eviction positions and boundary tokens.
 
 `reference.py` is the dense definition; `wavelet.py` the O(S log S) form used everywhere else;
-`kernel.py` a Triton kernel that `eviction_positions` selects on CUDA for tokens stored in position
+`kernel.py` Triton kernels, of which `eviction_positions` selects on CUDA for tokens stored in position
 order (`ordered=True`: the teacher-forced training path).
 """
 

@@ -98,8 +98,10 @@ def eviction_positions(
         sink, window, topk: the budget split of `KVPOP.md` Sec. 1.
         ordered: the valid tokens are stored in increasing position order (a teacher-forced
             sequence, padding anywhere); this lets the GPU use the Triton kernel (`kernel.py`).
-        backend: "auto" (the Triton kernel for `ordered` CUDA inputs, else the wavelet matrix),
-            "wavelet", or "triton" (also on CPU under `TRITON_INTERPRET=1`; needs `ordered`).
+        backend: "auto" (the two-level Triton kernel for `ordered` CUDA inputs, else the wavelet
+            matrix), "wavelet", "triton" (the two-level kernel, `kernel.kth_beater_tiled`) or
+            "triton_scan" (the earlier tile-scan kernel, `kernel.kth_beater`, kept for comparison);
+            the Triton ones also run on CPU under `TRITON_INTERPRET=1` and need `ordered`.
     Returns:
         int64 [B, H, N]; sinks and invalid tokens get `NEVER`.
     """
@@ -112,7 +114,7 @@ def eviction_positions(
     if topk == 0:
         return torch.where(eligible, position + window, NEVER)
     if _use_kernel(priority, ordered, backend):
-        evict = _eviction_ordered_kernel(priority, position, ranked, window, topk)
+        evict = _eviction_ordered_kernel(priority, position, ranked, window, topk, scan=backend == "triton_scan")
         return torch.where(eligible & ~ranked, position + window, evict)
 
     pri = priority.reshape(B * H, N)
@@ -142,19 +144,24 @@ def _use_kernel(priority: Tensor, ordered: bool, backend: str) -> bool:
         return ordered and priority.is_cuda and kernel.available(priority)
     if backend == "wavelet":
         return False
-    if backend != "triton":
-        raise ValueError(f"backend={backend!r} must be 'auto', 'wavelet' or 'triton'")
+    if backend not in ("triton", "triton_scan"):
+        raise ValueError(f"backend={backend!r} must be 'auto', 'wavelet', 'triton' or 'triton_scan'")
     if not ordered:
-        raise ValueError("backend='triton' needs ordered=True (tokens stored in position order)")
+        raise ValueError(f"backend={backend!r} needs ordered=True (tokens stored in position order)")
     if not kernel.available(priority):
         raise RuntimeError(f"the Triton top-k kernel cannot run on {priority.device} here: it needs `triton` and "
                            "CUDA, or TRITON_INTERPRET=1 on the CPU")
     return True
 
 
-def _eviction_ordered_kernel(priority: Tensor, position: Tensor, ranked: Tensor, window: int, topk: int) -> Tensor:
-    """`eviction_positions` for tokens in position order: one sort, then the Triton kernel."""
-    from kvpop.ops.topk.kernel import kth_beater
+def _eviction_ordered_kernel(
+    priority: Tensor, position: Tensor, ranked: Tensor, window: int, topk: int, scan: bool = False
+) -> Tensor:
+    """`eviction_positions` for tokens in position order: one sort, then a Triton kernel.
+
+    `scan` picks the earlier tile-scan kernel (`kth_beater`) over the two-level one (`kth_beater_tiled`).
+    """
+    from kvpop.ops.topk.kernel import kth_beater, kth_beater_tiled
 
     B, H, N = priority.shape
     ranked = ranked.reshape(B * H, N)
@@ -162,7 +169,11 @@ def _eviction_ordered_kernel(priority: Tensor, position: Tensor, ranked: Tensor,
     key = torch.where(ranked, priority.reshape(B * H, N).float(), float("-inf")).flip(-1)
     order = (N - 1) - torch.argsort(key, dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=priority.device).expand(B * H, N))
-    kth = kth_beater(rank, ranked, topk).long()  # [B * H, N], -1 if fewer than k outrank the token
+    if scan:
+        kth = kth_beater(rank, ranked, topk)
+    else:
+        kth = kth_beater_tiled(rank, ranked, topk, order=order)
+    kth = kth.long()  # [B * H, N], -1 if fewer than k outrank the token
     pos = position.reshape(B * H, N)
     kth_pos = pos.gather(-1, kth.clamp(min=0))
     evict = torch.where((kth >= 0) & ranked, torch.maximum(pos, kth_pos) + window, NEVER)
