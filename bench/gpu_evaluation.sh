@@ -147,7 +147,7 @@ case $phase in
   # the training path's cutoffs and block mask (issue 18 item 4): needs no model, so it fits any fresh machine
   step tests 150 python -m pytest -q -rs -p no:cacheprovider tests/test_topk_kernel.py tests/test_attention_flex.py \
     -m "gpu or not slow" -k "cuda or triton or kernel"
-  step train_attention 240 python bench/bench_train_attention.py --lengths 16384 ${TA_ARGS:-}
+  step train_attention 240 python bench/bench_train_attention.py --lengths 16384 --budget 2048 ${TA_ARGS:---quick} --json-out "$out/train_attention.json"
   ;;
 *)
   echo "unknown phase $phase (1 to 5)"; exit 2
