@@ -19,11 +19,12 @@
 #
 # Lessons: nine scorer-only runs under MPS ran 3-18 s/step on one GPU (eighth session), four MLP runs 0.85 s/step
 # (ninth); selfgen ran ~33 ms/step at batch 16 and keeps finished sequences in selfgen.jsonl.partial (repeat the call
-# to continue); the table's TOVA and H2O rows are the seventh session's on the same 8 sequences, and StreamingLLM /
+# to continue), but a batch keeps nothing until all of it is done: 32 x 4096 tokens in one batch kept nothing in
+# 240 s (tenth), so batches stay small; the table's TOVA and H2O rows are the seventh session's on the same 8 sequences, and StreamingLLM /
 # the oracle must repeat that session's digits; fidelity decodes ~20-40 ms per batch step (launch-bound), so its
 # processes share the GPU under MPS.
 # Knobs: STEPS (120), SEEDS (0,1), TRAIN_S (call 2's training seconds, 320), TRAIN3_S / EVAL_S (call 3: 150 / 420),
-# SG_N (selfgen sequences, 32), SG_TOKENS (4096), SG_S (240), FID_P (8 problems), SUITE_S (400), SIDE_S (fidelity, 430),
+# SG_N (selfgen sequences, 32), SG_BATCH (8), SG_TOKENS (4096), SG_S (240), FID_P (8 problems), SUITE_S (400), SIDE_S (fidelity, 430),
 # LENGTHS (4k,8000).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4|5 OUT_DIR}
@@ -102,7 +103,7 @@ case $phase in
     || { echo "staging failed"; ls -la "$stage"; exit 1; }
   (cd "$stage" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf; cat SHA256 2>/dev/null)
   step selfgen "${SG_S:-240}" "${kvpop[@]}" selfgen --model smollm2-135m --out "$selfgen" --sequences "${SG_N:-32}" \
-    --tokens "${SG_TOKENS:-4096}" --temperature 0,0.7 --batch "${SG_N:-32}" --no-progress
+    --tokens "${SG_TOKENS:-4096}" --temperature 0,0.7 --batch "${SG_BATCH:-8}" --no-progress
   cp "$selfgen" "$out/" 2>/dev/null
   if [ -f "$selfgen" ]; then
     "${study[@]}" --mps --phase train --deadline-s "${TRAIN_S:-320}" --concurrency 8 > "$out/study_train.log" 2>&1
