@@ -30,8 +30,9 @@ set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4|5 OUT_DIR}
 dest=${2:?usage: bench/gpu_evaluation.sh 1|2|3|4|5 OUT_DIR}
 # the device returns at most 8 files: everything goes to a work folder, packed into OUT/callN.tgz at the end
+# a machine can keep $HOME from an earlier session (the tenth found the ninth's files): the call's folder starts empty
 out=$HOME/call$phase
-mkdir -p "$out" "$dest"
+rm -rf "$out" && mkdir -p "$out" "$dest"
 trap 'tar czf "$dest/call$phase.tgz" -C "$out" . && ls -la "$dest"' EXIT
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TOKENIZERS_PARALLELISM=false
 stage=$HOME/stage
