@@ -7,9 +7,9 @@ visible to query `q` exactly on an interval of query positions, `pos_t <= pos_q 
 (derivation: `README.md` beside this file). The builder works on `[Q / block, N / block]` tensors
 only, stays on the device and needs no host sync. On CUDA its tables come from two Triton launches
 (`block_mask_kernel.py`: the per-block statistics, then the eight ordered tables written directly),
-bit for bit the torch form's (`tile_states` and a stable argsort per table, `backend="torch"`); the
-1.06 ms above is the torch form's; the kernels took 0.18 ms (torch form 1.21 ms in the same H200 run). `block_mask_reference`
-builds the same mask the slow way, for tests.
+bit for bit the torch form's (`tile_states` and a stable argsort per table, `backend="torch"`). The
+1.06 ms above is the torch form's; the kernels took 0.18 ms (the torch form 1.21 ms in the same H200
+run). `block_mask_reference` builds the same mask the slow way, for tests.
 """
 
 from __future__ import annotations

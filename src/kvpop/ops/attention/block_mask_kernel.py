@@ -167,6 +167,8 @@ def block_tables(
     Q = q_pos.shape[-1]
     if block_size < 1 or group < 1:
         raise ValueError(f"block_size={block_size} and group={group} must be >= 1")
+    if B * Hkv * Q * N == 0:
+        raise ValueError(f"empty block mask: B={B}, Hkv={Hkv}, Q={Q}, N={N}")
     dev = evict.device
     q_pos = q_pos.to(torch.int64).expand(B, Q).contiguous()
     q_valid = q_valid.to(torch.int8).expand(B, Q).contiguous()
@@ -179,8 +181,6 @@ def block_tables(
     q_lo, q_hi, q_all = torch.empty(B, Qb, **i64), torch.empty(B, Qb, **i64), torch.empty(B, Qb, dtype=torch.int8, device=dev)
     k_lo, k_hi = torch.empty(B, Nb, **i64), torch.empty(B, Nb, **i64)
     a_lo, a_hi = torch.empty(B, Hkv, Nb, **i64), torch.empty(B, Hkv, Nb, **i64)
-    if B * Hkv * Q * N == 0:
-        raise ValueError(f"empty block mask: B={B}, Hkv={Hkv}, Q={Q}, N={N}")
     _block_stats_kernel[(max(Qb, Nb), B)](
         q_pos, q_valid, k_pos, k_valid, evict, q_eff, alive, q_lo, q_hi, q_all, k_lo, k_hi, a_lo, a_hi,
         Q, N, Qb, Nb, Hkv, sink, window, block_size, _MIN, _MAX, BLOCK=triton.next_power_of_2(block_size),
