@@ -1,31 +1,31 @@
 #!/usr/bin/env bash
-# The tenth session's device calls (issues 16, 17, 18), back to back in one warm lease of one H200 (`nvidia-h200`);
-# the ninth session's calls are this file at commit 0594aa1. bench/README.md has the runbook.
+# The eleventh session's device calls (issues 16, 17, 18), back to back in one warm lease of one H200 (`nvidia-h200`);
+# the tenth session's calls are this file at commit 5e89fc2. bench/README.md has the runbook.
 #
-#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; the CUDA tests of the walk;
-#                                        # TOVA / H2O prefill at the Qwen3-8B shape (the parallel walk now
-#                                        # the "mean" default); `generate` against StaticCache + compile at batch 4
-#   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; `kvpop selfgen` (the dense model's own
-#                                        # generations of champ training problems); train the issue-17 data ablation:
-#                                        # pre-RoPE MLP and evidence scorers, scorer-only, on the domain mixture with
-#                                        # self-generated text (+mix2), two seeds, both budgets, under MPS
-#   bash bench/gpu_evaluation.sh 3 OUT   # under one MPS daemon: the ablation's runs finished, then side by side its
-#                                        # teacher-forced table on the seventh session's 8 sequences, the task suite
-#                                        # (every family) and the long-generation fidelity (4096 tokens at B = 2048, 2048
-#                                        # at B = 1024) of its seed-0 rows and the training-free rows (issue 16)
-#   bash bench/gpu_evaluation.sh 4 OUT   # `generate` of SmolLM2 against StaticCache + compile, batch 1 and 4 (issue 18)
+#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half (nothing else: the lease's
+#                                        # minutes go to calls 2-4)
+#   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; train the issue-17 rows under MPS:
+#                                        # KVpop-TOVA (the learned prior beside TOVA's evidence, an extension) and its
+#                                        # static twin KVpop-mlp, pre-RoPE keys, the domain mixture, scorer-only, two
+#                                        # seeds, both budgets
+#   bash bench/gpu_evaluation.sh 3 OUT   # under one MPS daemon: the runs finished, then side by side the teacher-forced
+#                                        # table on the seventh session's 8 sequences (TOVA, H2O, StreamingLLM and the
+#                                        # oracle again beside the trained rows), the task suite (every family) and the
+#                                        # long-generation fidelity (4096 tokens at B = 2048, 2048 at B = 1024) of the
+#                                        # seed-0 trained rows (issue 16 item 7)
+#   bash bench/gpu_evaluation.sh 4 OUT   # out of domain: the same rows on Python code (pystdlib, never trained on as
+#                                        # held-out text), 8 x 8192 tokens; `generate` of SmolLM2 against StaticCache +
+#                                        # compile, batch 1 and 4 (issue 18 item 2)
 #   bash bench/gpu_evaluation.sh 5 OUT   # no model needed, any fresh machine: the top-k / block-mask kernel tests and the
 #                                        # training path's cutoffs and block mask against the sparse forward (issue 18)
 #
 # Lessons: nine scorer-only runs under MPS ran 3-18 s/step on one GPU (eighth session), four MLP runs 0.85 s/step
-# (ninth); selfgen ran ~33 ms/step at batch 16 and keeps finished sequences in selfgen.jsonl.partial (repeat the call
-# to continue), but a batch keeps nothing until all of it is done: 32 x 4096 tokens in one batch kept nothing in
-# 240 s (tenth), so batches stay small; the table's TOVA and H2O rows are the seventh session's on the same 8 sequences, and StreamingLLM /
-# the oracle must repeat that session's digits; fidelity decodes ~20-40 ms per batch step (launch-bound), so its
-# processes share the GPU under MPS.
-# Knobs: STEPS (120), SEEDS (0,1), TRAIN_S (call 2's training seconds, 320), TRAIN3_S / EVAL_S (call 3: 150 / 420),
-# SG_N (selfgen sequences, 32), SG_BATCH (8), SG_TOKENS (4096), SG_S (240), FID_P (8 problems), SUITE_S (400), SIDE_S (fidelity, 430),
-# LENGTHS (4k,8000).
+# (ninth); runs stopped by the deadline's stop-grace (60 s) before their last step leave only checkpoints, and the suite
+# and fidelity take final weights only (`trained`), so call 2's training budget must cover all the steps (tenth);
+# the table's StreamingLLM / oracle must repeat the seventh session's digits on its 8 sequences; fidelity decodes
+# ~20-40 ms per batch step (launch-bound), so its processes share the GPU under MPS.
+# Knobs: STEPS (120), SEEDS (0,1), TRAIN_S (call 2's training seconds, 420), TRAIN3_S / EVAL_S (call 3: 60 / 420),
+# FID_P (8 problems), SUITE_S (400), SIDE_S (fidelity, 430), LENGTHS (4k,8000), OOD_S (call 4's code rows, 330).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4|5 OUT_DIR}
 dest=${2:?usage: bench/gpu_evaluation.sh 1|2|3|4|5 OUT_DIR}
@@ -76,11 +76,9 @@ mps_on() {  # NVIDIA's MPS daemon, so launch-bound side processes run their kern
 }
 
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
-selfgen=$HOME/selfgen.jsonl
-mixes=(--mix champ,pystdlib,prose --mix "champ,pystdlib,prose,$selfgen")
-rows=${ROWS:-kvpop-evidence+prerope+mix2+frozen,kvpop-mlp+prerope+mix2+frozen}
+rows=${ROWS:-kvpop-tova+prerope+mix+frozen,kvpop-mlp+prerope+mix+frozen}
 study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --seeds "${SEEDS:-0,1}"
-       --rows "$rows" "${mixes[@]}" --free-rows oracle,streaming_llm)
+       --rows "$rows" --mix champ,pystdlib,prose --free-rows "${FREE_ROWS:-oracle,streaming_llm,tova,h2o}")
 trained() {  # the seed-0 final weights of the study's rows at budget $1, as --trained arguments
   for d in "$HOME"/study/runs/*_b"$1"; do
     case $d in *_s[0-9]*_b"$1") continue ;; esac  # seed 0 only
@@ -90,47 +88,32 @@ trained() {  # the seed-0 final weights of the study's rows at budget $1, as --t
 case $phase in
 1)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
-  step tests 100 python -m pytest -q -rs -p no:cacheprovider tests/test_dynamic.py -m "gpu or not slow" \
-    -k "cuda or triton"
-  step prefill_8b 100 python bench/bench_prefill.py --model qwen3-8b-shape --device cuda --context 8192 \
-    --budget 2048 --policies tova,h2o,kvpop --repeats 2 --no-replay --json-out "$out/prefill_8b.json"
-  step generate_8b_b4 120 python bench/bench_generate.py --model qwen3-8b-shape --num-layers 12 --device cuda \
-    --contexts 4096 --caches static,kvpop --new-tokens 64 --budget 2048 --batch 4 --repeats 2 \
-    --json-out "$out/generate_8b_b4.json"
   ;;
 2)
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
     && python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/*.whl \
     || { echo "staging failed"; ls -la "$stage"; exit 1; }
   (cd "$stage" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf; cat SHA256 2>/dev/null)
-  step selfgen "${SG_S:-240}" "${kvpop[@]}" selfgen --model smollm2-135m --out "$selfgen" --sequences "${SG_N:-32}" \
-    --tokens "${SG_TOKENS:-4096}" --temperature 0,0.7 --batch "${SG_BATCH:-8}" --no-progress
-  cp "$selfgen" "$out/" 2>/dev/null
-  if [ -f "$selfgen" ]; then
-    "${study[@]}" --mps --phase train --deadline-s "${TRAIN_S:-320}" --concurrency 8 > "$out/study_train.log" 2>&1
-    tail -n 40 "$out/study_train.log"
-    cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
-  else
-    echo "selfgen did not finish: repeat this call (it continues from selfgen.jsonl.partial)"
-  fi
+  "${study[@]}" --mps --phase train --deadline-s "${TRAIN_S:-420}" --concurrency 8 > "$out/study_train.log" 2>&1
+  tail -n 40 "$out/study_train.log"
+  cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
   ;;
 3)
   # everything of the evaluation at once, under one MPS daemon that every process joins (the study without its own
   # --mps): the runs finished, then the teacher-forced table, the suite and the fidelity side by side
   mps_on
-  "${study[@]}" --phase train --deadline-s "${TRAIN3_S:-150}" --concurrency 8 > "$out/study_train.log" 2>&1
+  "${study[@]}" --phase train --deadline-s "${TRAIN3_S:-60}" --min-start-s 20 --stop-grace-s 15 --concurrency 8 \
+    > "$out/study_train.log" 2>&1
   tail -n 12 "$out/study_train.log"
   ( "${study[@]}" --phase eval --deadline-s "${EVAL_S:-420}" --eval-sequences 8 --concurrency 8 > "$out/study.log" 2>&1
     for f in results.json table.md recall_per_layer.png train_status.json; do cp "$HOME/study/$f" "$out/" 2>/dev/null; done
     grep -v progress "$out/study.log" | tail -n 40 ) &
   for b in 2048 1024; do
-    ( SIDE_S=${SUITE_S:-400} suite "suite_b$b" --policies streaming_llm,tova,h2o --budgets "$b" $(trained "$b")
+    ( SIDE_S=${SUITE_S:-400} suite "suite_b$b" --policies tova --budgets "$b" $(trained "$b")
       cp "$HOME/suite_b$b"/*.png "$out/suite_b$b/" 2>/dev/null ) &
   done
-  # B = 2048 needs 4096 tokens to fill its cache for long (the ninth session's 2048 showed nothing); one row or two
-  # per process, so the launch-bound decodes overlap; B = 1024 at 2048 tokens as in the ninth session's table
-  FID_N=4096 fidelity fid_b2048_a --policies streaming_llm,tova --budgets 2048 --samples 0 &
-  FID_N=4096 fidelity fid_b2048_b --policies h2o --budgets 2048 --samples 0 &
+  # B = 2048 needs 4096 tokens to fill its cache for long; one trained row per process, so the launch-bound
+  # decodes overlap; B = 1024 at 2048 tokens as in the ninth session's table
   while read -r flag t; do
     FID_N=4096 fidelity "fid_b2048_${t%%=*}" --policies none --budgets 2048 --samples 0 "$flag" "$t" &
   done < <(trained 2048)
@@ -138,6 +121,16 @@ case $phase in
   wait
   ;;
 4)
+  # out of domain (issue 17's target): Python code, never the training text, the same rows at both budgets
+  mps_on
+  for b in 2048 1024; do
+    step "code_b$b" "${OOD_S:-330}" "${kvpop[@]}" eval --model smollm2-135m --data pystdlib --seq-len 8192 \
+      --sequences 8 --budgets "$b" --policies streaming_llm,tova,h2o $(trained "$b") --no-progress \
+      --out "$HOME/code_b$b" &
+  done
+  wait
+  for b in 2048 1024; do mkdir -p "$out/code_b$b" && cp "$HOME/code_b$b"/*.json "$HOME/code_b$b"/*.md "$out/code_b$b/" 2>/dev/null; done
+  echo quit | timeout 5 nvidia-cuda-mps-control
   # issue 18 item 2 on SmolLM2 (batch 1 and 4), on a quiet GPU after the evaluation
   for bs in 1 4; do
     step "generate_smollm2_b$bs" 100 python bench/bench_generate.py --model smollm2-135m --device cuda \

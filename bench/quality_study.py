@@ -65,8 +65,9 @@ from pathlib import Path
 TRAINING_FREE = ("streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "oracle")
 DYNAMIC = ("tova", "tova_windowed", "h2o", "h2o_windowed")
 ROW_ORDER = ("dense", "streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "streaming_llm_plus", "dms",
-             "kvpop-mlp", "kvpop-evidence", "kvpop-evidence-prerope", "kvpop-mlstm", "kvpop-mlstm-delay0", "oracle")
-LEARNED = ("kvpop-mlp", "kvpop-evidence", "kvpop-evidence-prerope", "kvpop-mlstm", "kvpop-mlstm-delay0")
+             "kvpop-mlp", "kvpop-tova", "kvpop-evidence", "kvpop-evidence-prerope", "kvpop-mlstm", "kvpop-mlstm-delay0",
+             "oracle")
+LEARNED = ("kvpop-mlp", "kvpop-tova", "kvpop-evidence", "kvpop-evidence-prerope", "kvpop-mlstm", "kvpop-mlstm-delay0")
 STATIC_ROWS = 6
 """Trained rows per evaluation worker (each loads its model and runs every held-out sequence)."""
 START = time.time()
@@ -169,6 +170,8 @@ def row_args(row: str, window: int) -> list[str]:
         "streaming_llm_plus": ["--policy", "streaming_llm_plus"],
         "dms": ["--policy", "dms", *w],
         "kvpop-mlp": ["--scorer", "mlp", *w],
+        # KVpop-TOVA (issue 17, an extension): TOVA's split (no sinks, window 1) unless +wN gives a window
+        "kvpop-tova": ["--scorer", "mlp", "--tova-prior", "1", *(w if window is not None else [])],
         # extensions (issue 17): the delayed evidence scorer, with cached or pre-RoPE keys
         "kvpop-evidence": ["--scorer", "evidence", *w],
         "kvpop-evidence-prerope": ["--scorer", "evidence", "--scorer-keys", "pre_rope", *w],
@@ -221,7 +224,7 @@ class RowSpec:
                 budgets.append(int(m[1:]))
             elif m == "frozen":
                 frozen = True
-            elif m == "prerope" and base in ("kvpop-mlp", "kvpop-evidence"):
+            elif m == "prerope" and base in ("kvpop-mlp", "kvpop-tova", "kvpop-evidence"):
                 prerope = True
             else:
                 allowed = "; ".join(f"+{k}: {v}" for k, v in MODIFIERS.items())
@@ -234,6 +237,8 @@ class RowSpec:
         return cls(name, base, window, frozen, prerope, tuple(budgets), steps, mix)
 
     def args(self, window: int, freeze_base: bool) -> list[str]:
+        if self.base == "kvpop-tova":  # its own split: the study's window only when the row asks (+wN)
+            window = self.window
         out = row_args(self.base, window if self.window is None else self.window)
         if self.prerope:
             out += ["--scorer-keys", "pre_rope"]
@@ -241,7 +246,7 @@ class RowSpec:
 
 
 TRAINED = ("streaming_llm_plus", "dms", "kvpop-mlp", "kvpop-mlstm", "kvpop-mlstm-delay0", "kvpop-evidence",
-           "kvpop-evidence-prerope")
+           "kvpop-evidence-prerope", "kvpop-tova")
 DEFAULT_TRAINED = TRAINED[:5]
 """The rows trained unless `--rows` names others: the paper's (the evidence scorer is an opt-in extension)."""
 
@@ -425,7 +430,8 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
     # a slow run started late decides when the phase ends (on the H200 under MPS, DMS and the two mLSTM
     # rows took 3-5 s/step, KVpop-mlp 2.5 and StreamingLLM+ 0.35), while a fast one fills a freed slot
     priority = {row: i for i, row in enumerate(("dms", "kvpop-mlstm", "kvpop-mlstm-delay0", "kvpop-evidence",
-                                                 "kvpop-evidence-prerope", "kvpop-mlp", "streaming_llm_plus"))}
+                                                 "kvpop-evidence-prerope", "kvpop-mlp", "kvpop-tova",
+                                                 "streaming_llm_plus"))}
     pending.sort(key=lambda r: (r.checkpoint() is not None, priority[r.row], -r.budget))
     limit = args.concurrency
     waves = -(-len(pending) // max(1, limit))
@@ -576,6 +582,11 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
         entries = [{"name": p, "budget": budget, "policy": p} for p in args.free_rows if p not in DYNAMIC]
         learned = [{"name": t["row"], "budget": budget, "trained": t["path"]} for t in trained.values()
                    if t["budget"] == budget]
+        # KVpop-TOVA rows walk token by token like TOVA: a worker each, batched like the dynamic free rows
+        walked = [e for e in learned if base_row(e["name"]) == "kvpop-tova"]
+        learned = [e for e in learned if e not in walked]
+        groups += [{"group": f"{e['name']}_b{budget}".replace("+", "_").replace("/", "_"), "entries": [e], "plot": False,
+                    "batch": args.dynamic_batch} for e in walked]
         # an ablation has many trained rows: at most STATIC_ROWS per worker, so the groups spread over the GPUs
         for k in range(0, max(1, len(learned)), STATIC_ROWS):
             plot = budget == max(args.budgets) and k == 0

@@ -10,6 +10,7 @@ import kvpop
 from helpers import cache_kwargs, quiet, retrofitted
 from kvpop.baselines import H2OPolicy, TOVAPolicy, make_policy
 from kvpop.cache import KVpopLayerCache
+from kvpop.policy import static_priority
 
 ATOL = 1e-5
 
@@ -79,8 +80,11 @@ def test_streaming_llm_keeps_sinks_and_the_recent_window():
     assert not list(policy.parameters())
 
 
-def _reference_dynamic(kind, q, k, v, sink, window, topk, scale, head_average=False):
-    """TOVA / H2O step semantics written out token by token, per (batch, KV head), in plain Python."""
+def _reference_dynamic(kind, q, k, v, sink, window, topk, scale, head_average=False, prior=None):
+    """TOVA / H2O step semantics written out token by token, per (batch, KV head), in plain Python.
+
+    `kind="prior"` (KVpop-TOVA): TOVA's mean over every query head of the layer plus each token's own prior
+    `prior[b, h, t]` (equal in every KV head, so the heads hold the same tokens)."""
     B, Hq, S, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -111,14 +115,16 @@ def _reference_dynamic(kind, q, k, v, sink, window, topk, scale, head_average=Fa
                 out[b, h * G : (h + 1) * G, p] = probs @ v[b, h, ts]
                 probs_all.append((ts, probs))
             for h, (ts, probs) in enumerate(probs_all):
-                if head_average:
+                if kind == "prior":
+                    score = torch.stack([pr.mean(0) for _, pr in probs_all]).mean(0) + prior[b, h, ts]
+                elif head_average:
                     score = torch.stack([pr.mean(0) for _, pr in probs_all]).mean(0)
                 elif kind == "tova":
                     score = probs.amax(0)
                 else:
                     score = probs.sum(0)
                 for i, t in enumerate(ts):
-                    held[h][t] = float(score[i]) if kind == "tova" else held[h][t] + float(score[i])
+                    held[h][t] = float(score[i]) if kind in ("tova", "prior") else held[h][t] + float(score[i])
         held_all.append([sorted(c) for c in held])
     return out, held_all
 
@@ -141,6 +147,49 @@ def test_dynamic_policies_match_the_plain_reference(kind, sink, window, topk, av
     for b in range(B):
         for h in range(Hkv):
             assert _held(layer, b, h) == held[b][h]
+
+
+@pytest.mark.parametrize("sink,window,topk,alpha", [(0, 1, 5, 1.0), (2, 3, 4, 0.3), (0, 2, 6, 0.0)])
+def test_kvpop_tova_matches_the_plain_reference(sink, window, topk, alpha):
+    # KVpop-TOVA (extension): TOVA's head average plus the scorer's prior, fixed per token at insertion
+    torch.manual_seed(1)
+    B, Hkv, G, S, D = 2, 2, 2, 30, 4
+    q, k, v = torch.randn(B, Hkv * G, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    cfg = kvpop.KVpopConfig(sink=sink, window=window, topk=topk, tova_prior=alpha, scorer_hidden=8)
+    policy = make_policy(cfg, Hkv, D).eval()
+    with torch.no_grad():
+        policy.scorer.b2.fill_(-3.0)  # priors of the order of the attention probabilities
+        prior = policy.priority(k, v, torch.arange(S).expand(B, S))
+    assert policy.dynamic and policy.score == "prior" and torch.all(prior >= 0)
+    layer = KVpopLayerCache(sink, window, topk)
+    with torch.no_grad():
+        got = _feed(layer, policy, q, k, v, scale=D**-0.5)
+    want, held = _reference_dynamic("prior", q, k, v, sink, window, topk, D**-0.5, prior=prior)
+    err = (got - want).abs().max().item()
+    assert err < ATOL, err
+    for b in range(B):
+        for h in range(Hkv):
+            assert _held(layer, b, h) == held[b][h]
+    if alpha >= 1:  # the prior changes what is kept
+        zero = torch.zeros_like(prior)
+        assert held != _reference_dynamic("prior", q, k, v, sink, window, topk, D**-0.5, prior=zero)[1]
+
+
+def test_kvpop_tova_trains_as_the_static_rule():
+    # in training mode the policy is KVpop-mlp (static priorities, the boundary loss); evaluated, it is dynamic
+    cfg = kvpop.KVpopConfig.for_budget(16, tova_prior=1.0, scorer_hidden=8)
+    assert (cfg.sink, cfg.window, cfg.topk) == (0, 1, 15)  # TOVA's paper split
+    policy = make_policy(cfg, 2, 4)
+    k, v, pos = torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4), torch.arange(9)[None]
+    assert policy.training and not policy.dynamic
+    static = policy.priority(k, v, pos)
+    assert torch.equal(static, static_priority(policy.scorer(k, v), pos, policy.log_gamma, cfg.decay_step))
+    policy.eval()
+    assert policy.dynamic
+    # evaluated: one prior per token for the layer, alpha * exp(r) averaged over the KV heads
+    prior = policy.priority(k, v, pos)
+    assert torch.equal(prior, torch.exp(policy.scorer(k, v)).mean(dim=1, keepdim=True).expand(1, 2, 9))
+    assert not torch.equal(prior[:, 0], torch.exp(policy.scorer(k, v))[:, 0])  # the heads' own scores differ
 
 
 def test_policy_classes_supply_only_what_differs():

@@ -38,6 +38,10 @@ CONFIGS = {
                                            scorer_keys="pre_rope"),
     "evidence-layers": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="evidence", scorer_hidden=16,
                                          layer_topk=(12, 2)),
+    # KVpop-TOVA (Sec. 7b extension): TOVA's evidence plus the scorer's prior, carried per slot
+    "kvpop-tova": kvpop.KVpopConfig.for_budget(14, tova_prior=1.0, scorer_hidden=16),
+    "kvpop-tova-windowed": kvpop.KVpopConfig(sink=2, window=3, topk=9, tova_prior=0.5, scorer_hidden=16,
+                                             scorer_keys="pre_rope"),
 }
 
 
@@ -104,7 +108,7 @@ def test_cache_holds_exactly_what_the_rule_retains(models, arch, cfg_name):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg_name", ["base", "streaming_llm", "tova", "h2o", "mlstm", "mlstm-delay0", "dms", "evidence",
-                                      "evidence-pre-rope"])
+                                      "evidence-pre-rope", "kvpop-tova"])
 @torch.no_grad()
 def test_batch_with_left_padding(models, arch, cfg_name):
     model = models[(arch, cfg_name)]
@@ -120,7 +124,7 @@ def test_batch_with_left_padding(models, arch, cfg_name):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "streaming_llm", "tova", "h2o", "dms", "evidence"])
+@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "streaming_llm", "tova", "h2o", "dms", "evidence", "kvpop-tova"])
 @torch.no_grad()
 def test_generate_greedy_batched_equals_single(models, arch, cfg_name):
     model = models[(arch, cfg_name)]

@@ -26,6 +26,9 @@ import kvpop
         ("loss_balance_clip", (5.0, 0.2), r"loss_balance_clip=\(5.0, 0.2\)"),
         ("loss_balance_clip", (0.0, 1.0), "loss_balance_clip"),
         ("loss_query_fraction", 0.0, "loss_query_fraction=0.0 .*\\(0, 1\\]"),
+        ("tova_prior", -0.5, "tova_prior=-0.5 .*weight >= 0"),
+        ("tova_prior", float("inf"), "tova_prior=inf"),
+        ("tova_prior", True, "tova_prior=True"),
     ],
 )
 def test_bad_values_are_named(field, value, match):
@@ -101,3 +104,16 @@ def test_match_mlp_memory_reduces_topk_by_the_state():
     assert kvpop.KVpopConfig(topk=1788).state_entries(64) == 0
     with pytest.raises(ValueError, match="KVpopConfig.topk=10 is invalid: .*33 KV entries"):
         kvpop.KVpopConfig(topk=10, scorer="mlstm", match_mlp_memory=True).effective_topk(64)
+
+
+def test_kvpop_tova_needs_the_mlp_scorer_and_takes_tova_split():
+    for kw in ({"scorer": "mlstm"}, {"scorer": "evidence"}, {"policy": "tova"}):
+        with pytest.raises(ValueError, match="tova_prior=1.0 .*scorer='mlp'"):
+            kvpop.KVpopConfig(tova_prior=1.0, **kw)
+    cfg = kvpop.KVpopConfig.for_budget(512, tova_prior=0.5)
+    assert (cfg.sink, cfg.window, cfg.topk, cfg.tova_prior) == (0, 1, 511, 0.5)
+    assert not cfg.tova_head_average  # a TOVA-only field, left alone
+    assert kvpop.KVpopConfig.from_dict(cfg.to_dict()) == cfg
+    # given splits are kept
+    cfg = kvpop.KVpopConfig.for_budget(512, sink=4, window=64, tova_prior=1.0)
+    assert (cfg.sink, cfg.window, cfg.topk) == (4, 64, 444)

@@ -174,6 +174,57 @@ def test_torch_walk_equals_the_reference_walk(score, B, Hkv, G, S, D, sink, wind
         assert torch.equal(a, b), what
 
 
+@pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk", DECODED_SLOTS)
+@pytest.mark.parametrize("ties", [False, True])
+def test_torch_walk_equals_the_reference_walk_with_priors(B, Hkv, G, S, D, sink, window, topk, ties):
+    # KVpop-TOVA (score "prior"): the slots' priors move with their tokens; a second chunk starts from the
+    # slots, priorities and priors the first left. With ties: priors on a coarse grid and repeated keys
+    g = torch.Generator().manual_seed(S + 7)
+    q, k, _ = _inputs(B, Hkv, G, S, D, None, seed=S)
+    if ties:
+        k = k[:, :, torch.randint(0, min(4, S), (S,), generator=g)]
+    N = sink + window + topk
+    valid = _left_padded(B, S, seed=3)
+    position = valid.long().cumsum(-1) - 1
+    prior = torch.rand(B, Hkv, S, generator=g) * 0.05
+    if ties:
+        prior = (prior * 80).round() / 80
+    empty = torch.full((B, Hkv, N), float("-inf"))
+    half = S // 2
+    slots = (k.new_zeros(B, Hkv, N, D), position.new_full((B, Hkv, N), -1), empty)
+    first = dynamic_walk(q[:, :, :half], k[:, :, :half], *slots, position[:, :half], valid[:, :half],
+                         prior[..., :half], sink, window, topk, D**-0.5, "prior", backend="reference", slot_prior=empty)
+    # the keys of the slots the first chunk left (kept tokens' keys, zeros elsewhere)
+    src = first[1].clamp(min=0)[..., None].expand(-1, -1, -1, D)
+    keys = torch.where((first[1] >= 0)[..., None], k.gather(2, src), 0.0)
+    args = (q[:, :, half:], k[:, :, half:], keys, first[1], first[2], position[:, half:], valid[:, half:],
+            prior[..., half:], sink, window, topk, D**-0.5, "prior")
+    want = dynamic_walk(*args, backend="reference", slot_prior=first[3])
+    got = dynamic_walk(*args, backend="torch", slot_prior=first[3])
+    for a, b, what in zip(got, want, ("evicted", "pos", "pri", "prior")):
+        assert torch.equal(a, b), what
+    held = want[1][0] >= 0  # row 0 has no padding: a token's position is its index
+    assert torch.equal(want[3][0][held], prior[0].gather(-1, want[1][0].clamp(min=0))[held])  # its token's prior
+
+
+def test_priors_go_with_score_prior_only():
+    q, k = torch.zeros(1, 2, 5, 4), torch.zeros(1, 1, 5, 4)
+    slots = (torch.zeros(1, 1, 6, 4), torch.full((1, 1, 6), -1), torch.full((1, 1, 6), float("-inf")))
+    pos, valid, pri = torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool), torch.zeros(1, 1, 5)
+    with pytest.raises(ValueError, match="priors"):
+        dynamic_walk(q, k, *slots, pos, valid, pri, 1, 2, 3, 1.0, "prior")
+    with pytest.raises(ValueError, match="priors"):
+        dynamic_walk(q, k, *slots, pos, valid, pri, 1, 2, 3, 1.0, "mean", slot_prior=slots[2])
+    with pytest.raises(ValueError, match="does not run score 'prior'"):
+        dynamic_walk(q, k, *slots, pos, valid, pri, 1, 2, 3, 1.0, "prior", backend="triton", slot_prior=slots[2])
+    # the parallel walk takes priors only alike in every KV head (as "mean" takes slots)
+    from kvpop.ops.dynamic.parallel import supported
+
+    prior = torch.rand(1, 2, 6)
+    assert supported(slots[1].expand(1, 2, 6), slots[2].expand(1, 2, 6), "prior", prior[:, :1].expand(1, 2, 6))
+    assert not supported(slots[1].expand(1, 2, 6), slots[2].expand(1, 2, 6), "prior", prior)
+
+
 @pytest.mark.parametrize("score", SCORES)
 def test_equal_probabilities_give_equal_priorities(score):
     # the rule gives a tie of priorities to the newer token: slots whose probabilities are equal in every
@@ -185,7 +236,8 @@ def test_equal_probabilities_give_equal_priorities(score):
             column = torch.rand(B, H, G, 1, generator=g)
             probs = torch.cat([column.expand(B, H, G, N), column], dim=-1)[..., :N]  # a view, as a slice can be
             priority = torch.rand(B, H, 1, generator=g).expand(B, H, N)
-            new = score_update(score, priority, probs, None)
+            prior = torch.rand(B, H, 1, generator=g).expand(B, H, N) if score == "prior" else None
+            new = score_update(score, priority, probs, None, prior)
             assert torch.equal(new, new[..., :1].expand_as(new)), (score, N, B, H, G)
 
 
@@ -303,6 +355,30 @@ def test_triton_walk_at_size_on_cuda():
                        (1, 3, 3, 2048, 64, 0, 1, 511)])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("score", ["mean", "prior"])
+def test_parallel_walk_at_size_on_cuda(score):
+    # TOVA's head average and KVpop-TOVA at the Qwen3-8B shape's heads, the CUDA default ("auto") against the torch
+    # walk on the same device: the same decisions, slots and priors
+    pytest.importorskip("triton")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, G, C, D, s, w, k = 1, 8, 4, 2048, 128, 0, 1, 511
+    q = torch.randn(B, H * G, C, D, device="cuda", generator=g)
+    key = torch.randn(B, H, C, D, device="cuda", generator=g)
+    N = s + w + k
+    empty = torch.full((B, H, N), float("-inf"), device="cuda")
+    prior = (torch.rand(B, 1, C, device="cuda", generator=g) * 0.01).expand(B, H, C)
+    args = (q, key, torch.zeros(B, H, N, D, device="cuda"), torch.full((B, H, N), -1, device="cuda"), empty,
+            torch.arange(C, device="cuda").expand(B, C), torch.ones(B, C, dtype=torch.bool, device="cuda"),
+            prior if score == "prior" else torch.zeros(B, H, C, device="cuda"), s, w, k, D**-0.5, score)
+    slot_prior = empty if score == "prior" else None
+    got = dynamic_walk(*args, slot_prior=slot_prior)
+    want = dynamic_walk(*args, backend="torch", slot_prior=slot_prior)
+    _assert_same_walk(got, want, f"cuda {score}")
+    assert score != "prior" or torch.equal(got[3], want[3])
+
+
 def test_triton_walk_refuses_what_it_does_not_implement():
     pytest.importorskip("triton")
     from kvpop.ops.dynamic.kernel import dynamic_walk_triton
@@ -320,8 +396,11 @@ def test_triton_walk_refuses_what_it_does_not_implement():
 # --- the parallel walk (ops/dynamic/parallel.py): speculated, verified, redone from a mismatch ---
 
 
-def _chunk_after_a_first(B, H, G, C, D, s, w, k, score, ties, pad, seed):
-    """Inputs of `dynamic_walk` for the second half of a sequence, after the torch walk took the first half."""
+def _chunk_after_a_first(B, H, G, C, D, s, w, k, score, ties, pad, seed, prior=None):
+    """Inputs of `dynamic_walk` for the second half of a sequence, after the torch walk took the first half.
+
+    `prior` [B, H, C] (score "prior"): the tokens' priors, the insertion priorities; then the slots' priors
+    after the first half come back too, `(args, slot_prior)`."""
     g = torch.Generator().manual_seed(seed)
     q, key = torch.randn(B, H * G, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
     if ties == "duplicates":
@@ -334,13 +413,16 @@ def _chunk_after_a_first(B, H, G, C, D, s, w, k, score, ties, pad, seed):
     slots = (torch.zeros(B, H, N, D), torch.full((B, H, N), -1), torch.full((B, H, N), float("-inf")))
     position = (valid.long().cumsum(-1) - 1).clamp(min=0)
     half = C // 2
+    priority = torch.zeros(B, H, C) if prior is None else prior
     first = dynamic_walk(q[:, :, :half], key[:, :, :half], *slots, position[:, :half], valid[:, :half],
-                         torch.zeros(B, H, half), s, w, k, D**-0.5, score, backend="torch")
+                         priority[..., :half], s, w, k, D**-0.5, score, backend="torch",
+                         slot_prior=None if prior is None else slots[2])
     # the slots' keys: each held position's key
     held = (first[1][..., None] == position[:, None, None, :half]) & valid[:, None, None, :half]
     keys = key[:, :, :half].gather(2, held.float().argmax(-1)[..., None].expand(B, H, N, D))
-    return (q[:, :, half:], key[:, :, half:], keys, first[1], first[2], position[:, half:], valid[:, half:],
-            torch.zeros(B, H, C - half), s, w, k, D**-0.5, score)
+    args = (q[:, :, half:], key[:, :, half:], keys, first[1], first[2], position[:, half:], valid[:, half:],
+            priority[..., half:], s, w, k, D**-0.5, score)
+    return args if prior is None else (args, first[3])
 
 
 def _assert_same_walk(got, want, what):
@@ -380,6 +462,29 @@ def test_parallel_walk_makes_the_torch_walks_decisions(score, case, pad):
     # one block for the chunk, and blocks of 8 tokens (many verification rounds, slots carried between blocks)
     _assert_same_walk(dynamic_walk(*args, backend="parallel"), want, f"{shape} {ties} {score}")
     _assert_same_walk(dynamic_walk_parallel(*args, block=8), want, f"{shape} {ties} {score} block 8")
+
+
+@pytest.mark.parametrize("case", range(len(PARALLEL_SHAPES)))
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("grid", [False, True])
+def test_parallel_walk_makes_the_torch_walks_decisions_with_priors(case, pad, grid):
+    # KVpop-TOVA (score "prior"): the head average plus each token's prior, one prior per token for every KV
+    # head; the second half starts from the slots and priors the torch walk left. `grid`: priors on a coarse
+    # grid, so that exact ties of priority occur where the probabilities tie (duplicate or zero keys)
+    from kvpop.ops.dynamic.parallel import dynamic_walk_parallel
+
+    (B, H, G, C, D, s, w, k), ties = PARALLEL_SHAPES[case]
+    g = torch.Generator().manual_seed(case + 100)
+    prior = (torch.rand(B, 1, C, generator=g) * 0.1).expand(B, H, C)
+    if grid:
+        prior = (prior * 20).round() / 20
+    args, slot_prior = _chunk_after_a_first(B, H, G, C, D, s, w, k, "prior", ties, pad, seed=case, prior=prior)
+    want = dynamic_walk(*args, backend="torch", slot_prior=slot_prior)
+    what = f"{(B, H, G, C, D, s, w, k)} {ties} prior"
+    for fast in (dynamic_walk(*args, backend="parallel", slot_prior=slot_prior),
+                 dynamic_walk_parallel(*args, block=8, slot_prior=slot_prior)):
+        _assert_same_walk(fast, want, what)
+        assert torch.equal(fast[3], want[3]), f"{what}: slot priors differ"
 
 
 @pytest.mark.parametrize("score", ["max", "mean", "sum"])
@@ -458,11 +563,16 @@ PARALLEL_TRITON_CHECK = textwrap.dedent(
     B, H, G, C, D = 2, 2, 2, 40, 8
     q, key = torch.randn(B, H * G, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
     slots = (torch.zeros(B, H, 9, D), torch.full((B, H, 9), -1), torch.full((B, H, 9), float("-inf")))
-    for score in ("max", "sum", "mean"):
+    prior = torch.rand(B, 1, C, generator=g).expand(B, H, C) * 0.1  # KVpop-TOVA's priors, alike in every head
+    for score in ("max", "sum", "mean", "prior"):
+        pri = prior if score == "prior" else torch.zeros(B, H, C)
+        slot_prior = slots[2] if score == "prior" else None
         args = (q, key, *slots, torch.arange(C).expand(B, C), torch.ones(B, C, dtype=torch.bool),
-                torch.zeros(B, H, C), 1, 2, 6, D**-0.5, score)
-        got, want = dynamic_walk_parallel(*args, block=8), dynamic_walk(*args, backend="torch")
+                pri, 1, 2, 6, D**-0.5, score)
+        got = dynamic_walk_parallel(*args, block=8, slot_prior=slot_prior)
+        want = dynamic_walk(*args, backend="torch", slot_prior=slot_prior)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), score
+        assert score != "prior" or torch.equal(got[3], want[3]), score
     print("ok")
     """
 )

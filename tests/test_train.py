@@ -623,3 +623,46 @@ def test_init_from_refuses_another_config_a_resume_and_a_kvpop_model(text_file, 
               "--resume"]
     assert main(resume) == 0, capsys.readouterr().err
     assert [r["step"] for r in _log(post)] == [1, 2, 3, 4, 5]
+
+
+def test_kvpop_tova_trains_as_kvpop_mlp_and_calibrates_its_bias(text_file, tmp_path, capsys):
+    # KVpop-TOVA's scorer trains exactly as KVpop-mlp's (the ranking loss ignores each head's offset), while
+    # its bias b2 moves to where exp(r) estimates the target's future attention
+    split = dict(sink=0, window=1, topk=23, scorer_hidden=32)
+    plain = distill.train(_cfg(text_file, tmp_path / "plain", steps=8, freeze_base=True, save_every=0),
+                          kvpop.KVpopConfig(**split), progress=False)
+    out = tmp_path / "prior"
+    common = ["train", "--model", "tiny-random-qwen3", "--data", str(text_file), "--seq-len", "128", "--budget", "24",
+              "--scorer-hidden", "32", "--steps", "8", "--batch-size", "2", "--lr-scorer", "1e-2", "--max-tokens",
+              str(128 * 16), "--save-every", "0", "--out", str(out), "--no-progress", "--freeze-base"]
+    assert main(common + ["--tova-prior", "0.5"]) == 0
+    capsys.readouterr()
+    a, b = _log(tmp_path / "plain"), _log(out)
+    for x, y in zip(a, b):
+        assert x["loss_score"] == pytest.approx(y["loss_score"], rel=1e-4, abs=1e-6)
+        assert x["accuracy"] == pytest.approx(y["accuracy"], abs=0.01)
+    model, reference = kvpop.load(out / "final"), kvpop.load(plain)
+    assert model.kvpop.config.tova_prior == 0.5 and (model.kvpop.config.sink, model.kvpop.config.window) == (0, 1)
+    for mine, theirs in zip(model.kvpop.layers, reference.kvpop.layers):
+        assert torch.allclose(mine.scorer.w2, theirs.scorer.w2, atol=1e-4)
+        # the target is log(eps + m) with m ~ 1 / context, far below the untrained scores; the plain run's b2 moves
+        # only by Adam's normalised float noise (its gradient is zero up to rounding)
+        assert mine.scorer.b2.max() < -1.0 and theirs.scorer.b2.abs().max() < 0.1
+
+
+def test_prior_offset_and_bias_shift():
+    from kvpop.train.calibrate import prior_offset, shift_bias
+    from kvpop.train.loss import boundary_labels
+
+    g = torch.Generator().manual_seed(0)
+    pi_hat = torch.randn(2, 3, 40, generator=g)
+    offset = torch.tensor([-4.0, 0.5, 2.0])
+    pi_tgt = pi_hat + offset[None, :, None]
+    pairs = boundary_labels(pi_tgt, 1, 2, 5)
+    sums, counts = prior_offset(pi_tgt, pi_hat, pairs)
+    assert torch.allclose(sums / counts, offset) and torch.all(counts == 2 * pairs.valid.sum(dim=(0, 2)))
+    bias = torch.zeros(3)
+    shift_bias(bias, sums, counts)
+    assert torch.allclose(bias, offset / 2)
+    shift_bias(bias, torch.zeros(3), torch.zeros(3))  # no pairs: no move
+    assert torch.allclose(bias, offset / 2)

@@ -139,7 +139,7 @@ def kvpop_attention(
     position = torch.cumsum(valid.long(), dim=-1) - 1  # [B, S]
     if policy.dynamic and not kwargs.get("kvpop_dense", False):
         # TOVA / H2O: the decode step's decisions over the sequence (a walk), then one sparse attention
-        priority = policy.priority(key, value, position.clamp(min=0)).detach()
+        priority = policy.priority(policy.scorer_key(key, kwargs.get("kvpop_rope")), value, position.clamp(min=0)).detach()
         with timed("kvpop.dynamic_walk"):
             evict = dynamic_eviction_positions(query, key, position, valid, priority, cfg.sink, cfg.window, cfg.topk,
                                                scale, policy.score)

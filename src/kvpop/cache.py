@@ -64,6 +64,7 @@ class KVpopLayerCache(CacheLayerMixin):
         self.slots = sink + window + topk
         self.pos: Tensor | None = None
         self.pri: Tensor | None = None
+        self.prior: Tensor | None = None  # KVpop-TOVA only: the slots' static priors [B, Hkv, slots]
         self.seen: Tensor | None = None  # [B] real tokens so far, per row
         self.state: tuple[Tensor, ...] | None = None  # a stateful policy's memory, batch first (made on first use)
         # tokens given to the model so far, padding included (what generate counts): an int64 scalar tensor
@@ -75,12 +76,12 @@ class KVpopLayerCache(CacheLayerMixin):
         self.fused = None
 
     # --- transformers' Cache protocol ---
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor, with_prior: bool = False) -> None:
         B, H, _, D = key_states.shape
         kw = dict(device=key_states.device)
         # one slot more than the budget: a scratch slot that a masked write of the decode step targets
         # instead of reading the old value back (a gather and a where per buffer saved, every layer
-        # and token); `keys`, `values`, `pos`, `pri` are views without it
+        # and token); `keys`, `values`, `pos`, `pri` (and `prior`) are views without it
         n = self.slots + 1
         self.buffers = (
             torch.zeros(B, H, n, D, dtype=key_states.dtype, **kw),
@@ -88,6 +89,9 @@ class KVpopLayerCache(CacheLayerMixin):
             torch.full((B, H, n), -1, dtype=torch.long, **kw),
             torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),
         )
+        if with_prior:
+            # KVpop-TOVA (score "prior"): each slot's static prior, moved with its token like its priority
+            self.buffers += (torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),)
         self._views()
         self.seen = torch.zeros(B, dtype=torch.long, **kw)
         self._length(key_states.device)
@@ -104,7 +108,8 @@ class KVpopLayerCache(CacheLayerMixin):
         return self.length
 
     def _views(self) -> None:
-        self.keys, self.values, self.pos, self.pri = (b[:, :, : self.slots] for b in self.buffers)
+        self.keys, self.values, self.pos, self.pri = (b[:, :, : self.slots] for b in self.buffers[:4])
+        self.prior = self.buffers[4][:, :, : self.slots] if len(self.buffers) > 4 else None
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         # the real work needs priorities and padding, which only the attention call has: see `attend`
@@ -146,6 +151,8 @@ class KVpopLayerCache(CacheLayerMixin):
             self.values.zero_()
             self.pos.fill_(-1)
             self.pri.fill_(float("-inf"))
+            if self.prior is not None:
+                self.prior.fill_(float("-inf"))
             self.seen.zero_()
         self.state = None
         self.fresh = True
@@ -188,7 +195,7 @@ class KVpopLayerCache(CacheLayerMixin):
         if policy.teacher_forced_only:
             raise ValueError(f"the {type(policy).__name__} ranks tokens by future attention: it cannot decode")
         if not self.is_initialized:
-            self.lazy_initialization(key, value)
+            self.lazy_initialization(key, value, with_prior=policy.score == "prior")
         position = self.seen[:, None] + torch.cumsum(valid.long(), dim=-1) - 1  # [B, C]
         B, H, C, _ = key.shape
         if policy.stateful or policy.evidence:
@@ -233,7 +240,8 @@ class KVpopLayerCache(CacheLayerMixin):
             cache_evidence.decode_accumulate(self, query, key, p, real, scale, policy, rope)
         if policy.dynamic:
             occupied = self.pos >= 0
-            self.pri.copy_(torch.where(real[:, None, None], policy.update(self.pri, probs, occupied), self.pri))
+            updated = policy.update(self.pri, probs, occupied, self.prior)
+            self.pri.copy_(torch.where(real[:, None, None], updated, self.pri))
         return out
 
     def _advance_decode(self, key, value, p: Tensor, real: Tensor, pri_new: Tensor, policy: LayerPolicy) -> Tensor:
@@ -313,8 +321,8 @@ class KVpopLayerCache(CacheLayerMixin):
         """
         s, w = self.sink, self.window
         B, H, C, D = key.shape
-        evicted, pos, pri = dynamic_walk(query, key, self.keys, self.pos, self.pri, position, valid, priority,
-                                         s, w, self.topk, scale, policy.score)
+        evicted, pos, pri, prior = dynamic_walk(query, key, self.keys, self.pos, self.pri, position, valid, priority,
+                                                s, w, self.topk, scale, policy.score, slot_prior=self.prior)
         new_pos = torch.where(valid, position, -1)[:, None, :].expand(B, H, C)
         cand_pos = torch.cat([self.pos, new_pos], dim=2)  # [B, H, slots + C]
         cand_k = torch.cat([self.keys, key.to(self.keys.dtype)], dim=2)
@@ -329,6 +337,8 @@ class KVpopLayerCache(CacheLayerMixin):
         self.values.copy_(torch.where(held, cand_v.gather(2, src.expand(-1, -1, -1, cand_v.shape[-1])), 0.0))
         self.pos.copy_(pos)
         self.pri.copy_(pri)
+        if prior is not None:
+            self.prior.copy_(prior)
         return out
 
     def _chunk_attention(self, query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict,
@@ -394,7 +404,7 @@ class KVpopLayerCache(CacheLayerMixin):
 
 
 def decode_step(
-    buffers: tuple[Tensor, Tensor, Tensor, Tensor],
+    buffers: tuple[Tensor, ...],
     query: Tensor,  # [B, Hq, 1, D]
     key: Tensor,  # [B, H, 1, D]
     value: Tensor,  # [B, H, 1, D]
@@ -407,7 +417,8 @@ def decode_step(
     scale: float,
     with_probs: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """One decode step on a layer's slot buffers (keys, values, pos, pri; each with a scratch slot last).
+    """One decode step on a layer's slot buffers (keys, values, pos, pri, and KVpop-TOVA's prior; each with a
+    scratch slot last).
 
     The token leaving the window (position `p - window`) replaces the weakest top-k slot if it beats
     it; the new token takes its sink or window-ring slot; then the query attends the occupied slots.
@@ -419,7 +430,7 @@ def decode_step(
     """
     kbuf = buffers[0]
     slots = kbuf.shape[2] - 1
-    keys, values, pos, pri = (b[:, :, :slots] for b in buffers)
+    keys, values, pos, pri = (b[:, :, :slots] for b in buffers[:4])
     s, w, k = sink, window, topk
     B, H = kbuf.shape[:2]
     # a padding step (p = -1) writes nothing; any in-range slot will do for its index
@@ -447,7 +458,8 @@ def decode_step(
                 buf.scatter_(2, dst, buf.gather(2, idx))
     dst = torch.where(real[:, None, None], idx, slots)
     new_pos = p[:, None, None].expand(B, H, 1)
-    for buf, new in zip(buffers, (key, value, new_pos, pri_new[..., None])):
+    # a prior buffer (KVpop-TOVA) takes the new token's priority too: its prior is its priority at insertion
+    for buf, new in zip(buffers, (key, value, new_pos, pri_new[..., None], pri_new[..., None])):
         d = dst[..., None].expand(-1, -1, -1, buf.shape[-1]) if buf.dim() == 4 else dst
         buf.scatter_(2, d, new.to(buf.dtype))
     occupied = pos >= 0

@@ -274,7 +274,9 @@ def info(args: argparse.Namespace) -> int:
                                     f"(budget {c['sink'] + c['window'] + c['topk']}), policy {c['policy']}, "
                                     f"scorer {c['scorer']}"
                                     + (f", {c['scorer_keys']} keys" if c.get("scorer_keys", "cached") != "cached" else "")
-                                    + (f", {c['evidence_mix']} features" if c.get("scorer") == "evidence" else ""))
+                                    + (f", {c['evidence_mix']} features" if c.get("scorer") == "evidence" else "")
+                                    + (f", KVpop-TOVA prior weight {c['tova_prior']}" if c.get("tova_prior") is not None
+                                       else ""))
         if c.get("scorer") == "mlstm":
             matched = c.get("extra", {}).get("match_mlp_memory")
             rows["retrofitted with"] += (f", delay {c['window'] if c.get('delay') is None else c['delay']}"
@@ -308,6 +310,11 @@ def info(args: argparse.Namespace) -> int:
     arg("--scorer-hidden", type=int, default=256, help="hidden size of the MLP scorer (default 256)"),
     arg("--scorer-keys", default="cached", choices=["cached", "pre_rope"],
         help="mlp/evidence: keys as cached (the paper) or with RoPE undone (pre_rope) (default cached)"),
+    arg("--tova-prior", type=float, default=None, metavar="ALPHA",
+        help="mlp: KVpop-TOVA (an extension): evaluate and decode ranking each slot by TOVA's evidence (the latest "
+             "query's attention, averaged over the KV head's query heads) plus ALPHA x the scorer's predicted future "
+             "attention; the scorer trains as KVpop-mlp with its bias calibrated; TOVA's split (no sinks, window 1) "
+             "unless --sink/--window say otherwise (default: off, the paper's static rule)"),
     arg("--evidence-mix", default="concat", choices=["concat", "additive"],
         help="evidence: one MLP over [k; v; features] (concat) or the MLP over [k; v] plus a linear term (default concat)"),
     arg("--delay", type=int, default=None,
@@ -379,6 +386,8 @@ def train(args: argparse.Namespace) -> int:
         scorer = dict(scorer=args.scorer, scorer_hidden=args.scorer_hidden, policy=args.policy,
                       loss_query_fraction=args.query_fraction, scorer_keys=args.scorer_keys,
                       evidence_mix=args.evidence_mix)
+        if args.tova_prior is not None:
+            scorer.update(tova_prior=args.tova_prior)
         if args.scorer == "mlstm":
             scorer.update(delay=args.delay, mlstm_dim=args.mlstm_dim, mlstm_hidden=args.mlstm_hidden,
                           match_mlp_memory=args.match_mlp_memory)
@@ -413,7 +422,8 @@ CONFIG_FLAGS = {"budget": "budget", "sink": "sink", "window": "window", "topk": 
                 "scorer": "scorer", "scorer_hidden": "scorer_hidden", "delay": "delay", "mlstm_dim": "mlstm_dim",
                 "mlstm_hidden": "mlstm_hidden", "match_mlp_memory": "match_mlp_memory",
                 "dms_temperature": "dms_temperature", "dms_target_retention": "dms_target_retention",
-                "query_fraction": "loss_query_fraction", "scorer_keys": "scorer_keys", "evidence_mix": "evidence_mix"}
+                "query_fraction": "loss_query_fraction", "scorer_keys": "scorer_keys", "evidence_mix": "evidence_mix",
+                "tova_prior": "tova_prior"}
 CONFIG_ARGS = {*CONFIG_FLAGS, "layer_budgets"}
 """train's flags that shape the KVpop config: a --resume given none of them resumes at the run's own."""
 

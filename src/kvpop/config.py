@@ -84,6 +84,12 @@ class KVpopConfig:
     """Decay step `n` of the static priority `pi[t] = r[t] - floor(t / n) * log(gamma)`. >= 1."""
     gamma_init: float = 0.9
     """Initial per-head decay `gamma_h = sigmoid(theta_h)`, strictly between 0 and 1."""
+    tova_prior: float | None = None
+    """KVpop-TOVA (an extension, `KVPOP.md` Sec. 7b; mlp scorer only). None: the paper's static rule. A weight
+    `alpha >= 0`: decode and evaluate dynamically, ranking each slot by TOVA's evidence (the latest query's
+    attention averaged over the KV head's query heads) plus `alpha * exp(r)`, the scorer's prediction of the
+    token's future attention, fixed at insertion. The scorer trains as KVpop-mlp (the static rule), with its
+    per-head bias `b2` calibrated so that `exp(r)` estimates the target's future attention mass."""
     tova_head_average: bool = False
     """TOVA only: rank by the attention averaged over all query heads of the layer (the original)
     instead of per KV head (max over its query heads)."""
@@ -142,6 +148,11 @@ class KVpopConfig:
                    "applies only to policy='kvpop' with scorer='mlstm' (leave it None)")
         _check(uses_mlstm or not self.match_mlp_memory, "match_mlp_memory", self.match_mlp_memory,
                "applies only to policy='kvpop' with scorer='mlstm'")
+        _check(self.tova_prior is None or (isinstance(self.tova_prior, (int, float)) and not isinstance(self.tova_prior, bool)
+                                           and 0.0 <= self.tova_prior < math.inf), "tova_prior", self.tova_prior,
+               "must be None (the static rule) or a finite weight >= 0")
+        _check(self.tova_prior is None or (self.policy == "kvpop" and self.scorer == "mlp"), "tova_prior",
+               self.tova_prior, "applies only to policy='kvpop' with scorer='mlp' (a prior fixed at insertion)")
         _check(self.policy not in RECENCY_POLICIES or self.topk == 0, "topk", self.topk,
                f"must be 0 for policy {self.policy!r}, which keeps only sinks and the window "
                f"(use window = budget - sink; KVpopConfig.for_budget does it)")
@@ -270,7 +281,7 @@ class KVpopConfig:
         the top-k is what the rest leaves. Unless given, `sink` and `window` are:
         - `tova`, as its paper defines it (Oren et al., 2024): no sinks and a window of 1 (only the current
           token is protected); every other slot is ranked by the current query's attention averaged over
-          the heads of the layer (`tova_head_average`, unless given);
+          the heads of the layer (`tova_head_average`, unless given); KVpop-TOVA (`tova_prior`) splits alike;
         - `h2o`, as its paper defines it (Zhang et al., 2023): no sinks; half the budget is the recent
           window, the other half the heavy hitters;
         - `streaming_llm(_plus)`: 4 sinks, the window everything beyond them (top-k 0);
@@ -281,7 +292,8 @@ class KVpopConfig:
         policy = kw.get("policy", "kvpop")
         if windowed and policy not in PAPER_SPLITS:
             raise ValueError(f"windowed=True applies to the policies {PAPER_SPLITS}, not {policy!r}")
-        paper = policy in PAPER_SPLITS and not windowed
+        # KVpop-TOVA ranks like TOVA, so it takes TOVA's paper split
+        paper = (policy in PAPER_SPLITS or kw.get("tova_prior") is not None) and not windowed
         if topk is None and policy in RECENCY_POLICIES:
             topk = 0
         if sink is None:
@@ -294,7 +306,7 @@ class KVpopConfig:
                 if window < 1:
                     raise ValueError(f"budget={budget} leaves no window after sink + topk = {sink} + {topk}")
             elif paper:
-                window = 1 if policy == "tova" else max(1, (budget - sink) // 2)
+                window = max(1, (budget - sink) // 2) if policy == "h2o" else 1
             else:
                 window = max(1, budget // 4)
         if paper and policy == "tova":

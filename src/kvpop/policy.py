@@ -128,13 +128,14 @@ class LayerPolicy(nn.Module):
         """The key the scorer reads for cached keys [B, H, N, D]: as cached, unless a policy says otherwise."""
         return key
 
-    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor) -> Tensor:
+    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor, prior: Tensor | None = None) -> Tensor:
         """Dynamic policies: new slot priorities after one decode step.
 
         Args:
             priority: float32 [B, Hkv, N], the slots' priorities before the step.
             probs: float32 [B, Hkv, G, N], the step's attention probabilities over the slots.
             occupied: bool [B, Hkv, N].
+            prior: float32 [B, Hkv, N], the slots' static priors (score "prior" only, else None).
         """
         raise NotImplementedError
 
@@ -200,6 +201,44 @@ class ScorerPolicy(LayerPolicy):
             float32 [B, H, N].
         """
         return static_priority(self.scorer(key, value), position, self.log_gamma, self.decay_step)
+
+
+class TOVAPriorPolicy(ScorerPolicy):
+    """KVpop-TOVA (`KVpopConfig.tova_prior`, an extension): TOVA's evidence plus the learned scorer's prediction.
+
+    The static rule keeps a token for what its `[k; v]` predicts and cannot see that the text has turned
+    (a repetition loop: the eighth session's sequence 1, docs/RESULTS.md); TOVA follows the current query
+    but forgets what a later query will need. Here a slot's priority after each step is the latest query's
+    attention averaged over the KV head's query heads (TOVA's) plus `alpha * exp(r)`, the scorer's estimate of
+    the token's future attention (Sec. 4's target, in the same units once `b2` is calibrated), fixed at
+    insertion and kept per slot (`ops.dynamic.score_update`, score "prior").
+
+    In training (`self.training`) it is KVpop-mlp: the static rule, the boundary loss and the target; the
+    trainer calibrates `b2` (`kvpop.train.calibrate`). In evaluation and decoding it is dynamic, like TOVA.
+    """
+
+    score = "prior"
+
+    def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int, group: int = 1):
+        super().__init__(cfg, num_kv_heads, head_dim, group)
+        self.weight = float(cfg.tova_prior)
+
+    @property
+    def dynamic(self) -> bool:  # type: ignore[override]
+        return not self.training
+
+    def priority(self, key: Tensor, value: Tensor, position: Tensor) -> Tensor:
+        """Training: the static priorities of KVpop-mlp. Otherwise the prior `alpha * exp(r)`, float32 [B, H, N]."""
+        if self.training:
+            return super().priority(key, value, position)
+        # one prior per token for the whole layer (the mean over its KV heads): TOVA's layer-wide ranking then
+        # stays one ranking, and every head keeps the same tokens
+        return (self.weight * torch.exp(self.scorer(key, value))).mean(dim=1, keepdim=True).expand(key.shape[:3])
+
+    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor, prior: Tensor | None = None) -> Tensor:
+        from kvpop.ops.dynamic import score_update
+
+        return score_update("prior", priority, probs, occupied, prior)
 
 
 class MLSTMPolicy(ScorerPolicy):

@@ -11,7 +11,7 @@ from kvpop.baselines.oracle import OraclePolicy
 from kvpop.baselines.streaming_llm import RecencyPolicy
 from kvpop.baselines.tova import TOVAPolicy
 from kvpop.config import KVpopConfig
-from kvpop.policy import EvidencePolicy, LayerPolicy, MLSTMPolicy, ScorerPolicy
+from kvpop.policy import EvidencePolicy, LayerPolicy, MLSTMPolicy, ScorerPolicy, TOVAPriorPolicy
 
 POLICY_CLASSES: dict[str, type[LayerPolicy]] = {
     "kvpop": ScorerPolicy,
@@ -28,6 +28,8 @@ SCORER_CLASSES: dict[str, type[LayerPolicy]] = {"mlp": ScorerPolicy, "mlstm": ML
 
 def make_policy(cfg: KVpopConfig, num_kv_heads: int, head_dim: int, group: int = 1) -> LayerPolicy:
     """The policy of one layer; `group` = query heads per KV head (the evidence scorer reads each of them)."""
+    if cfg.policy == "kvpop" and cfg.tova_prior is not None:
+        return TOVAPriorPolicy(cfg, num_kv_heads, head_dim, group=group)
     if cfg.policy == "kvpop":
         return SCORER_CLASSES[cfg.scorer](cfg, num_kv_heads, head_dim, group=group)
     return POLICY_CLASSES[cfg.policy](cfg, num_kv_heads, head_dim)

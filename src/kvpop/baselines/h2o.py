@@ -18,5 +18,5 @@ class H2OPolicy(LayerPolicy):
     dynamic = True
     score = "sum"
 
-    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor) -> Tensor:
+    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor, prior: Tensor | None = None) -> Tensor:
         return score_update(self.score, priority, probs, occupied)

@@ -31,5 +31,5 @@ class TOVAPolicy(LayerPolicy):
     def score(self) -> str:
         return "mean" if self.head_average else "max"
 
-    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor) -> Tensor:
+    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor, prior: Tensor | None = None) -> Tensor:
         return score_update(self.score, priority, probs, occupied)

@@ -62,6 +62,7 @@ from kvpop.ops.target import future_attention_target
 from kvpop.retrofit import kvpop_modules, model_head_dim, resolve_config, retrofit, save
 from kvpop.timing import timed
 from kvpop.train import checkpoint as ckpt
+from kvpop.train.calibrate import prior_offset, shift_bias
 from kvpop.train.checkpoint import LOG, TrainingError
 from kvpop.train.data import batches
 from kvpop.train.loss import boundary_labels, boundary_loss, teacher_priority
@@ -304,6 +305,9 @@ class Distiller:
             kcfg = dataclasses.replace(kcfg, dms_target_retention=target_retention(kcfg, tcfg.seq_len))
         # the config the model runs: with match_mlp_memory, topk shrinks by the mLSTM state
         self.kcfg = kcfg = resolve_config(model, kcfg)
+        if tcfg.fsdp and kcfg.tova_prior is not None:
+            raise ValueError("--fsdp with KVpop-TOVA (tova_prior): the bias calibration does not handle sharded "
+                             "scorers yet; train it with DDP (torchrun without --fsdp) or on one device")
         if self.dist.main and kcfg.scorer == "mlstm" and kcfg.policy == "kvpop":
             print(f"kvpop train: {describe_cache(kcfg, model_head_dim(model))}", file=sys.stderr)
         if kcfg.policy in ("tova", "h2o", "oracle"):
@@ -364,6 +368,8 @@ class Distiller:
         # SIGTERM on this rank, and on any rank as of the last step's all-reduce (ranks must stop together)
         self.stop_requested = False
         self.stop_agreed = False
+        # KVpop-TOVA: per layer, the offset sums and counts of the step in flight (`train/calibrate.py`)
+        self.calibration: dict[int, tuple[Tensor, Tensor]] = {}
         self.pool_tokens = tcfg.pool_tokens  # a resumed run keeps the one it started with
         resumed = self._load_checkpoint(self.resume_from) if self.resume_from is not None else None
         self.pool = self._training_pool()
@@ -498,6 +504,11 @@ class Distiller:
             losses.append(loss)
             keep.append(stats["keep_rate"])
             acc.append(stats["accuracy"])
+            if k.tova_prior is not None:
+                # KVpop-TOVA: the per-head offset of `exp(r)` against the target (`train/calibrate.py`)
+                sums, counts = prior_offset(pi_tgt, rec.priority, pairs)
+                prev = self.calibration.get(rec.layer_idx)
+                self.calibration[rec.layer_idx] = (sums, counts) if prev is None else (prev[0] + sums, prev[1] + counts)
         # a fixed pattern (topk = 0, StreamingLLM+) has no ranking to learn: only the KL trains it
         zero = torch.zeros((), device=self.device)
         loss_score = torch.stack(losses).mean() if losses else zero
@@ -544,6 +555,8 @@ class Distiller:
                 if params and t.grad_clip > 0:
                     norms[group["name"]] = float(torch.nn.utils.clip_grad_norm_(params, t.grad_clip))
             self.optimizer.step()
+        if self.calibration:
+            self._calibrate()
         lrs = {g["name"]: g["lr"] for g in self.optimizer.param_groups}
         self.scheduler.step()
         self.step += 1
@@ -565,6 +578,16 @@ class Distiller:
             **{name: float(self.dist.all_sum(v) / self.dist.world) for name, v in sums.items()
                if name not in ("loss_kl", "loss_score", "keep_rate", "accuracy")},
         }
+
+    def _calibrate(self) -> None:
+        """KVpop-TOVA: move each layer's scorer bias `b2` toward the step's measured offset (all ranks alike)."""
+        layers = sorted(self.calibration)
+        sums = self.dist.all_sum(torch.stack([self.calibration[i][0] for i in layers]))
+        counts = self.dist.all_sum(torch.stack([self.calibration[i][1] for i in layers]))
+        policies = kvpop_modules(self.model).layers
+        for j, i in enumerate(layers):
+            shift_bias(policies[i].scorer.b2, sums[j], counts[j])
+        self.calibration.clear()
 
     def batches(self) -> Iterator[list[Tensor]]:
         t = self.tcfg

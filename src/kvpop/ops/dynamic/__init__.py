@@ -44,7 +44,8 @@ def dynamic_walk(
     scale: float,
     score: Score,
     backend: Backend = "auto",
-) -> tuple[Tensor, Tensor, Tensor]:
+    slot_prior: Tensor | None = None,  # [B, H, N]
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Insert `C` tokens into the slots of a dynamic policy, deciding each step's eviction.
 
     Slot layout as in `KVpopCache` (`[0, s)` sinks, `[s, s + w)` the window ring, `[s + w, N)` the
@@ -60,12 +61,17 @@ def dynamic_walk(
         priority: float32 [B, H, C], each token's priority at insertion.
         sink, window, topk: the budget split, `N = sink + window + topk`.
         scale: the attention logit scale.
-        score: how probabilities become priorities, one of `SCORES` ("max", "mean": TOVA; "sum": H2O).
-        backend: "auto" (on CUDA with Triton: "parallel" for "mean", else "triton"; else torch), "reference",
-            "torch", "triton" or "parallel" (the torch walk where `parallel.supported` refuses the slots).
+        score: how probabilities become priorities, one of `SCORES` ("max", "mean": TOVA; "sum": H2O;
+            "prior": KVpop-TOVA, which needs `slot_prior`).
+        backend: "auto" (on CUDA with Triton: "parallel" for "mean" and "prior", else "triton"; else torch),
+            "reference", "torch", "triton" or "parallel" (the torch walk where `parallel.supported` refuses the
+            slots). The Triton walk does not carry priors: it refuses "prior".
+        slot_prior: float32 [B, H, N], the slots' static priors ("prior" only; a new token's prior is its
+            `priority`).
     Returns:
         evicted: int64 [B, H, C], the position of the token step `j` evicted (-1: none);
-        pos, pri: the slots' positions and priorities after the chunk, [B, H, N].
+        pos, pri: the slots' positions and priorities after the chunk, [B, H, N];
+        prior: the slots' priors after the chunk, [B, H, N] (None without `slot_prior`).
     """
     B, Hq, C, D = query.shape
     H, N = key.shape[1], slot_pos.shape[-1]
@@ -83,7 +89,14 @@ def dynamic_walk(
         raise ValueError(f"sink={sink}, window={window}, topk={topk}: need sink >= 0, window >= 1, topk >= 0")
     if score not in SCORES:
         raise ValueError(f"score={score!r} must be one of {SCORES}")
+    if (score == "prior") != (slot_prior is not None):
+        raise ValueError(f"score={score!r} and slot_prior: the slots' priors are given with score 'prior' only")
+    if slot_prior is not None and slot_prior.shape != (B, H, N):
+        raise ValueError(f"slot_prior {tuple(slot_prior.shape)} must be [B, H, N] = [{B}, {H}, {N}]")
     args = (query, key, slot_keys, slot_pos, slot_pri, position, valid, priority, sink, window, topk, scale, score)
+    if score == "prior" and backend == "triton":
+        raise ValueError(f"backend={backend!r} does not run score 'prior' (its kernel carries no priors): use "
+                         "'auto', 'parallel', 'torch' or 'reference'")
     if backend == "auto":
         backend = "torch"
         if query.is_cuda:
@@ -92,25 +105,26 @@ def dynamic_walk(
             # measured on an H200 at the Qwen3-8B shape (docs/RESULTS.md, ninth session): the parallel walk
             # is faster for the head average (paper TOVA: 20 vs 26 us/token), the kernel for the rest (6.5
             # vs 16-28); the CPU keeps the torch walk, whose floats are the decode step's bit for bit
-            backend = ("parallel" if score == "mean" else "triton") if available(query) else "torch"
+            # KVpop-TOVA's "prior" is the head average plus a per-token constant: the same walk
+            backend = ("parallel" if score in ("mean", "prior") else "triton") if available(query) else "torch"
     if backend == "reference":
         from kvpop.ops.dynamic.reference import dynamic_walk_reference
 
-        return dynamic_walk_reference(*args)
+        return dynamic_walk_reference(*args, slot_prior)
     if backend == "parallel":
         from kvpop.ops.dynamic.parallel import dynamic_walk_parallel, supported
 
-        if supported(slot_pos, slot_pri, score):
-            return dynamic_walk_parallel(*args)
+        if supported(slot_pos, slot_pri, score, slot_prior):
+            return dynamic_walk_parallel(*args, slot_prior=slot_prior)
         backend = "torch"
     if backend == "torch":
         from kvpop.ops.dynamic.walk import dynamic_walk_torch
 
-        return dynamic_walk_torch(*args)
+        return dynamic_walk_torch(*args, slot_prior)
     if backend == "triton":
         from kvpop.ops.dynamic.kernel import dynamic_walk_triton
 
-        return dynamic_walk_triton(*args)
+        return (*dynamic_walk_triton(*args), None)
     raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'torch', 'triton', 'parallel'")
 
 
@@ -165,11 +179,11 @@ def dynamic_eviction_positions(
     """
     B, H, S, D = key.shape
     N = sink + window + topk
-    evicted, _, _ = dynamic_walk(
-        query, key, key.new_zeros(B, H, N, D), position.new_full((B, H, N), -1),
-        torch.full((B, H, N), float("-inf"), device=key.device), position, valid, priority,
-        sink, window, topk, scale, score, backend,
-    )
+    empty = torch.full((B, H, N), float("-inf"), device=key.device)
+    evicted = dynamic_walk(
+        query, key, key.new_zeros(B, H, N, D), position.new_full((B, H, N), -1), empty, position, valid, priority,
+        sink, window, topk, scale, score, backend, slot_prior=empty if score == "prior" else None,
+    )[0]
     return eviction_from_steps(evicted, position, torch.where(valid, position, -1)[:, None, :].expand(B, H, S))
 
 

@@ -34,8 +34,9 @@ torch walk it can differ only where two priorities are within rounding of each o
 keys, uniform attention) it resolves identically. Per block of `T` tokens everything is `[rows, T, M]`
 at most (the logits `[B, Hkv, G, T, M]`); host syncs: one per verification round (one per block when the
 speculation holds), plus, off CUDA, one per selection pass. `supported` says when it applies: empty slots
-must carry `-inf` (as the cache makes them) and "mean" needs the heads' slots alike (as `kernel.py`);
-`ops.dynamic.dynamic_walk` runs the torch walk otherwise.
+must carry `-inf` (as the cache makes them) and "mean" and "prior" need the heads' slots alike (as
+`kernel.py`); `ops.dynamic.dynamic_walk` runs the torch walk otherwise. "prior" (KVpop-TOVA) is "mean" plus
+each column's static prior, a per-column constant that moves with its token like its position.
 """
 
 from __future__ import annotations
@@ -53,14 +54,14 @@ on the CPU (2 threads, Hkv 2, G 4, D 64, N 512) 64 was fastest of 64, 128 and 25
 _MAX = torch.iinfo(torch.long).max
 
 
-def supported(slot_pos: Tensor, slot_pri: Tensor, score: str) -> bool:
-    """Whether the parallel walk takes these slots ([B, H, N]); two host syncs."""
+def supported(slot_pos: Tensor, slot_pri: Tensor, score: str, slot_prior: Tensor | None = None) -> bool:
+    """Whether the parallel walk takes these slots ([B, H, N]; `slot_prior` for "prior"); a few host syncs."""
     # an empty slot with a finite priority could win a comparison in the walk, which the candidates here leave out
     if not bool(((slot_pos >= 0) | (slot_pri == float("-inf"))).all()):
         return False
-    if score == "mean":
-        return torch.equal(slot_pos, slot_pos[:, :1].expand_as(slot_pos)) and torch.equal(
-            slot_pri, slot_pri[:, :1].expand_as(slot_pri))
+    if score in ("mean", "prior"):
+        alike = [slot_pos, slot_pri] if slot_prior is None else [slot_pos, slot_pri, slot_prior]
+        return all(torch.equal(t, t[:, :1].expand_as(t)) for t in alike)
     return True
 
 
@@ -84,6 +85,7 @@ def _priorities(
     pri0: Tensor,  # [B, Hd, M]
     ins_pri: Tensor,  # [B, Hd, T]
     score: str,
+    prior: Tensor | None = None,  # [B, Hd, M]
 ) -> tuple[Tensor, Tensor]:
     """Each column's priority at every step's decision, [B, Hd, T, M], and after the block, [B, Hd, M].
 
@@ -91,7 +93,8 @@ def _priorities(
     `pri0` holds the priorities at the block's start (for "sum" 0 at the block's tokens, which start from
     their insertion priority `ins_pri` at their own step). The normalisers are over the held columns; a column
     inserted but no longer held gets the probability it would have under them (`exp(l - max) / sum`), so that
-    its priority is a fair guess should a later round find it held after all.
+    its priority is a fair guess should a later round find it held after all. "prior": each column's static
+    prior [B, Hd, M] is added to its "mean" score.
     """
     B, Hd, M = ins.shape
     T = logits.shape[3]
@@ -113,8 +116,10 @@ def _priorities(
         new = heads[0]
         for h in heads[1:]:
             new = new + h
-        if score == "mean":
+        if score in ("mean", "prior"):
             new = (new / len(heads))[:, None]
+        if score == "prior":
+            new = new + prior[:, :, None, :]
     update = present[:, :, 0] & real[:, None, :, None]
     if score == "sum":
         inc = torch.where(update, new, 0.0)
@@ -254,9 +259,11 @@ def _block(
     topk: int,
     score: str,
     stats: dict | None,
+    prior_state: Tensor | None = None,  # [B, Hd, N]
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One block: (evicted positions [B, Hd, T], slot positions and priorities after it [B, Hd, N], and the
-    candidate column each slot then holds [B, Hd, N])."""
+    candidate column each slot then holds [B, Hd, N]). "prior": `prior_state` holds the slots' priors; a
+    block token's prior is its insertion priority `ins_pri`."""
     B, H, G, T, M = logits.shape
     Hd, N = cand_pos.shape[1], M - T
     dev = logits.device
@@ -280,6 +287,7 @@ def _block(
         pri0 = torch.cat([pri_state, pri_state.new_zeros(B, Hd, T)], dim=2)
     else:
         pri0 = torch.cat([pri_state, pri_state.new_full((B, Hd, T), float("-inf"))], dim=2)
+    prior = None if prior_state is None else torch.cat([prior_state, ins_pri], dim=2)  # [B, Hd, M]
 
     def removal(ev: Tensor) -> tuple[Tensor, Tensor]:  # the step each column is evicted at, and its removal step
         at = torch.full((B, Hd, M + 1), never, device=dev).scatter_(2, ev, steps)[..., :M]
@@ -287,7 +295,7 @@ def _block(
 
     if topk == 0:
         ev = torch.where(decide, x, M)
-        _, final = _priorities(logits, ins, removal(ev)[1], real, pri0, ins_pri, score)
+        _, final = _priorities(logits, ins, removal(ev)[1], real, pri0, ins_pri, score, prior)
         enter = torch.full_like(ins, never)
     else:
         # competitors: the long-range columns at the start, and each leaving token from its step on
@@ -306,13 +314,13 @@ def _block(
             return key.scatter_(3, xi, torch.where(lost[..., None], _NEG_INF_KEY, key.gather(3, xi)))
 
         # speculation: priorities as if the block evicted nothing
-        pri, _ = _priorities(logits, ins, rm0, real, pri0, ins_pri, score)
+        pri, _ = _priorities(logits, ins, rm0, real, pri0, ins_pri, score, prior)
         ev = torch.where(decide, _select(keys(pri), enter, decide, stats), M)
         rounds = 0
         while True:
             # verification: the priorities under the held sets these evictions give, every step's decision
             at, rm = removal(ev)
-            pri, final = _priorities(logits, ins, rm, real, pri0, ins_pri, score)
+            pri, final = _priorities(logits, ins, rm, real, pri0, ins_pri, score, prior)
             key = keys(pri)
             competing = (enter[:, :, None, :] <= step[:, None]) & (at[:, :, None, :] >= step[:, None])
             wrong = decide & (torch.where(competing, key, _MAX).argmin(dim=-1) != ev)
@@ -365,20 +373,22 @@ def dynamic_walk_parallel(
     score: str,
     block: int | None = None,
     stats: dict | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """See `ops.dynamic.dynamic_walk`; the slots must pass `supported`. `block`: tokens per block (`BLOCK_T`
-    by device). `stats`, if given, counts per call (with a few host syncs more): blocks with long-range
+    slot_prior: Tensor | None = None,  # [B, H, N]
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """See `ops.dynamic.dynamic_walk` (its four outputs); the slots must pass `supported`. `block`: tokens per
+    block (`BLOCK_T` by device). `stats`, if given, counts per call (with a few host syncs more): blocks with long-range
     slots, their verification rounds, rows with a mismatch (and the step of each first mismatch), decisions,
     and skips (competitors passed over because an earlier step of their block evicted them)."""
     B, Hq, C, D = query.shape
     H, N = key.shape[1], slot_pos.shape[-1]
     G = Hq // H
-    # "mean" ranks alike in every KV head: one row of decisions per batch row
-    Hd = 1 if score == "mean" else H
+    # "mean" and "prior" rank alike in every KV head: one row of decisions per batch row
+    Hd = 1 if score in ("mean", "prior") else H
     q = query.reshape(B, H, G, C, D).float() * scale
     keys = slot_keys.float()
     pos = slot_pos[:, :Hd].long()
     pri = slot_pri[:, :Hd].float()
+    prior = None if slot_prior is None else slot_prior[:, :Hd].float()
     position = position.long()
     slot = torch.where(position < sink, position.clamp(min=0), sink + (position - sink).clamp(min=0) % window)
     ev = torch.full((B, Hd, C), -1, dtype=torch.long, device=key.device)
@@ -389,8 +399,12 @@ def dynamic_walk_parallel(
         cand = torch.cat([keys, key[:, :, blk].float()], dim=2)  # [B, H, M, D]
         logits = torch.matmul(q[:, :, :, blk], cand[:, :, None].transpose(-1, -2))  # [B, H, G, T, M]
         cand_pos = torch.cat([pos, torch.where(valid[:, blk], position[:, blk], -1)[:, None].expand(B, Hd, T)], 2)
+        ins_pri = priority[:, :Hd, blk].float()
         ev[:, :, blk], pos, pri, col = _block(
-            logits, cand_pos, pri, position[:, blk], valid[:, blk], slot[:, blk], priority[:, :Hd, blk].float(),
-            sink, window, topk, score, stats)
+            logits, cand_pos, pri, position[:, blk], valid[:, blk], slot[:, blk], ins_pri,
+            sink, window, topk, score, stats, prior)
+        if prior is not None:  # each slot's prior is its token's
+            prior = torch.cat([prior, ins_pri], dim=2).gather(2, col)
         keys = cand.gather(2, col.expand(B, H, N)[..., None].expand(B, H, N, D))
-    return ev.expand(B, H, C).contiguous(), pos.expand(B, H, N).contiguous(), pri.expand(B, H, N).contiguous()
+    out = (ev.expand(B, H, C).contiguous(), pos.expand(B, H, N).contiguous(), pri.expand(B, H, N).contiguous())
+    return (*out, None if prior is None else prior.expand(B, H, N).contiguous())

@@ -30,7 +30,8 @@ def dynamic_walk_reference(
     topk: int,
     scale: float,
     score: Score,
-) -> tuple[Tensor, Tensor, Tensor]:
+    slot_prior: Tensor | None = None,  # [B, H, N]
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Insert `C` tokens into `N = sink + window + topk` slots step by step; see `dynamic_walk`."""
     s, w, k = sink, window, topk
     B, H, C, D = key.shape
@@ -39,6 +40,10 @@ def dynamic_walk_reference(
     keys = torch.cat([slot_keys, slot_keys.new_zeros(B, H, 1, D)], dim=2)
     pos = torch.cat([slot_pos, slot_pos.new_full((B, H, 1), -1)], dim=2)
     pri = torch.cat([slot_pri, slot_pri.new_full((B, H, 1), float("-inf"))], dim=2)
+    # `prior` (KVpop-TOVA): each slot's static prior moves with its token, like its priority
+    bufs = [pri]
+    if slot_prior is not None:
+        bufs.append(torch.cat([slot_prior.float(), pri.new_full((B, H, 1), float("-inf"))], dim=2))
     evicted = torch.full((B, H, C), -1, dtype=torch.long, device=key.device)
     for j in range(C):
         p, real = position[:, j], valid[:, j]
@@ -60,14 +65,17 @@ def dynamic_walk_reference(
             dst = torch.where(promote, widx + s + w, N)
             keys.scatter_(2, dst[..., None].expand(-1, -1, -1, D), keys.gather(2, idx[..., None].expand(-1, -1, -1, D)))
             pos.scatter_(2, dst, leave_pos)
-            pri.scatter_(2, dst, leave_pri)
+            for buf in bufs:
+                buf.scatter_(2, dst, buf.gather(2, idx))
         evicted[:, :, j] = torch.where(leaving, out, -1)[..., 0]
         dst = torch.where(real[:, None, None], idx, N)
         keys.scatter_(2, dst[..., None].expand(-1, -1, -1, D), key[:, :, j : j + 1].to(keys.dtype))
         pos.scatter_(2, dst, p[:, None, None].expand(B, H, 1))
-        pri.scatter_(2, dst, priority[:, :, j : j + 1].float())
+        for buf in bufs:  # a new token's prior is its priority at insertion
+            buf.scatter_(2, dst, priority[:, :, j : j + 1].float())
         occupied = pos[:, :, :N] >= 0
         probs = step_probs(query[:, :, j : j + 1], keys[:, :, :N], occupied, scale)
-        updated = score_update(score, pri[:, :, :N], probs, occupied)
+        prior = None if slot_prior is None else bufs[1][:, :, :N]
+        updated = score_update(score, pri[:, :, :N], probs, occupied, prior)
         pri[:, :, :N] = torch.where(real[:, None, None], updated, pri[:, :, :N])
-    return evicted, pos[:, :, :N], pri[:, :, :N]
+    return evicted, pos[:, :, :N], pri[:, :, :N], (None if slot_prior is None else bufs[1][:, :, :N])

@@ -10,14 +10,17 @@ from typing import Literal
 
 from torch import Tensor
 
-Score = Literal["max", "mean", "sum"]
-SCORES = ("max", "mean", "sum")
+Score = Literal["max", "mean", "sum", "prior"]
+SCORES = ("max", "mean", "sum", "prior")
 """`max`: TOVA, the largest probability over a KV head's query heads; `mean`: TOVA averaged over every
 query head of the layer (all KV heads then rank alike); `sum`: H2O, probabilities summed over the
-query heads and accumulated over steps."""
+query heads and accumulated over steps; `prior`: KVpop-TOVA (`KVpopConfig.tova_prior`, an extension),
+`mean` plus the slot's own static prior (the learned scorer's prediction of its future attention, fixed
+at insertion and equal in every KV head of the layer)."""
 
 
-def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor | None) -> Tensor:
+def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor | None,
+                 prior: Tensor | None = None) -> Tensor:
     """New slot priorities after one step.
 
     Args:
@@ -25,6 +28,7 @@ def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor
         priority: float32 [B, Hkv, N], the slots' priorities before the step.
         probs: float32 [B, Hkv, G, N], the step's attention probabilities over the slots.
         occupied: bool [B, Hkv, N]; None: every slot (the same bits as an all-True mask).
+        prior: float32 [B, Hkv, N], the slots' static priors; needed by `prior` only.
     Returns:
         float32 [B, Hkv, N]; empty slots keep their priority.
     """
@@ -35,9 +39,15 @@ def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor
     B, H, G, N = probs.shape
     if score == "max":
         new = probs.amax(dim=2)
-    elif score == "mean":
+    elif score in ("mean", "prior"):
         per_slot = probs.permute(0, 3, 1, 2).contiguous().view(B, N, H * G)
         new = (per_slot.sum(-1) / (H * G))[:, None].expand_as(priority)
+        if score == "prior":
+            # the priors are the same in every KV head of the layer (`TOVAPriorPolicy`), so the heads keep the same
+            # tokens in the same slots and the layer-wide mean adds up one token's probabilities, as for TOVA
+            if prior is None:
+                raise ValueError("score='prior' needs the slots' priors (prior=None)")
+            new = new + prior
     elif score == "sum":
         new = priority + probs.transpose(2, 3).contiguous().sum(-1)
     else:

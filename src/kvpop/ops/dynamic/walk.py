@@ -39,7 +39,8 @@ def dynamic_walk_torch(
     topk: int,
     scale: float,
     score: Score,
-) -> tuple[Tensor, Tensor, Tensor]:
+    slot_prior: Tensor | None = None,  # [B, H, N]
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """See `ops.dynamic.dynamic_walk`."""
     s, w, k = sink, window, topk
     B, Hq, C, D = query.shape
@@ -54,6 +55,11 @@ def dynamic_walk_torch(
     # the long-range slots followed by the scratch slot: a write to index `k` of these views is dropped
     keys_top, pos_top, pri_top = keys[:, :, s + w :], pos[:, :, s + w :], pri[:, :, s + w :]
     top_pos, top_pri = pos[:, :, s + w : N], pri[:, :, s + w : N]
+    # `prior` (KVpop-TOVA): each slot's static prior moves with its token, like its priority
+    has_prior = slot_prior is not None
+    if has_prior:
+        prior = torch.cat([slot_prior.float(), pri.new_full((B, H, 1), float("-inf"))], dim=2)
+        prior_n, prior_top = prior[:, :, :N], prior[:, :, s + w :]
 
     # per-token inputs, prepared once; each list holds C views
     slot = torch.where(position < s, position.clamp(min=0), s + (position - s).clamp(min=0) % w)  # [B, C]
@@ -97,6 +103,8 @@ def dynamic_walk_torch(
                 keys_top.scatter_(2, to[..., None].expand(B, H, 1, D), keys.gather(2, idx4[j]))
                 pos_top.scatter_(2, to, leave_pos)
                 pri_top.scatter_(2, to, leave_pri)
+                if has_prior:
+                    prior_top.scatter_(2, to, prior.gather(2, idx[j]))
             else:
                 ev[j].copy_(leave_pos)
             if padded:
@@ -104,9 +112,12 @@ def dynamic_walk_torch(
         keys.scatter_(2, dst4[j], new_key[j])
         pos.scatter_(2, dst1[j], new_pos[j])
         pri.scatter_(2, dst1[j], new_pri[j])
+        if has_prior:  # a new token's prior is its priority at insertion
+            prior.scatter_(2, dst1[j], new_pri[j])
         if not full and may_fill[j]:
             full = bool((pos_n >= 0).all())
         occupied = None if full else pos_n >= 0
-        updated = score_update(score, pri_n, slot_probs(queries[j], keys_n, occupied), occupied)
+        updated = score_update(score, pri_n, slot_probs(queries[j], keys_n, occupied), occupied,
+                               prior_n if has_prior else None)
         pri_n.copy_(torch.where(real[j], updated, pri_n) if padded else updated)
-    return evicted[..., 0], pos_n, pri_n
+    return evicted[..., 0], pos_n, pri_n, (prior_n if has_prior else None)
