@@ -2,17 +2,16 @@
 # The eleventh session's device calls (issues 16, 17, 18), back to back in one warm lease of one H200 (`nvidia-h200`);
 # the tenth session's calls are this file at commit 5e89fc2. bench/README.md has the runbook.
 #
-#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half (nothing else: the lease's
-#                                        # minutes go to calls 2-4)
-#   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; train the issue-17 rows under MPS:
-#                                        # KVpop-TOVA (the learned prior beside TOVA's evidence, an extension) and its
-#                                        # static twin KVpop-mlp, pre-RoPE keys, the domain mixture, scorer-only, two
-#                                        # seeds, both budgets
+#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; the CUDA tests of the
+#                                        # parallel walk with priors (the lease's minutes go to calls 2-4)
+#   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; train the study's learned rows under
+#                                        # MPS, seed 0, both budgets, scorer-only (DMS: gates only): the best KVpop-mlp
+#                                        # (pre-RoPE keys, the domain mixture) and DMS
 #   bash bench/gpu_evaluation.sh 3 OUT   # under one MPS daemon: the runs finished, then side by side the teacher-forced
-#                                        # table on the seventh session's 8 sequences (TOVA, H2O, StreamingLLM and the
+#                                        # table on the seventh session's 8 sequences (TOVA, StreamingLLM and the
 #                                        # oracle again beside the trained rows), the task suite (every family) and the
 #                                        # long-generation fidelity (4096 tokens at B = 2048, 2048 at B = 1024) of the
-#                                        # seed-0 trained rows (issue 16 item 7)
+#                                        # trained rows (issue 16 item 7; the training-free rows' are the tenth's)
 #   bash bench/gpu_evaluation.sh 4 OUT   # out of domain: the same rows on Python code (pystdlib, never trained on as
 #                                        # held-out text), 8 x 8192 tokens; `generate` of SmolLM2 against StaticCache +
 #                                        # compile, batch 1 and 4 (issue 18 item 2)
@@ -24,7 +23,7 @@
 # and fidelity take final weights only (`trained`), so call 2's training budget must cover all the steps (tenth);
 # the table's StreamingLLM / oracle must repeat the seventh session's digits on its 8 sequences; fidelity decodes
 # ~20-40 ms per batch step (launch-bound), so its processes share the GPU under MPS.
-# Knobs: STEPS (120), SEEDS (0,1), TRAIN_S (call 2's training seconds, 420), TRAIN3_S / EVAL_S (call 3: 60 / 420),
+# Knobs: ROWS, FREE_ROWS, STEPS (120), SEEDS (0), TRAIN_S (call 2's training seconds, 420), TRAIN3_S / EVAL_S (call 3: 60 / 420),
 # FID_P (8 problems), SUITE_S (400), SIDE_S (fidelity, 430), LENGTHS (4k,8000), OOD_S (call 4's code rows, 330).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4|5 OUT_DIR}
@@ -76,9 +75,9 @@ mps_on() {  # NVIDIA's MPS daemon, so launch-bound side processes run their kern
 }
 
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
-rows=${ROWS:-kvpop-tova+prerope+mix+frozen,kvpop-mlp+prerope+mix+frozen}
-study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --seeds "${SEEDS:-0,1}"
-       --rows "$rows" --mix champ,pystdlib,prose --free-rows "${FREE_ROWS:-oracle,streaming_llm,tova,h2o}")
+rows=${ROWS:-kvpop-mlp+prerope+mix+frozen,dms+frozen}
+study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --seeds "${SEEDS:-0}"
+       --rows "$rows" --mix champ,pystdlib,prose --free-rows "${FREE_ROWS:-oracle,streaming_llm,tova}")
 trained() {  # the seed-0 final weights of the study's rows at budget $1, as --trained arguments
   for d in "$HOME"/study/runs/*_b"$1"; do
     case $d in *_s[0-9]*_b"$1") continue ;; esac  # seed 0 only
@@ -88,6 +87,9 @@ trained() {  # the seed-0 final weights of the study's rows at budget $1, as --t
 case $phase in
 1)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
+  # the parallel walk with KVpop-TOVA's priors on CUDA (the selection kernel, the 8B shape's heads at 2k)
+  step tests 120 python -m pytest -q -rs -p no:cacheprovider tests/test_dynamic.py -m "gpu or not slow" \
+    -k "at_size_on_cuda or parallel_selection_kernel"
   ;;
 2)
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
@@ -109,7 +111,7 @@ case $phase in
     for f in results.json table.md recall_per_layer.png train_status.json; do cp "$HOME/study/$f" "$out/" 2>/dev/null; done
     grep -v progress "$out/study.log" | tail -n 40 ) &
   for b in 2048 1024; do
-    ( SIDE_S=${SUITE_S:-400} suite "suite_b$b" --policies tova --budgets "$b" $(trained "$b")
+    ( SIDE_S=${SUITE_S:-400} suite "suite_b$b" --policies none --budgets "$b" $(trained "$b")
       cp "$HOME/suite_b$b"/*.png "$out/suite_b$b/" 2>/dev/null ) &
   done
   # B = 2048 needs 4096 tokens to fill its cache for long; one trained row per process, so the launch-bound

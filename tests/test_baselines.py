@@ -175,6 +175,21 @@ def test_kvpop_tova_matches_the_plain_reference(sink, window, topk, alpha):
         assert held != _reference_dynamic("prior", q, k, v, sink, window, topk, D**-0.5, prior=zero)[1]
 
 
+def test_kvpop_tova_with_weight_zero_is_tova():
+    # alpha = 0: the prior adds nothing, so the ranking is the paper TOVA's (the head average), token for token
+    torch.manual_seed(2)
+    B, Hkv, G, S, D = 2, 2, 3, 40, 4
+    q, k, v = torch.randn(B, Hkv * G, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    ours = kvpop.KVpopConfig.for_budget(9, tova_prior=0.0, scorer_hidden=8)
+    tova = kvpop.KVpopConfig.for_budget(9, policy="tova")
+    assert (ours.sink, ours.window, ours.topk) == (tova.sink, tova.window, tova.topk) and tova.tova_head_average
+    layers = [KVpopLayerCache(c.sink, c.window, c.topk) for c in (ours, tova)]
+    with torch.no_grad():
+        outs = [_feed(layer, make_policy(c, Hkv, D).eval(), q, k, v, D**-0.5) for layer, c in zip(layers, (ours, tova))]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(layers[0].pos, layers[1].pos) and torch.equal(layers[0].pri, layers[1].pri)
+
+
 def test_kvpop_tova_trains_as_the_static_rule():
     # in training mode the policy is KVpop-mlp (static priorities, the boundary loss); evaluated, it is dynamic
     cfg = kvpop.KVpopConfig.for_budget(16, tova_prior=1.0, scorer_hidden=8)

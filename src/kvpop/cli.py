@@ -312,7 +312,7 @@ def info(args: argparse.Namespace) -> int:
         help="mlp/evidence: keys as cached (the paper) or with RoPE undone (pre_rope) (default cached)"),
     arg("--tova-prior", type=float, default=None, metavar="ALPHA",
         help="mlp: KVpop-TOVA (an extension): evaluate and decode ranking each slot by TOVA's evidence (the latest "
-             "query's attention, averaged over the KV head's query heads) plus ALPHA x the scorer's predicted future "
+             "query's attention, averaged over every query head of the layer) plus ALPHA x the scorer's predicted future "
              "attention; the scorer trains as KVpop-mlp with its bias calibrated; TOVA's split (no sinks, window 1) "
              "unless --sink/--window say otherwise (default: off, the paper's static rule)"),
     arg("--evidence-mix", default="concat", choices=["concat", "additive"],

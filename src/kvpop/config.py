@@ -87,7 +87,7 @@ class KVpopConfig:
     tova_prior: float | None = None
     """KVpop-TOVA (an extension, `KVPOP.md` Sec. 7b; mlp scorer only). None: the paper's static rule. A weight
     `alpha >= 0`: decode and evaluate dynamically, ranking each slot by TOVA's evidence (the latest query's
-    attention averaged over the KV head's query heads) plus `alpha * exp(r)`, the scorer's prediction of the
+    attention averaged over every query head of the layer, as TOVA's paper ranks) plus `alpha * exp(r)`, the scorer's prediction of the
     token's future attention, fixed at insertion. The scorer trains as KVpop-mlp (the static rule), with its
     per-head bias `b2` calibrated so that `exp(r)` estimates the target's future attention mass."""
     tova_head_average: bool = False

@@ -209,9 +209,10 @@ class TOVAPriorPolicy(ScorerPolicy):
     The static rule keeps a token for what its `[k; v]` predicts and cannot see that the text has turned
     (a repetition loop: the eighth session's sequence 1, docs/RESULTS.md); TOVA follows the current query
     but forgets what a later query will need. Here a slot's priority after each step is the latest query's
-    attention averaged over the KV head's query heads (TOVA's) plus `alpha * exp(r)`, the scorer's estimate of
-    the token's future attention (Sec. 4's target, in the same units once `b2` is calibrated), fixed at
-    insertion and kept per slot (`ops.dynamic.score_update`, score "prior").
+    attention averaged over every query head of the layer (TOVA's paper ranking) plus `alpha * exp(r)`, the
+    scorer's estimate of the token's future attention (Sec. 4's target, in the same units once `b2` is
+    calibrated) averaged over the layer's KV heads, fixed at insertion and kept per slot
+    (`ops.dynamic.score_update`, score "prior"). `alpha = 0` is TOVA's paper ranking.
 
     In training (`self.training`) it is KVpop-mlp: the static rule, the boundary loss and the target; the
     trainer calibrates `b2` (`kvpop.train.calibrate`). In evaluation and decoding it is dynamic, like TOVA.
