@@ -167,8 +167,21 @@ def test_real_shapes(name, hidden, inter, tied, params_b):
     assert shape_config(name, num_layers=4).num_hidden_layers == 4
 
 
+def test_smollm2_shape_is_the_default_models_layout():
+    # the random-weight twin of the embedded default model: the same architecture and shapes as its config
+    from kvpop.models import load_config
+
+    real, twin = load_config("smollm2-135m"), shape_config("smollm2-135m-shape")
+    fields = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
+              "bos_token_id", "eos_token_id")
+    assert {f: getattr(twin, f) for f in fields} == {f: getattr(real, f) for f in fields}
+    assert twin.rope_parameters["rope_theta"] == real.rope_parameters["rope_theta"]
+    assert twin.rms_norm_eps == pytest.approx(real.rms_norm_eps)
+
+
 def test_unknown_shape():
-    assert set(SHAPE_PRESETS) == {"qwen3-4b-shape", "qwen3-8b-shape", "tiny-qwen3-shape"}
+    assert set(SHAPE_PRESETS) == {"qwen3-4b-shape", "qwen3-8b-shape", "tiny-qwen3-shape", "smollm2-135m-shape"}
     with pytest.raises(ValueError, match="unknown shape preset"):
         shape_config("qwen3-70b-shape")
 

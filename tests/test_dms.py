@@ -171,10 +171,13 @@ def test_relaxed_attention_in_blocks_equals_one_block_forward_and_backward():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_relaxed_attention_through_sdpa_equals_the_explicit_form(dtype, tol, device):
+@pytest.mark.parametrize("frozen", [False, True])
+def test_relaxed_attention_through_sdpa_equals_the_explicit_form(dtype, tol, device, frozen):
     # the CUDA path (the soft bias as SDPA's mask, GQA written out) against the explicit float32 form:
     # outputs and the gradients of q, k, v and the gates, with left padding and a ragged last block;
-    # on CUDA, SDPA picks its memory-efficient kernel for a float mask (the one training uses)
+    # on CUDA, SDPA picks its memory-efficient kernel for a float mask (the one training uses).
+    # `frozen`: only the gates need a gradient (`kvpop train --policy dms --freeze-base`), which failed on
+    # CUDA with torch 2.11 ("LSE is not correctly aligned (strideH)", the eleventh session)
     torch.manual_seed(1)
     B, Hkv, G, S, D = 2, 2, 3, 45, 8
     q, k, v = (torch.randn(B, Hkv * G, S, D, device=device), torch.randn(B, Hkv, S, D, device=device),
@@ -185,13 +188,15 @@ def test_relaxed_attention_through_sdpa_equals_the_explicit_form(dtype, tol, dev
     pos = (torch.cumsum(valid.long(), -1) - 1).clamp(min=0)
     results = []
     for backend in ("explicit", "sdpa"):
-        x = [t.clone().to(dtype).requires_grad_() for t in (q, k, v)] + [gate.clone().requires_grad_()]
+        x = [t.clone().to(dtype).requires_grad_(not frozen) for t in (q, k, v)] + [gate.clone().requires_grad_()]
         out, lse = relaxed_attention(x[0], x[1], x[2], pos, valid, torch.sigmoid(x[3]), 2, 5, D**-0.5,
                                      chunk=16, backend=backend)
         assert lse is None and out.dtype == dtype
         (out.float().square() * valid[:, None, :, None]).sum().backward()
-        results.append([out.float(), *(t.grad.float() for t in x)])
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dgate"), *results):
+        assert all(t.grad is None for t in x[:3]) == frozen
+        results.append([out.float(), *(t.grad.float() for t in x if t.grad is not None)])
+    names = ("out", "dgate") if frozen else ("out", "dq", "dk", "dv", "dgate")
+    for name, a, b in zip(names, *results):
         assert torch.isfinite(b).all(), name
         assert_close(b, a, tol * max(1.0, a.abs().max().item()), f"{dtype} {name}")
     assert results[0][0][1, :, :7].abs().max() == 0 == results[1][0][1, :, :7].abs().max()  # padding queries

@@ -532,14 +532,17 @@ PARALLEL_TRITON_CHECK = textwrap.dedent(
     from kvpop.ops.dynamic import dynamic_walk
     from kvpop.ops.dynamic.parallel import _select, _select_host, dynamic_walk_parallel
 
-    # the selection kernel against the host loop: random keys, few columns, long blocks (many skips, chunks of 32)
+    # the selection kernel against the host loop: random keys, few columns, long blocks (many skips, chunks of 32);
+    # on the GPU the kernel itself, else Triton's interpreter on the CPU
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     for B, Hd, T, M, start in [(2, 3, 70, 90, 0), (1, 2, 64, 64 + 9, 17), (1, 1, 1, 5, 0)]:
         key = torch.randint(0, 40, (B, Hd, T, M), generator=g) * M + torch.arange(M)
         enter = torch.randint(-1, T, (B, Hd, M), generator=g)
         decide = torch.rand(B, Hd, T, generator=g) < 0.8
         enter[..., :T] = torch.where(decide, torch.arange(T), enter[..., :T])
-        known = torch.full((B, Hd, T), M)
+        key, enter, decide = key.to(dev), enter.to(dev), decide.to(dev)
+        known = torch.full((B, Hd, T), M, device=dev)
         host = par._select_host
         par._select_host = None  # the kernel must serve
         if start:
@@ -548,26 +551,28 @@ PARALLEL_TRITON_CHECK = textwrap.dedent(
         got = _select(key, enter, decide, stats, start, known)
         par._select_host = host
         want = torch.where(decide, _select_host(*[t.reshape(B * Hd, *t.shape[2:]) for t in (
-            torch.where(enter[:, :, None, :] <= torch.arange(start, T)[:, None], key[:, :, start:], par._MAX)
+            torch.where(enter[:, :, None, :] <= torch.arange(start, T, device=dev)[:, None], key[:, :, start:], par._MAX)
             .topk(T, dim=-1, largest=False)[1], decide, known)], start, M)[0].reshape(B, Hd, T), M)
         assert torch.equal(torch.where(decide, got, M), want), (B, Hd, T, M, start)
     # one order at every step: step j passes over the j columns taken before it (chunks of 32 entries)
     T, M = 100, 120
-    key, enter = torch.arange(M).expand(1, 1, T, M), torch.full((1, 1, M), -1)
-    decide = torch.ones(1, 1, T, dtype=torch.bool)
+    key, enter = torch.arange(M, device=dev).expand(1, 1, T, M), torch.full((1, 1, M), -1, device=dev)
+    decide = torch.ones(1, 1, T, dtype=torch.bool, device=dev)
     stats = {}
-    assert torch.equal(_select(key, enter, decide, stats)[0, 0], torch.arange(T))
+    assert torch.equal(_select(key, enter, decide, stats)[0, 0], torch.arange(T, device=dev))
     assert stats["skips"] == T * (T - 1) // 2, stats
     # and the walk with it, in blocks of 8
     g = torch.Generator().manual_seed(1)
     B, H, G, C, D = 2, 2, 2, 40, 8
-    q, key = torch.randn(B, H * G, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
-    slots = (torch.zeros(B, H, 9, D), torch.full((B, H, 9), -1), torch.full((B, H, 9), float("-inf")))
-    prior = torch.rand(B, 1, C, generator=g).expand(B, H, C) * 0.1  # KVpop-TOVA's priors, alike in every head
+    q, key = torch.randn(B, H * G, C, D, generator=g).to(dev), torch.randn(B, H, C, D, generator=g).to(dev)
+    slots = (torch.zeros(B, H, 9, D, device=dev), torch.full((B, H, 9), -1, device=dev),
+             torch.full((B, H, 9), float("-inf"), device=dev))
+    # KVpop-TOVA's priors, alike in every head
+    prior = (torch.rand(B, 1, C, generator=g).expand(B, H, C) * 0.1).to(dev)
     for score in ("max", "sum", "mean", "prior"):
-        pri = prior if score == "prior" else torch.zeros(B, H, C)
+        pri = prior if score == "prior" else torch.zeros(B, H, C, device=dev)
         slot_prior = slots[2] if score == "prior" else None
-        args = (q, key, *slots, torch.arange(C).expand(B, C), torch.ones(B, C, dtype=torch.bool),
+        args = (q, key, *slots, torch.arange(C, device=dev).expand(B, C), torch.ones(B, C, dtype=torch.bool, device=dev),
                 pri, 1, 2, 6, D**-0.5, score)
         got = dynamic_walk_parallel(*args, block=8, slot_prior=slot_prior)
         want = dynamic_walk(*args, backend="torch", slot_prior=slot_prior)

@@ -61,7 +61,22 @@ def tiny_qwen3_config(**overrides: Any):
                                    bos_token_id=0, eos_token_id=1, pad_token_id=0), **overrides})
 
 
+def smollm2_135m_config(**overrides: Any):
+    """SmolLM2-135M's shapes (Llama): hidden 576, 30 layers, 9 query / 3 KV heads of dim 64, tied embeddings.
+
+    The default model's layout without its GGUF, for machines that do not carry the file."""
+    from transformers import LlamaConfig
+
+    fields = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3, head_dim=64, vocab_size=49_152, max_position_embeddings=8192,
+                  rope_parameters={"rope_type": "default", "rope_theta": 100_000.0}, rms_norm_eps=1e-5,
+                  hidden_act="silu", attention_bias=False, mlp_bias=False, initializer_range=0.02,
+                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return LlamaConfig(**{**fields, **overrides})
+
+
 SHAPE_PRESETS: dict[str, Callable[..., Any]] = {
+    "smollm2-135m-shape": smollm2_135m_config,
     "qwen3-4b-shape": qwen3_4b_config,
     "qwen3-8b-shape": qwen3_8b_config,
     "tiny-qwen3-shape": tiny_qwen3_config,
@@ -69,6 +84,8 @@ SHAPE_PRESETS: dict[str, Callable[..., Any]] = {
 """Name -> config factory (keyword overrides allowed, e.g. `num_hidden_layers=4`)."""
 
 SHAPE_DESCRIPTIONS: dict[str, str] = {
+    "smollm2-135m-shape": "random weights with SmolLM2-135M's shapes (Llama, 30 layers, 9 query / 3 KV heads of "
+                          "dim 64), the default model's layout without its file",
     "qwen3-4b-shape": "random weights with Qwen3-4B's shapes (36 layers, 32 query / 8 KV heads of dim 128), "
                       "for GPU benchmarks",
     "qwen3-8b-shape": "random weights with Qwen3-8B's shapes (36 layers, 32 query / 8 KV heads of dim 128), "

@@ -166,6 +166,11 @@ def _relaxed_block_sdpa(query, key, value, log_keep, q_pos, q_valid, k_pos, k_va
     # a padding query has no key at all: give it every key (finite row), and zero its output below
     bias = bias.masked_fill(~q_valid[:, None, :, None], 0.0).to(query.dtype)
     q = query.reshape(B, Hkv * G, Q, D)
+    if bias.requires_grad and not (q.requires_grad or key.requires_grad or value.requires_grad):
+        # only the gates learn (the base frozen): torch's SDPA then skips the logsumexp in the forward, which the
+        # memory-efficient backward needs for the mask's gradient ("LSE is not correctly aligned (strideH)" on
+        # CUDA, torch 2.11; pytorch/pytorch#148476). A query that asks for a gradient (never read) keeps it.
+        q = q.detach().requires_grad_()
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=bias.repeat_interleave(G, dim=1), scale=scale)
     out = out.masked_fill(~q_valid[:, None, :, None], 0.0)
     return out.reshape(B, Hkv, G, Q, D), None
