@@ -89,7 +89,8 @@ class KVpopConfig:
     `alpha >= 0`: decode and evaluate dynamically, ranking each slot by TOVA's evidence (the latest query's
     attention averaged over every query head of the layer, as TOVA's paper ranks) plus `alpha * exp(r)`, the scorer's prediction of the
     token's future attention, fixed at insertion. The scorer trains as KVpop-mlp (the static rule), with its
-    per-head bias `b2` calibrated so that `exp(r)` estimates the target's future attention mass."""
+    per-head bias `b2` calibrated so that `exp(r)` estimates the target's future attention mass. Measured worse
+    than TOVA at every weight tried (docs/RESULTS.md, eleventh session)."""
     tova_head_average: bool = False
     """TOVA only: rank by the attention averaged over all query heads of the layer (the original)
     instead of per KV head (max over its query heads)."""
