@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The eleventh session's device calls (issues 16, 17, 18), back to back in one warm lease of one H200 (`nvidia-h200`);
-# the tenth session's calls are this file at commit 5e89fc2. bench/README.md has the runbook.
+# they ran at commit 909b344 (calls 1-4); the tenth session's calls are this file at commit 5e89fc2.
+# bench/README.md has the runbook.
 #
 #   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; the CUDA tests of the
 #                                        # parallel walk with priors (the lease's minutes go to calls 2-4)
@@ -132,7 +133,9 @@ case $phase in
   done
   wait
   for b in 2048 1024; do mkdir -p "$out/code_b$b" && cp "$HOME/code_b$b"/*.json "$HOME/code_b$b"/*.md "$out/code_b$b/" 2>/dev/null; done
-  echo quit | timeout 5 nvidia-cuda-mps-control
+  # the daemon stopped and its environment gone: the eleventh session's generate bench failed in inductor right
+  # after a stop with the variables still set (and ran cleanly in a fresh call)
+  echo quit | timeout 5 nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
   # issue 18 item 2 on SmolLM2 (batch 1 and 4), on a quiet GPU after the evaluation
   for bs in 1 4; do
     step "generate_smollm2_b$bs" 100 python bench/bench_generate.py --model smollm2-135m --device cuda \
