@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from kvpop.config import KVpopConfig
+from kvpop.ops.dynamic.score import score_update
 from kvpop.ops.topk import NEVER, eviction_positions, mask_from_eviction, retention_mask_reference
 
 
@@ -101,7 +102,7 @@ class LayerPolicy(nn.Module):
     dynamic = False
     score: str | None = None
     """Dynamic policies: how a step's probabilities become priorities, one of `ops.dynamic.SCORES`; the
-    prefill walk (`ops/dynamic`) runs it, and `update` must equal `ops.dynamic.score_update(score, ...)`."""
+    prefill walk (`ops/dynamic`) and the decode step's `update` both apply it through `ops.dynamic.score_update`."""
     stateful = False
     evidence = False
     teacher_forced_only = False
@@ -136,8 +137,13 @@ class LayerPolicy(nn.Module):
             probs: float32 [B, Hkv, G, N], the step's attention probabilities over the slots.
             occupied: bool [B, Hkv, N].
             prior: float32 [B, Hkv, N], the slots' static priors (score "prior" only, else None).
+
+        Every dynamic policy turns its `score` into priorities the same way, in `ops.dynamic.score_update`, which the
+        prefill walks call too: one definition of the update for the decode step and the walks.
         """
-        raise NotImplementedError
+        if self.score is None:
+            raise NotImplementedError(f"{type(self).__name__} is not a dynamic policy: it has no update")
+        return score_update(self.score, priority, probs, occupied, prior)
 
     def init_state(self, batch: int, device: torch.device) -> tuple[Tensor, ...]:
         """Stateful policies: the memory before any token, a tuple of tensors with the batch as dim 0."""
@@ -235,11 +241,6 @@ class TOVAPriorPolicy(ScorerPolicy):
         # one prior per token for the whole layer (the mean over its KV heads): TOVA's layer-wide ranking then
         # stays one ranking, and every head keeps the same tokens
         return (self.weight * torch.exp(self.scorer(key, value))).mean(dim=1, keepdim=True).expand(key.shape[:3])
-
-    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor, prior: Tensor | None = None) -> Tensor:
-        from kvpop.ops.dynamic import score_update
-
-        return score_update("prior", priority, probs, occupied, prior)
 
 
 class MLSTMPolicy(ScorerPolicy):

@@ -8,15 +8,9 @@ between the recent window and the heavy hitters. `for_budget(B, policy="h2o", wi
 kvpop's earlier variant (4 sinks, a window of B/4), kept for comparison (`h2o_windowed`).
 """
 
-from torch import Tensor
-
-from kvpop.ops.dynamic import score_update
 from kvpop.policy import LayerPolicy
 
 
 class H2OPolicy(LayerPolicy):
     dynamic = True
     score = "sum"
-
-    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor, prior: Tensor | None = None) -> Tensor:
-        return score_update(self.score, priority, probs, occupied)

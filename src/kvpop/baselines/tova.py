@@ -13,10 +13,7 @@ latest query attended least is dropped. `for_budget(B, policy="tova", windowed=T
 earlier variant (4 sinks, a window of B/4, per KV head), kept for comparison (`tova_windowed`).
 """
 
-from torch import Tensor
-
 from kvpop.config import KVpopConfig
-from kvpop.ops.dynamic import score_update
 from kvpop.policy import LayerPolicy
 
 
@@ -30,6 +27,3 @@ class TOVAPolicy(LayerPolicy):
     @property
     def score(self) -> str:
         return "mean" if self.head_average else "max"
-
-    def update(self, priority: Tensor, probs: Tensor, occupied: Tensor, prior: Tensor | None = None) -> Tensor:
-        return score_update(self.score, priority, probs, occupied)
