@@ -1,31 +1,31 @@
 #!/usr/bin/env bash
-# The eleventh session's device calls (issues 16, 17, 18), back to back in one warm lease of one H200 (`nvidia-h200`);
-# they ran at commit 909b344 (calls 1-4); the tenth session's calls are this file at commit 5e89fc2.
-# bench/README.md has the runbook.
+# The twelfth session's device calls (issues 16, 17, 18), back to back in one warm lease of one H200 (`nvidia-h200`);
+# the eleventh session's calls are this file at commit 31d4f17. bench/README.md has the runbook.
 #
-#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; the CUDA tests of the
-#                                        # parallel walk with priors (the lease's minutes go to calls 2-4)
+#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; the CUDA tests of KVpop-cascade
+#                                        # (the Triton walk with two pools, the captured decode step) and of the walks
 #   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; train the study's learned rows under
-#                                        # MPS, seed 0, both budgets, scorer-only (DMS: gates only): the best KVpop-mlp
-#                                        # (pre-RoPE keys, the domain mixture) and DMS
-#   bash bench/gpu_evaluation.sh 3 OUT   # under one MPS daemon: the runs finished, then side by side the teacher-forced
-#                                        # table on the seventh session's 8 sequences (TOVA, StreamingLLM and the
-#                                        # oracle again beside the trained rows), the task suite (every family) and the
-#                                        # long-generation fidelity (4096 tokens at B = 2048, 2048 at B = 1024) of the
-#                                        # trained rows (issue 16 item 7; the training-free rows' are the tenth's)
-#   bash bench/gpu_evaluation.sh 4 OUT   # out of domain: the same rows on Python code (pystdlib, never trained on as
-#                                        # held-out text), 8 x 8192 tokens; `generate` of SmolLM2 against StaticCache +
-#                                        # compile, batch 1 and 4 (issue 18 item 2)
+#                                        # MPS, seed 0, both budgets: the best KVpop-mlp (pre-RoPE keys, the domain
+#                                        # mixture, scorer-only), DMS (gates only) and StreamingLLM+ (base distilled)
+#   bash bench/gpu_evaluation.sh 3 OUT   # under one MPS daemon, side by side: the teacher-forced table of every trained
+#                                        # row and of KVpop-cascade (the KVpop-mlp weights with POOLS TOVA slots) beside
+#                                        # TOVA on the seventh session's 8 sequences; the task suite and the long-
+#                                        # generation fidelity of the cascade, DMS and StreamingLLM+ rows (issue 16 item 7)
+#   bash bench/gpu_evaluation.sh 4 OUT   # held-out Python code (pystdlib) and Python's help topics (pydoc, out of
+#                                        # domain), 8 x 8192 tokens, every training-free row, KVpop-mlp and the cascade;
+#                                        # `generate` of SmolLM2 at batch 4 against StaticCache + compile (issue 18)
 #   bash bench/gpu_evaluation.sh 5 OUT   # no model needed, any fresh machine: the top-k / block-mask kernel tests and the
 #                                        # training path's cutoffs and block mask against the sparse forward (issue 18)
 #
 # Lessons: nine scorer-only runs under MPS ran 3-18 s/step on one GPU (eighth session), four MLP runs 0.85 s/step
 # (ninth); runs stopped by the deadline's stop-grace (60 s) before their last step leave only checkpoints, and the suite
 # and fidelity take final weights only (`trained`), so call 2's training budget must cover all the steps (tenth);
-# the table's StreamingLLM / oracle must repeat the seventh session's digits on its 8 sequences; fidelity decodes
-# ~20-40 ms per batch step (launch-bound), so its processes share the GPU under MPS.
-# Knobs: ROWS, FREE_ROWS, STEPS (120), SEEDS (0), TRAIN_S (call 2's training seconds, 420), TRAIN3_S / EVAL_S (call 3: 60 / 420),
-# FID_P (8 problems), SUITE_S (400), SIDE_S (fidelity, 430), LENGTHS (4k,8000), OOD_S (call 4's code rows, 330).
+# the table's StreamingLLM / oracle / TOVA must repeat the seventh session's digits on its 8 sequences; fidelity decodes
+# ~20-40 ms per batch step (launch-bound), so its processes share the GPU under MPS; a call that stops the MPS daemon
+# unsets its environment before the next CUDA process (eleventh).
+# Knobs: ROWS, FREE_ROWS, STEPS (120), SEEDS (0), POOLS (the cascade's TOVA slots per budget, "2048:P,1024:P"),
+# TRAIN_S (call 2's training seconds, 420), TRAIN3_S / EVAL_S (call 3: 60 / 420), FID_P (8 problems), SUITE_S (400),
+# SIDE_S (fidelity, 430), LENGTHS (4k,8000), OOD_S (call 4's code rows, 330).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4|5 OUT_DIR}
 dest=${2:?usage: bench/gpu_evaluation.sh 1|2|3|4|5 OUT_DIR}
@@ -76,7 +76,13 @@ mps_on() {  # NVIDIA's MPS daemon, so launch-bound side processes run their kern
 }
 
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
-rows=${ROWS:-kvpop-mlp+prerope+mix+frozen,dms+frozen}
+rows=${ROWS:-kvpop-mlp+prerope+mix+frozen,dms+frozen,streaming_llm_plus}
+pool() {  # pool BUDGET: the cascade's TOVA slots at that budget, from POOLS ("2048:766,1024:382")
+  echo "${POOLS:-2048:766,1024:382}" | tr ',' '\n' | sed -n "s/^$1://p"
+}
+mlp_dir() {  # the KVpop-mlp run at budget $1 (seed 0)
+  echo "$HOME/study/runs/kvpop-mlp+prerope+mix+frozen_b$1/final"
+}
 study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --seeds "${SEEDS:-0}"
        --rows "$rows" --mix champ,pystdlib,prose --free-rows "${FREE_ROWS:-oracle,streaming_llm,tova}")
 trained() {  # the seed-0 final weights of the study's rows at budget $1, as --trained arguments
@@ -88,9 +94,10 @@ trained() {  # the seed-0 final weights of the study's rows at budget $1, as --t
 case $phase in
 1)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
-  # the parallel walk with KVpop-TOVA's priors on CUDA (the selection kernel, the 8B shape's heads at 2k)
-  step tests 120 python -m pytest -q -rs -p no:cacheprovider tests/test_dynamic.py -m "gpu or not slow" \
-    -k "at_size_on_cuda or parallel_selection_kernel"
+  # KVpop-cascade on CUDA: the Triton walk with two pools at size, the decode step compiled and captured; the
+  # kernel's other scores again after its change
+  step tests 200 python -m pytest -q -rs -p no:cacheprovider tests/test_cascade.py tests/test_decode.py \
+    tests/test_dynamic.py -m "gpu or not slow" -k "cuda or cascade"
   ;;
 2)
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
@@ -108,40 +115,50 @@ case $phase in
   "${study[@]}" --phase train --deadline-s "${TRAIN3_S:-60}" --min-start-s 20 --stop-grace-s 15 --concurrency 8 \
     > "$out/study_train.log" 2>&1
   tail -n 12 "$out/study_train.log"
-  ( "${study[@]}" --phase eval --deadline-s "${EVAL_S:-420}" --eval-sequences 8 --concurrency 8 > "$out/study.log" 2>&1
-    for f in results.json table.md recall_per_layer.png train_status.json; do cp "$HOME/study/$f" "$out/" 2>/dev/null; done
-    grep -v progress "$out/study.log" | tail -n 40 ) &
+  cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
   for b in 2048 1024; do
-    ( SIDE_S=${SUITE_S:-400} suite "suite_b$b" --policies none --budgets "$b" $(trained "$b")
+    # the table: TOVA beside every trained row and the cascade (the KVpop-mlp weights with a TOVA pool), one process
+    # per budget on the seventh session's 8 sequences (TOVA must repeat its digits)
+    ( step "table_b$b" "${EVAL_S:-420}" "${kvpop[@]}" eval --model smollm2-135m --data champ --seq-len 8192 \
+        --sequences 8 --budgets "$b" --policies tova $(trained "$b") --tova-pool "$(pool "$b")" --no-progress \
+        --out "$HOME/table_b$b"
+      mkdir -p "$out/table_b$b" && cp "$HOME/table_b$b"/*.json "$HOME/table_b$b"/*.txt "$out/table_b$b/" 2>/dev/null ) &
+    ( SIDE_S=${SUITE_S:-400} suite "suite_b$b" --policies none --budgets "$b" $(trained "$b") --tova-pool "$(pool "$b")"
       cp "$HOME/suite_b$b"/*.png "$out/suite_b$b/" 2>/dev/null ) &
   done
   # B = 2048 needs 4096 tokens to fill its cache for long; one trained row per process, so the launch-bound
   # decodes overlap; B = 1024 at 2048 tokens as in the ninth session's table
   while read -r flag t; do
-    FID_N=4096 fidelity "fid_b2048_${t%%=*}" --policies none --budgets 2048 --samples 0 "$flag" "$t" &
+    extra=(); [ "${t%%=*}" = "kvpop-mlp+prerope+mix+frozen" ] && extra=(--tova-pool "$(pool 2048)")
+    FID_N=4096 fidelity "fid_b2048_${t%%=*}" --policies none --budgets 2048 --samples 0 "$flag" "$t" "${extra[@]}" &
   done < <(trained 2048)
-  FID_N=2048 fidelity fid_b1024 --policies none --budgets 1024 --samples 0 $(trained 1024) &
+  FID_N=2048 fidelity fid_b1024 --policies none --budgets 1024 --samples 0 $(trained 1024) --tova-pool "$(pool 1024)" &
   wait
   ;;
 4)
-  # out of domain (issue 17's target): Python code, never the training text, the same rows at both budgets
+  # held-out code (a training domain, unseen files) and Python's help topics (a domain never trained on), both
+  # budgets, every training-free row beside KVpop-mlp and the cascade
   mps_on
-  for b in 2048 1024; do
-    step "code_b$b" "${OOD_S:-330}" "${kvpop[@]}" eval --model smollm2-135m --data pystdlib --seq-len 8192 \
-      --sequences 8 --budgets "$b" --policies streaming_llm,tova,h2o $(trained "$b") --no-progress \
-      --out "$HOME/code_b$b" &
+  for data in pystdlib pydoc; do
+    split=(); [ "$data" = pydoc ] && split=(--split all)
+    for b in 2048 1024; do
+      step "${data}_b$b" "${OOD_S:-330}" "${kvpop[@]}" eval --model smollm2-135m --data "$data" "${split[@]}" \
+        --seq-len 8192 --sequences 8 --budgets "$b" --policies streaming_llm,tova,h2o \
+        --trained "kvpop-mlp+prerope+mix+frozen=$(mlp_dir "$b")" --tova-pool "$(pool "$b")" --no-progress \
+        --out "$HOME/${data}_b$b" &
+    done
   done
   wait
-  for b in 2048 1024; do mkdir -p "$out/code_b$b" && cp "$HOME/code_b$b"/*.json "$HOME/code_b$b"/*.md "$out/code_b$b/" 2>/dev/null; done
+  for d in pystdlib pydoc; do
+    for b in 2048 1024; do mkdir -p "$out/${d}_b$b" && cp "$HOME/${d}_b$b"/*.json "$HOME/${d}_b$b"/*.txt "$out/${d}_b$b/" 2>/dev/null; done
+  done
   # the daemon stopped and its environment gone: the eleventh session's generate bench failed in inductor right
   # after a stop with the variables still set (and ran cleanly in a fresh call)
   echo quit | timeout 5 nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  # issue 18 item 2 on SmolLM2 (batch 1 and 4), on a quiet GPU after the evaluation
-  for bs in 1 4; do
-    step "generate_smollm2_b$bs" 100 python bench/bench_generate.py --model smollm2-135m --device cuda \
-      --contexts 4096 --caches static,kvpop --new-tokens 64 --budget 1024 --batch "$bs" --repeats 2 \
-      --json-out "$out/generate_smollm2_b$bs.json"
-  done
+  # issue 18 item 2 on SmolLM2 at batch 4 (batch 1: the eleventh session), on a quiet GPU after the evaluation
+  step generate_smollm2_b4 150 python bench/bench_generate.py --model smollm2-135m --device cuda \
+    --contexts 4096 --caches static,kvpop --new-tokens 64 --budget 1024 --batch 4 --repeats 2 \
+    --json-out "$out/generate_smollm2_b4.json"
   ;;
 5)
   # the training path's cutoffs and block mask (issue 18 item 4): needs no model, so it fits any fresh machine

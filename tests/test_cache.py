@@ -42,6 +42,10 @@ CONFIGS = {
     "kvpop-tova": kvpop.KVpopConfig.for_budget(14, tova_prior=1.0, scorer_hidden=16),
     "kvpop-tova-windowed": kvpop.KVpopConfig(sink=2, window=3, topk=9, tova_prior=0.5, scorer_hidden=16,
                                              scorer_keys="pre_rope"),
+    # KVpop-cascade (Sec. 7b extension): the static rule's rejects compete for a TOVA-ranked pool
+    "kvpop-cascade": kvpop.KVpopConfig.for_budget(14, tova_pool=3, scorer_hidden=16),
+    "kvpop-cascade-layers": kvpop.KVpopConfig(sink=2, window=3, topk=9, tova_pool=4, scorer_hidden=16,
+                                              layer_topk=(5, 13)),
 }
 
 
@@ -108,7 +112,7 @@ def test_cache_holds_exactly_what_the_rule_retains(models, arch, cfg_name):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg_name", ["base", "streaming_llm", "tova", "h2o", "mlstm", "mlstm-delay0", "dms", "evidence",
-                                      "evidence-pre-rope", "kvpop-tova"])
+                                      "evidence-pre-rope", "kvpop-tova", "kvpop-cascade"])
 @torch.no_grad()
 def test_batch_with_left_padding(models, arch, cfg_name):
     model = models[(arch, cfg_name)]
@@ -124,7 +128,8 @@ def test_batch_with_left_padding(models, arch, cfg_name):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "streaming_llm", "tova", "h2o", "dms", "evidence", "kvpop-tova"])
+@pytest.mark.parametrize("cfg_name", ["base", "mlstm", "streaming_llm", "tova", "h2o", "dms", "evidence", "kvpop-tova",
+                                      "kvpop-cascade"])
 @torch.no_grad()
 def test_generate_greedy_batched_equals_single(models, arch, cfg_name):
     model = models[(arch, cfg_name)]

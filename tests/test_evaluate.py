@@ -263,3 +263,31 @@ def test_eval_labels_trained_rows_and_refuses_two_alike(text_file, tmp_path, cap
     assert main([*base, "--trained", f"champ={tmp_path / 'a'}", "--trained", f"self+gen={tmp_path / 'b'}"]) == 0
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert {(r["policy"], r["budget"]) for r in rows} == {("champ", 32), ("self+gen", 32)}
+
+
+def test_eval_runs_a_kvpop_mlp_directory_as_kvpop_cascade(text_file, tmp_path, capsys):
+    # --tova-pool N: the same weights, with N of the top-k slots ranked by TOVA (KVpop-cascade); the row must be
+    # what a directory saved with tova_pool = N gives, and differ from the static rule's
+    model, tok = load_model("tiny-random-qwen3")
+    torch.manual_seed(0)
+    mlp = kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(32, scorer_hidden=16))
+    kvpop.save(mlp, tmp_path / "mlp", tokenizer=tok)
+    kvpop.detach(mlp)
+    cascade = kvpop.load(tmp_path / "mlp", config=kvpop.KVpopConfig.for_budget(32, scorer_hidden=16, tova_pool=8))
+    kvpop.save(cascade, tmp_path / "cascade", tokenizer=tok)
+    base = ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--split", "all", "--seq-len", "128",
+            "--sequences", "2", "--policies", "none", "--out", str(tmp_path / "o")]
+    assert main([*base, "--trained", f"mlp={tmp_path / 'mlp'}", "--tova-pool", "8,20",
+                 "--trained", f"saved={tmp_path / 'cascade'}"]) == 0
+    rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
+    assert set(rows) == {"mlp", "mlp+pool8", "mlp+pool20", "saved"}
+    for key in ("kl", "top1_agreement"):
+        assert rows["mlp+pool8"][key] == pytest.approx(rows["saved"][key], rel=1e-6)
+    assert rows["mlp+pool8"]["kl"] != pytest.approx(rows["mlp"]["kl"], rel=1e-6)
+    # bad pools name the flag and what is allowed
+    assert main([*base, "--trained", str(tmp_path / "mlp"), "--tova-pool", "21"]) == 1
+    assert "--tova-pool 21 must lie in [1, topk=20]" in capsys.readouterr().err
+    assert main([*base, "--trained", str(tmp_path / "mlp"), "--tova-pool", "x"]) == 1
+    assert "--tova-pool='x' must be comma-separated integers" in capsys.readouterr().err
+    assert main([*base, "--policies", "tova", "--budgets", "32", "--tova-pool", "4"]) == 1
+    assert "--tova-pool needs a --trained KVpop-mlp directory" in capsys.readouterr().err

@@ -66,9 +66,10 @@ def test_the_scorer_reads_the_key_before_rope(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("split", [(1,), (9,), (7, 7, 7)], ids=str)
+@pytest.mark.parametrize("pool", [0, 3], ids=["mlp", "cascade"])  # KVpop-mlp, and KVpop-cascade with 3 TOVA slots
 @torch.no_grad()
-def test_mlp_on_keys_before_rope_teacher_forced_equals_prefill_and_decode(arch, split):
-    cfg = kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16, scorer_keys="pre_rope")
+def test_mlp_on_keys_before_rope_teacher_forced_equals_prefill_and_decode(arch, split, pool):
+    cfg = kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16, scorer_keys="pre_rope", tova_pool=pool)
     model = retrofitted(arch, cfg)
     plain = retrofitted(arch, kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16))
     ids = _distinct_ids(48)

@@ -666,3 +666,25 @@ def test_prior_offset_and_bias_shift():
     assert torch.allclose(bias, offset / 2)
     shift_bias(bias, torch.zeros(3), torch.zeros(3))  # no pairs: no move
     assert torch.allclose(bias, offset / 2)
+
+
+def test_kvpop_cascade_trains_as_kvpop_mlp(text_file, tmp_path, capsys):
+    # KVpop-cascade's scorer trains exactly as KVpop-mlp's (the static rule in training); the saved run decodes
+    # with its TOVA pool
+    plain = distill.train(_cfg(text_file, tmp_path / "plain", steps=4, freeze_base=True, save_every=0),
+                          kvpop.KVpopConfig.for_budget(24, scorer_hidden=32), progress=False)
+    out = tmp_path / "cascade"
+    argv = ["train", "--model", "tiny-random-qwen3", "--data", str(text_file), "--seq-len", "128", "--budget", "24",
+            "--scorer-hidden", "32", "--steps", "4", "--batch-size", "2", "--max-tokens", str(128 * 16),
+            "--lr-scorer", "1e-2", "--save-every", "0", "--out", str(out), "--no-progress", "--freeze-base", "--tova-pool", "5"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    for x, y in zip(_log(tmp_path / "plain"), _log(out)):
+        assert x["loss_score"] == pytest.approx(y["loss_score"], rel=1e-5, abs=1e-7)
+    model = kvpop.load(out / "final")
+    assert model.kvpop.config.tova_pool == 5 and model.kvpop.layers[0].score == "cascade"
+    reference = kvpop.load(plain)
+    for mine, theirs in zip(model.kvpop.layers, reference.kvpop.layers):
+        assert torch.allclose(mine.scorer.w2, theirs.scorer.w2, atol=1e-5)
+    assert main([*argv[:-1], "40", "--overwrite"]) == 1
+    assert "tova_pool=40 is invalid: must be an integer in [0, topk=14]" in capsys.readouterr().err

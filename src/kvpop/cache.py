@@ -64,7 +64,8 @@ class KVpopLayerCache(CacheLayerMixin):
         self.slots = sink + window + topk
         self.pos: Tensor | None = None
         self.pri: Tensor | None = None
-        self.prior: Tensor | None = None  # KVpop-TOVA only: the slots' static priors [B, Hkv, slots]
+        # KVpop-TOVA and KVpop-cascade only: the slots' static priors [B, Hkv, slots]
+        self.prior: Tensor | None = None
         self.seen: Tensor | None = None  # [B] real tokens so far, per row
         self.state: tuple[Tensor, ...] | None = None  # a stateful policy's memory, batch first (made on first use)
         # tokens given to the model so far, padding included (what generate counts): an int64 scalar tensor
@@ -90,7 +91,8 @@ class KVpopLayerCache(CacheLayerMixin):
             torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),
         )
         if with_prior:
-            # KVpop-TOVA (score "prior"): each slot's static prior, moved with its token like its priority
+            # KVpop-TOVA (score "prior"), KVpop-cascade ("cascade"): each slot's static prior, moved with its token
+            # like its priority
             self.buffers += (torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),)
         self._views()
         self.seen = torch.zeros(B, dtype=torch.long, **kw)
@@ -195,7 +197,7 @@ class KVpopLayerCache(CacheLayerMixin):
         if policy.teacher_forced_only:
             raise ValueError(f"the {type(policy).__name__} ranks tokens by future attention: it cannot decode")
         if not self.is_initialized:
-            self.lazy_initialization(key, value, with_prior=policy.score == "prior")
+            self.lazy_initialization(key, value, with_prior=policy.score in ("prior", "cascade"))
         position = self.seen[:, None] + torch.cumsum(valid.long(), dim=-1) - 1  # [B, C]
         B, H, C, _ = key.shape
         if policy.stateful or policy.evidence:
@@ -235,7 +237,7 @@ class KVpopLayerCache(CacheLayerMixin):
             cache_evidence.decode_readout(self, p, real, policy)
         step = self.fused or decode_step
         out, probs = step(self.buffers, query, key, value, p, real, pri_new, self.sink, self.window, self.topk,
-                          scale, policy.dynamic)
+                          scale, policy.dynamic, policy.pool)
         if policy.evidence:
             cache_evidence.decode_accumulate(self, query, key, p, real, scale, policy, rope)
         if policy.dynamic:
@@ -322,7 +324,8 @@ class KVpopLayerCache(CacheLayerMixin):
         s, w = self.sink, self.window
         B, H, C, D = key.shape
         evicted, pos, pri, prior = dynamic_walk(query, key, self.keys, self.pos, self.pri, position, valid, priority,
-                                                s, w, self.topk, scale, policy.score, slot_prior=self.prior)
+                                                s, w, self.topk, scale, policy.score, slot_prior=self.prior,
+                                                pool=policy.pool)
         new_pos = torch.where(valid, position, -1)[:, None, :].expand(B, H, C)
         cand_pos = torch.cat([self.pos, new_pos], dim=2)  # [B, H, slots + C]
         cand_k = torch.cat([self.keys, key.to(self.keys.dtype)], dim=2)
@@ -403,6 +406,24 @@ class KVpopLayerCache(CacheLayerMixin):
         return out
 
 
+def _weakest(rank: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The weakest slot by (rank, position), [B, H, 1] each: its index, rank and position. Among equal ranks the
+    older token is weaker; empty slots (-inf, -1) go first."""
+    low = rank.amin(-1, keepdim=True)
+    widx = torch.where(rank == low, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
+    return widx, low, pos.gather(2, widx)
+
+
+def _move(buffers: tuple[Tensor, ...], src: Tensor, dst: Tensor) -> None:
+    """Copy slot `src` to slot `dst` ([B, H, 1]; the scratch slot drops the copy) in every buffer."""
+    for buf in buffers:
+        if buf.dim() == 4:
+            s4, d4 = (i[..., None].expand(-1, -1, -1, buf.shape[-1]) for i in (src, dst))
+            buf.scatter_(2, d4, buf.gather(2, s4))
+        else:
+            buf.scatter_(2, dst, buf.gather(2, src))
+
+
 def decode_step(
     buffers: tuple[Tensor, ...],
     query: Tensor,  # [B, Hq, 1, D]
@@ -416,6 +437,7 @@ def decode_step(
     topk: int,
     scale: float,
     with_probs: bool,
+    pool: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One decode step on a layer's slot buffers (keys, values, pos, pri, and KVpop-TOVA's prior; each with a
     scratch slot last).
@@ -424,6 +446,10 @@ def decode_step(
     it; the new token takes its sink or window-ring slot; then the query attends the occupied slots.
     A function of tensors and ints only, so that `torch.compile` traces it once for every layer
     (`fused_decode_step`). Masked writes go to the scratch slot instead of reading the old value back.
+
+    KVpop-cascade (`pool` an int, score "cascade"): the last `pool` long-range slots are ranked by `pri`, the
+    others by the static priority in the prior buffer; the leaving token meets the static pool first and
+    whichever loses meets the `pri` pool (`ops.dynamic.dynamic_walk`). None: one pool ranked by `pri`.
 
     Returns:
         the attention output [B, Hq, 1, D], and its probabilities over the slots if `with_probs`.
@@ -436,26 +462,33 @@ def decode_step(
     # a padding step (p = -1) writes nothing; any in-range slot will do for its index
     slot = torch.where(p < s, p.clamp(min=0), s + (p - s).clamp(min=0) % w)  # [B]
     idx = slot[:, None, None].expand(B, H, 1)
+    pool = k if pool is None else pool
+    static = k - pool  # KVpop-cascade: the first `static` long-range slots are ranked by the carried prior
     if k > 0:
         # the token leaving the window (position p - w) becomes eligible: keep it if it beats the weakest top-k slot
-        leave_pos, leave_pri = pos.gather(2, idx), pri.gather(2, idx)
+        leave_pos = pos.gather(2, idx)
         leaving = (real & (p >= s + w))[:, None, None]
-        top_pos, top_pri = pos[..., s + w :], pri[..., s + w :]
-        weakest_pri = top_pri.amin(-1, keepdim=True)
-        # among equal weakest priorities the older token is weaker; empty slots (-inf, -1) go first
-        oldest = torch.where(top_pri == weakest_pri, top_pos, torch.iinfo(torch.long).max)
-        widx = oldest.argmin(-1, keepdim=True)  # [B, H, 1]
-        weakest_pos = top_pos.gather(2, widx)
-        beats = (leave_pri > weakest_pri) | ((leave_pri == weakest_pri) & (leave_pos > weakest_pos))
-        # a -inf token (DMS's "evict") never takes a long-range slot, not even an empty one
-        promote = leaving & beats & (leave_pri > float("-inf"))
-        dst = torch.where(promote, widx + s + w, slots)
-        for buf in buffers:  # copy slot idx to dst (the scratch slot unless promoted)
-            if buf.dim() == 4:
-                s4, d4 = (i[..., None].expand(-1, -1, -1, buf.shape[-1]) for i in (idx, dst))
-                buf.scatter_(2, d4, buf.gather(2, s4))
-            else:
-                buf.scatter_(2, dst, buf.gather(2, idx))
+        src = idx
+        if static:
+            # KVpop-cascade: first the static pool, by the static priority carried in the prior buffer; whichever
+            # loses (the leaving token or the static pool's weakest) meets the pool ranked by `pri` below
+            lo = s + w
+            rank = buffers[4][:, :, :slots]
+            sidx, weakest_rank, weakest_pos = _weakest(rank[..., lo : lo + static], pos[..., lo : lo + static])
+            leave_rank = rank.gather(2, idx)
+            beats = (leave_rank > weakest_rank) | ((leave_rank == weakest_rank) & (leave_pos > weakest_pos))
+            promote_s = leaving & beats & (leave_rank > float("-inf"))
+            src = torch.where(promote_s, sidx + lo, idx)
+        if pool:
+            lo = s + w + static
+            cand_pos, cand_pri = pos.gather(2, src), pri.gather(2, src)
+            widx, weakest_pri, weakest_pos = _weakest(pri[..., lo:], pos[..., lo:])
+            beats = (cand_pri > weakest_pri) | ((cand_pri == weakest_pri) & (cand_pos > weakest_pos))
+            # a -inf token (DMS's "evict") never takes a long-range slot, not even an empty one
+            promote = leaving & beats & (cand_pri > float("-inf"))
+            _move(buffers, src, torch.where(promote, widx + lo, slots))  # the scratch slot unless promoted
+        if static:  # after the move above, which may have read the slot this overwrites
+            _move(buffers, idx, torch.where(promote_s, sidx + s + w, slots))
     dst = torch.where(real[:, None, None], idx, slots)
     new_pos = p[:, None, None].expand(B, H, 1)
     # a prior buffer (KVpop-TOVA) takes the new token's priority too: its prior is its priority at insertion

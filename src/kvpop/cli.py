@@ -315,6 +315,10 @@ def info(args: argparse.Namespace) -> int:
              "query's attention, averaged over every query head of the layer) plus ALPHA x the scorer's predicted future "
              "attention; the scorer trains as KVpop-mlp with its bias calibrated; TOVA's split (no sinks, window 1) "
              "unless --sink/--window say otherwise (default: off, the paper's static rule)"),
+    arg("--tova-pool", type=int, default=0, metavar="N",
+        help="mlp: KVpop-cascade (an extension): N of the top-k slots form a pool ranked by TOVA (the latest query's "
+             "attention, per KV head) that takes the static rule's rejects; the scorer trains as KVpop-mlp, decoding and "
+             "evaluation are dynamic (default 0: the paper's static rule)"),
     arg("--evidence-mix", default="concat", choices=["concat", "additive"],
         help="evidence: one MLP over [k; v; features] (concat) or the MLP over [k; v] plus a linear term (default concat)"),
     arg("--delay", type=int, default=None,
@@ -388,6 +392,8 @@ def train(args: argparse.Namespace) -> int:
                       evidence_mix=args.evidence_mix)
         if args.tova_prior is not None:
             scorer.update(tova_prior=args.tova_prior)
+        if args.tova_pool:
+            scorer.update(tova_pool=args.tova_pool)
         if args.scorer == "mlstm":
             scorer.update(delay=args.delay, mlstm_dim=args.mlstm_dim, mlstm_hidden=args.mlstm_hidden,
                           match_mlp_memory=args.match_mlp_memory)
@@ -423,7 +429,7 @@ CONFIG_FLAGS = {"budget": "budget", "sink": "sink", "window": "window", "topk": 
                 "mlstm_hidden": "mlstm_hidden", "match_mlp_memory": "match_mlp_memory",
                 "dms_temperature": "dms_temperature", "dms_target_retention": "dms_target_retention",
                 "query_fraction": "loss_query_fraction", "scorer_keys": "scorer_keys", "evidence_mix": "evidence_mix",
-                "tova_prior": "tova_prior"}
+                "tova_prior": "tova_prior", "tova_pool": "tova_pool"}
 CONFIG_ARGS = {*CONFIG_FLAGS, "layer_budgets"}
 """train's flags that shape the KVpop config: a --resume given none of them resumes at the run's own."""
 
@@ -569,6 +575,9 @@ def selfgen(args: argparse.Namespace) -> int:
              "NAME (default: its policy); repeatable"),
     arg("--sink", type=int, default=None, help="sinks of the training-free policies (default: each policy's own, "
                                                "0 for tova and h2o, 4 otherwise)"),
+    arg("--tova-pool", default=None, metavar="N[,N]",
+        help="also run each --trained KVpop-mlp directory as KVpop-cascade: N of its top-k slots form a pool ranked "
+             "by TOVA that takes the static rule's rejects (rows NAME+poolN; the same weights, no training)"),
     arg("--layer-budgets", action="append", default=[], metavar="FILE",
         help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
              "(the same total memory as the uniform row); repeatable"),
@@ -624,6 +633,7 @@ def evaluate(args: argparse.Namespace) -> int:
             raise ValueError(f"--trained {seen[e.name, e.budget]} and {d} are both {e.name!r} at budget {e.budget}: "
                              f"label them, e.g. --trained mine={d}")
         seen[e.name, e.budget] = d
+    entries += _tova_pool_entries(args, entries)
     entries += _training_free_entries(args)
     entries += _layer_budget_entries(args, entries)
     base, tokenizer = load_model(args.model, device=device)
@@ -715,6 +725,29 @@ def _training_free_entries(args: argparse.Namespace) -> list:
     return entries
 
 
+def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
+    """`--tova-pool N[,N]`: each trained KVpop-mlp directory also as KVpop-cascade with N TOVA slots (`NAME+poolN`)."""
+    from kvpop.eval.evaluate import with_tova_pool
+
+    if args.tova_pool is None:
+        return []
+    try:
+        pools = [int(n) for n in args.tova_pool.split(",") if n.strip()]
+    except ValueError:
+        raise ValueError(f"--tova-pool={args.tova_pool!r} must be comma-separated integers") from None
+    static = [e for e in entries if e.cfg.policy == "kvpop" and e.cfg.scorer == "mlp" and e.cfg.tova_prior is None
+              and not e.cfg.tova_pool]
+    if not static:
+        raise ValueError("--tova-pool needs a --trained KVpop-mlp directory (the static rule) to run as KVpop-cascade")
+    out = []
+    for e in static:
+        for n in pools:
+            if not 1 <= n <= e.cfg.topk:
+                raise ValueError(f"--tova-pool {n} must lie in [1, topk={e.cfg.topk}] of --trained {e.trained}")
+            out.append(with_tova_pool(e, n))
+    return out
+
+
 def _layer_budget_entries(args: argparse.Namespace, entries: list) -> list:
     """`--layer-budgets FILE`: the same rows at per-layer budgets of equal memory (`<name>+layers`)."""
     from kvpop.eval.budgets import read
@@ -727,7 +760,8 @@ def _layer_budget_entries(args: argparse.Namespace, entries: list) -> list:
         out += [training_free(p, budget, sink=args.sink, layer_budgets=per_layer) for p in policies]
         # a trained static scorer ranks the same way at any top-k: the same weights, per-layer slots
         out += [with_layer_budgets(e, per_layer) for e in entries
-                if e.trained and e.budget == budget and e.cfg.layer_topk is None and e.cfg.policy == "kvpop"]
+                if e.trained and e.budget == budget and e.cfg.layer_topk is None and e.cfg.policy == "kvpop"
+                and not e.cfg.tova_pool]
     return out
 
 

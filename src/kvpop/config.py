@@ -91,6 +91,13 @@ class KVpopConfig:
     token's future attention, fixed at insertion. The scorer trains as KVpop-mlp (the static rule), with its
     per-head bias `b2` calibrated so that `exp(r)` estimates the target's future attention mass. Measured worse
     than TOVA at every weight tried (docs/RESULTS.md, eleventh session)."""
+    tova_pool: int = 0
+    """KVpop-cascade (an extension, `KVPOP.md` Sec. 7b; mlp scorer only): how many of the `topk` long-range slots
+    form a pool ranked by TOVA (the latest query's attention, per KV head) that takes the static rule's rejects.
+    0: the paper's static rule. With `n > 0`, a token leaving the window competes for the `topk - n` static slots
+    by its learned priority; the loser of that competes for the `n` TOVA slots by its current attention; the
+    loser of that is evicted. The scorer trains as KVpop-mlp; decoding and evaluation are dynamic, like TOVA's.
+    In [0, topk] (each layer's top-k with `layer_topk`)."""
     tova_head_average: bool = False
     """TOVA only: rank by the attention averaged over all query heads of the layer (the original)
     instead of per KV head (max over its query heads)."""
@@ -154,6 +161,12 @@ class KVpopConfig:
                "must be None (the static rule) or a finite weight >= 0")
         _check(self.tova_prior is None or (self.policy == "kvpop" and self.scorer == "mlp"), "tova_prior",
                self.tova_prior, "applies only to policy='kvpop' with scorer='mlp' (a prior fixed at insertion)")
+        _check(_is_int(self.tova_pool) and 0 <= self.tova_pool <= self.topk, "tova_pool", self.tova_pool,
+               f"must be an integer in [0, topk={self.topk}] (long-range slots given to the TOVA pool)")
+        _check(self.tova_pool == 0 or (self.policy == "kvpop" and self.scorer == "mlp"), "tova_pool", self.tova_pool,
+               "applies only to policy='kvpop' with scorer='mlp' (a static priority fixed at insertion)")
+        _check(self.tova_pool == 0 or self.tova_prior is None, "tova_pool", self.tova_pool,
+               f"and tova_prior={self.tova_prior!r} are two different extensions: give one of them")
         _check(self.policy not in RECENCY_POLICIES or self.topk == 0, "topk", self.topk,
                f"must be 0 for policy {self.policy!r}, which keeps only sinks and the window "
                f"(use window = budget - sink; KVpopConfig.for_budget does it)")
@@ -181,6 +194,8 @@ class KVpopConfig:
                    "layer_topk", self.layer_topk, "must be None or a non-empty sequence of integers >= 0, one per layer")
             _check(self.policy not in RECENCY_POLICIES + ("dms",), "layer_topk", self.layer_topk,
                    f"per-layer budgets apply to ranked policies (kvpop, tova, h2o, oracle), not {self.policy!r}")
+            _check(self.tova_pool <= min(layer_topk), "layer_topk", self.layer_topk,
+                   f"every layer's top-k must hold the TOVA pool (tova_pool={self.tova_pool})")
             _check(sum(layer_topk) == len(layer_topk) * self.topk, "layer_topk", self.layer_topk,
                    f"must sum to layers x topk = {len(layer_topk)} x {self.topk} = {len(layer_topk) * self.topk} "
                    f"(the memory of the uniform split), got {sum(layer_topk)}")

@@ -103,6 +103,9 @@ class LayerPolicy(nn.Module):
     score: str | None = None
     """Dynamic policies: how a step's probabilities become priorities, one of `ops.dynamic.SCORES`; the
     prefill walk (`ops/dynamic`) and the decode step's `update` both apply it through `ops.dynamic.score_update`."""
+    pool: int | None = None
+    """KVpop-cascade (score "cascade") only: how many long-range slots the pool ranked by `update` holds; the others
+    form the static pool, ranked by the priority at insertion (`ops.dynamic.dynamic_walk`). None: one pool."""
     stateful = False
     evidence = False
     teacher_forced_only = False
@@ -243,6 +246,33 @@ class TOVAPriorPolicy(ScorerPolicy):
         return (self.weight * torch.exp(self.scorer(key, value))).mean(dim=1, keepdim=True).expand(key.shape[:3])
 
 
+class CascadePolicy(ScorerPolicy):
+    """KVpop-cascade (`KVpopConfig.tova_pool`, an extension): the static rule's rejects get a second chance under TOVA.
+
+    The long-range slots split in two pools. The static pool (`topk - tova_pool` slots) is KVpop-mlp's: a token
+    leaving the window takes the place of the pool's weakest if its static priority is at least as high. The
+    loser of that comparison (the leaving token, or the static token it displaced) then meets the TOVA pool's
+    weakest (`tova_pool` slots), ranked per KV head by the latest query's attention (the max over the head's
+    query heads, score "cascade"); the weaker of the two is evicted. The static pool keeps what the scorer
+    foresees; the TOVA pool keeps what the text reads now, which a priority fixed at insertion cannot follow (a
+    repetition loop: the eighth session's sequence 1, docs/RESULTS.md). `tova_pool = 0` is KVpop-mlp, and
+    `tova_pool = topk` is TOVA per KV head with the same sinks and window.
+
+    In training (`self.training`) it is KVpop-mlp: the static rule, the boundary loss and the target. In evaluation
+    and decoding it is dynamic, like TOVA; each slot carries its static priority (the cache's `prior`).
+    """
+
+    score = "cascade"
+
+    def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int, group: int = 1):
+        super().__init__(cfg, num_kv_heads, head_dim, group)
+        self.pool = int(cfg.tova_pool)
+
+    @property
+    def dynamic(self) -> bool:  # type: ignore[override]
+        return not self.training
+
+
 class MLSTMPolicy(ScorerPolicy):
     """KVpop with the stateful mLSTM scorer (Sec. 3): token `t` is scored `delay` steps after its insertion.
 
@@ -366,6 +396,7 @@ __all__ = [
     "LayerPolicy",
     "MLSTMPolicy",
     "ScorerPolicy",
+    "CascadePolicy",
     "eviction_times",
     "mask_from_eviction",
     "retention_mask",

@@ -11,7 +11,7 @@ from kvpop.baselines.oracle import OraclePolicy
 from kvpop.baselines.streaming_llm import RecencyPolicy
 from kvpop.baselines.tova import TOVAPolicy
 from kvpop.config import KVpopConfig
-from kvpop.policy import EvidencePolicy, LayerPolicy, MLSTMPolicy, ScorerPolicy, TOVAPriorPolicy
+from kvpop.policy import CascadePolicy, EvidencePolicy, LayerPolicy, MLSTMPolicy, ScorerPolicy, TOVAPriorPolicy
 
 POLICY_CLASSES: dict[str, type[LayerPolicy]] = {
     "kvpop": ScorerPolicy,
@@ -30,6 +30,8 @@ def make_policy(cfg: KVpopConfig, num_kv_heads: int, head_dim: int, group: int =
     """The policy of one layer; `group` = query heads per KV head (the evidence scorer reads each of them)."""
     if cfg.policy == "kvpop" and cfg.tova_prior is not None:
         return TOVAPriorPolicy(cfg, num_kv_heads, head_dim, group=group)
+    if cfg.policy == "kvpop" and cfg.tova_pool:
+        return CascadePolicy(cfg, num_kv_heads, head_dim, group=group)
     if cfg.policy == "kvpop":
         return SCORER_CLASSES[cfg.scorer](cfg, num_kv_heads, head_dim, group=group)
     return POLICY_CLASSES[cfg.policy](cfg, num_kv_heads, head_dim)

@@ -20,6 +20,7 @@ Because the training mask equals the decoding cache, these are the numbers a use
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -150,6 +151,16 @@ def with_layer_budgets(entry: Entry, budgets: Sequence[int]) -> Entry:
     return Entry(f"{entry.name}+layers", entry.budget, entry.cfg.with_layer_budgets(list(budgets)), trained=entry.trained)
 
 
+def with_tova_pool(entry: Entry, pool: int) -> Entry:
+    """A trained KVpop-mlp directory run as KVpop-cascade (`KVpopConfig.tova_pool`): `pool` of its top-k slots
+    given to the TOVA-ranked pool. The cascade's scorer trains as KVpop-mlp's, so the same weights serve it."""
+    c = entry.cfg
+    if not entry.trained or c.policy != "kvpop" or c.scorer != "mlp" or c.tova_prior is not None or c.tova_pool:
+        raise ValueError(f"{entry.name}: a TOVA pool applies to a trained KVpop-mlp directory (static rule), got "
+                         f"policy {c.policy!r}, scorer {c.scorer!r}, tova_prior={c.tova_prior}, tova_pool={c.tova_pool}")
+    return Entry(f"{entry.name}+pool{pool}", entry.budget, dataclasses.replace(c, tova_pool=pool), trained=entry.trained)
+
+
 class Evaluator:
     """Runs `entries` over sequences, keeping one base model and loading trained ones once."""
 
@@ -166,6 +177,13 @@ class Evaluator:
     def _model(self, entry: Entry) -> nn.Module:
         if entry.trained is None:
             return retrofit(self.base, entry.cfg)
+        if entry.cfg.tova_pool:
+            # KVpop-cascade from a KVpop-mlp directory: other policy modules over the same weights (`with_tova_pool`)
+            key = f"{entry.trained}+pool{entry.cfg.tova_pool}"
+            if key not in self._trained:
+                model = load(entry.trained, device=self.device, config=entry.cfg)
+                self._trained[key] = (model, model.kvpop.config)
+            return self._trained[key][0]
         if entry.trained not in self._trained:
             model = load(entry.trained, device=self.device)
             self._trained[entry.trained] = (model, model.kvpop.config)
@@ -177,7 +195,7 @@ class Evaluator:
     def _release(self, entry: Entry, model: nn.Module) -> None:
         if entry.trained is None:
             detach(model)
-        else:
+        elif not entry.cfg.tova_pool:
             model.kvpop.config = self._trained[entry.trained][1]
 
     @torch.no_grad()

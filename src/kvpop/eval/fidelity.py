@@ -343,7 +343,8 @@ def run_fidelity(
         rule = json.dumps([entry.trained, entry.cfg.to_dict()], sort_keys=True)
 
         def load_entry(e=entry):
-            m = load(e.trained, device=device) if e.trained else retrofit(base, e.cfg)
+            # a directory at its entry's config: its own, or its weights at another split (per-layer budgets, a TOVA pool)
+            m = load(e.trained, device=device, config=e.cfg) if e.trained else retrofit(base, e.cfg)
             return m, lambda: KVpopCache(m)
 
         gens, model = [], None

@@ -220,7 +220,8 @@ def run_suite(base: nn.Module, tokenizer, entries: Sequence[Entry], samples: Seq
         elif entry.trained is None:
             model = retrofit(base, entry.cfg)
         else:
-            model = load(entry.trained, device=device)
+            # the entry's config: a directory's own, or its weights at another split (per-layer budgets, a TOVA pool)
+            model = load(entry.trained, device=device, config=entry.cfg)
         budget = None if entry is None else kvpop_modules(model).config.budget
         eos = _eos_ids(model, tokenizer)
         label, start = _label(entry), time.perf_counter()

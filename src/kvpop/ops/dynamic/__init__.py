@@ -10,7 +10,7 @@ same call the static policies make (`ops/attention`).
 `dynamic_walk` picks the backend: `reference` (the decode step, token by token), `torch` (the same
 loop with a fraction of its operations, vectorised over batch and heads; the CPU default), `triton`
 (one program per (batch, KV head) that walks all positions with the slot state on chip; the CUDA
-default for "max" and "sum") or `parallel` (a block of decisions speculated at once, verified at once,
+default for "max", "sum" and "cascade") or `parallel` (a block of decisions speculated at once, verified at once,
 redone from the first mismatch; `parallel.py`; the CUDA default for "mean"). Every backend makes the decode step's decisions; the torch walk computes the very same
 floats as the decode step (`step_probs`, `score_update`), so its slots equal a token-by-token replay
 bit for bit. The derivation is in `README.md` beside this file.
@@ -45,6 +45,7 @@ def dynamic_walk(
     score: Score,
     backend: Backend = "auto",
     slot_prior: Tensor | None = None,  # [B, H, N]
+    pool: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Insert `C` tokens into the slots of a dynamic policy, deciding each step's eviction.
 
@@ -66,8 +67,13 @@ def dynamic_walk(
         backend: "auto" (on CUDA with Triton: "parallel" for "mean" and "prior", else "triton"; else torch),
             "reference", "torch", "triton" or "parallel" (the torch walk where `parallel.supported` refuses the
             slots). The Triton walk does not carry priors: it refuses "prior".
-        slot_prior: float32 [B, H, N], the slots' static priors ("prior" only; a new token's prior is its
-            `priority`).
+        slot_prior: float32 [B, H, N], the slots' static priors ("prior" and "cascade" only; a new token's prior
+            is its `priority`).
+        pool: "cascade" only (KVpop-cascade, `KVpopConfig.tova_pool`), in [0, topk]: the last `pool` long-range
+            slots form the pool ranked by the score (TOVA's per-KV-head max), the first `topk - pool` the static
+            pool ranked by `slot_prior`. The token leaving the window meets the static pool's weakest (by prior;
+            it wins ties, being the newest); whichever loses meets the score pool's weakest (by priority, ties to
+            the newer position), and the loser of that is evicted. None for every other score: one pool.
     Returns:
         evicted: int64 [B, H, C], the position of the token step `j` evicted (-1: none);
         pos, pri: the slots' positions and priorities after the chunk, [B, H, N];
@@ -89,11 +95,36 @@ def dynamic_walk(
         raise ValueError(f"sink={sink}, window={window}, topk={topk}: need sink >= 0, window >= 1, topk >= 0")
     if score not in SCORES:
         raise ValueError(f"score={score!r} must be one of {SCORES}")
-    if (score == "prior") != (slot_prior is not None):
-        raise ValueError(f"score={score!r} and slot_prior: the slots' priors are given with score 'prior' only")
+    if (score in ("prior", "cascade")) != (slot_prior is not None):
+        raise ValueError(f"score={score!r} and slot_prior: the slots' priors are given with scores 'prior' and "
+                         "'cascade' only")
     if slot_prior is not None and slot_prior.shape != (B, H, N):
         raise ValueError(f"slot_prior {tuple(slot_prior.shape)} must be [B, H, N] = [{B}, {H}, {N}]")
+    if (score == "cascade") != (pool is not None):
+        raise ValueError(f"score={score!r} and pool={pool!r}: the pool size is given with score 'cascade' only")
+    if pool is not None and not (isinstance(pool, int) and 0 <= pool <= topk):
+        raise ValueError(f"pool={pool!r} must be an integer in [0, topk={topk}]")
     args = (query, key, slot_keys, slot_pos, slot_pri, position, valid, priority, sink, window, topk, scale, score)
+    if score == "cascade":
+        # two pools per step: the parallel walk does not implement it; the kernel does (the CUDA default)
+        if backend == "parallel":
+            raise ValueError(f"backend={backend!r} does not run score 'cascade': use 'auto', 'triton', 'torch' or "
+                             "'reference'")
+        if backend == "auto":
+            from kvpop.ops.dynamic.kernel import available
+
+            backend = "triton" if query.is_cuda and available(query) else "torch"
+        if backend == "reference":
+            from kvpop.ops.dynamic.reference import dynamic_walk_reference
+
+            return dynamic_walk_reference(*args, slot_prior, pool)
+        if backend == "triton":
+            from kvpop.ops.dynamic.kernel import dynamic_walk_triton
+
+            return dynamic_walk_triton(*args, slot_prior=slot_prior, pool=pool)
+        from kvpop.ops.dynamic.walk import dynamic_walk_torch
+
+        return dynamic_walk_torch(*args, slot_prior, pool)
     if score == "prior" and backend == "triton":
         raise ValueError(f"backend={backend!r} does not run score 'prior' (its kernel carries no priors): use "
                          "'auto', 'parallel', 'torch' or 'reference'")
@@ -124,7 +155,7 @@ def dynamic_walk(
     if backend == "triton":
         from kvpop.ops.dynamic.kernel import dynamic_walk_triton
 
-        return (*dynamic_walk_triton(*args), None)
+        return dynamic_walk_triton(*args)
     raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'torch', 'triton', 'parallel'")
 
 
@@ -168,6 +199,7 @@ def dynamic_eviction_positions(
     scale: float,
     score: Score,
     backend: Backend = "auto",
+    pool: int | None = None,
 ) -> Tensor:
     """Teacher-forced: the eviction position of every token of a sequence under a dynamic policy.
 
@@ -182,7 +214,8 @@ def dynamic_eviction_positions(
     empty = torch.full((B, H, N), float("-inf"), device=key.device)
     evicted = dynamic_walk(
         query, key, key.new_zeros(B, H, N, D), position.new_full((B, H, N), -1), empty, position, valid, priority,
-        sink, window, topk, scale, score, backend, slot_prior=empty if score == "prior" else None,
+        sink, window, topk, scale, score, backend, slot_prior=empty if score in ("prior", "cascade") else None,
+        pool=pool,
     )[0]
     return eviction_from_steps(evicted, position, torch.where(valid, position, -1)[:, None, :].expand(B, H, S))
 

@@ -1,9 +1,10 @@
 """The dynamic policies' prefill walk in Triton: a program per row of slots walks the positions.
 
-Same decisions as `walk.dynamic_walk_torch` (the reference of this kernel), for every score: "max"
+Same decisions as `walk.dynamic_walk_torch` (the reference of this kernel), for every score but "prior": "max"
 (TOVA) and "sum" (H2O) with a program per (batch, KV head); "mean" (TOVA averaged over all query
 heads of the layer) with a program per batch row, since all KV heads of a row then hold the same
-slots (the program averages the heads' probabilities).
+slots (the program averages the heads' probabilities); "cascade" (KVpop-cascade) with a program per
+(batch, KV head), carrying each slot's static priority beside its score (two pools, `ops.dynamic.dynamic_walk`).
 
 The walk goes in blocks of `BLOCK_C` tokens. Per block, one batched GEMM (cuBLAS, float32) gives the
 logits of the block's queries against its candidates: the slots as they are at the block's start
@@ -34,7 +35,7 @@ try:
 except ImportError:  # CPU installs have no Triton; the torch walk serves them
     triton = tl = None
 
-SCORES = {"max": 0, "sum": 1, "mean": 2}
+SCORES = {"max": 0, "sum": 1, "mean": 2, "cascade": 3}
 """The scores this kernel implements, as its `SCORE` constant."""
 
 
@@ -61,6 +62,13 @@ if triton is not None:
                 tl.where(b_first, wpos_b, wpos_a), tl.where(b_first, widx_b, widx_a))
 
     @triton.jit
+    def _weakest_static(rank_a, pos_a, idx_a, pri_a, col_a, rank_b, pos_b, idx_b, pri_b, col_b):
+        # KVpop-cascade's static pool: the weakest slot by (rank, position, index), with its priority and column
+        b_first = (rank_b < rank_a) | ((rank_b == rank_a) & ((pos_b < pos_a) | ((pos_b == pos_a) & (idx_b < idx_a))))
+        return (tl.where(b_first, rank_b, rank_a), tl.where(b_first, pos_b, pos_a), tl.where(b_first, idx_b, idx_a),
+                tl.where(b_first, pri_b, pri_a), tl.where(b_first, col_b, col_a))
+
+    @triton.jit
     def dynamic_walk_fwd_kernel(
         l_ptr,  # [B, H, G, CB, N + CB] float32: the block's logits over its candidates
         pos_ptr,  # [B, H, N] int64, in and out
@@ -70,7 +78,8 @@ if triton is not None:
         valid_ptr,  # [B, C] int8
         new_pri_ptr,  # [B, H, C] float32
         ev_ptr,  # [B, H, C] int64, out
-        C, CB, H, N, SINK, WINDOW, TOPK,
+        rank_ptr,  # [B, H, N] float32, in and out: the slots' static priorities (SCORE 3, cascade; else unused)
+        C, CB, H, N, SINK, WINDOW, TOPK, STATIC,
         G: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, SCORE: tl.constexpr, NH: tl.constexpr,
     ):
         # the row of slots this program walks: (batch, KV head), or with SCORE 2 (mean) the batch row's
@@ -93,7 +102,12 @@ if triton is not None:
         b_pos = tl.load(p_pos, mask=m_n, other=-1)
         b_pri = tl.load(p_pri, mask=m_n, other=float("-inf"))
         b_col = o_n.to(tl.int64)
-        top = m_n & (o_n >= SINK + WINDOW)
+        # the pool ranked by the score: every long-range slot, or (cascade) those after the static pool
+        top = m_n & (o_n >= SINK + WINDOW + STATIC)
+        if SCORE == 3:
+            p_rank = rank_ptr + i_bh.to(tl.int64) * N + o_n
+            b_rank = tl.load(p_rank, mask=m_n, other=float("-inf"))
+            stat = m_n & (o_n >= SINK + WINDOW) & (o_n < SINK + WINDOW + STATIC)
         p_position = position_ptr + i_b.to(tl.int64) * C
         p_valid = valid_ptr + i_b.to(tl.int64) * C
         p_new = new_pri_ptr + i_bh.to(tl.int64) * C
@@ -113,13 +127,41 @@ if triton is not None:
                  tl.where(top, b_pri, float("inf")), tl.where(top, b_pos, 1 << 62), tl.where(top, o_n, BN)),
                 0, _leaving_and_weakest)
             leaving = real & (p >= SINK + WINDOW)
-            promote = leaving & (TOPK > 0) & (leave_pri >= weakest_pri) & (leave_pri > float("-inf"))
-            gone = tl.where(promote, weakest_pos, leave_pos)
-            tl.store(ev_ptr + i_bh.to(tl.int64) * C + j, tl.where(leaving, gone, -1))
-            moved = promote & (o_n == widx)
-            b_pos = tl.where(moved, leave_pos, b_pos)
-            b_pri = tl.where(moved, leave_pri, b_pri)
-            b_col = tl.where(moved, leave_col, b_col)
+            if SCORE == 3:
+                # KVpop-cascade: the leaving token meets the static pool's weakest by static priority (it is the
+                # newest: it wins ties); the loser meets the score pool's weakest by (priority, position)
+                leave_rank = tl.sum(tl.where(at, b_rank, 0.0), axis=0)
+                s_rank, s_pos, s_idx, s_pri, s_col = tl.reduce(
+                    (tl.where(stat, b_rank, float("inf")), tl.where(stat, b_pos, 1 << 62), tl.where(stat, o_n, BN),
+                     tl.where(stat, b_pri, 0.0), tl.where(stat, b_col, 0)), 0, _weakest_static)
+                promote_s = leaving & (STATIC > 0) & (leave_rank >= s_rank) & (leave_rank > float("-inf"))
+                y_pos = tl.where(promote_s, s_pos, leave_pos)
+                y_pri = tl.where(promote_s, s_pri, leave_pri)
+                y_col = tl.where(promote_s, s_col, leave_col)
+                y_rank = tl.where(promote_s, s_rank, leave_rank)
+                beats = (y_pri > weakest_pri) | ((y_pri == weakest_pri) & (y_pos > weakest_pos))
+                promote = leaving & (TOPK > STATIC) & beats & (y_pri > float("-inf"))
+                gone = tl.where(promote, weakest_pos, y_pos)
+                tl.store(ev_ptr + i_bh.to(tl.int64) * C + j, tl.where(leaving, gone, -1))
+                moved = promote & (o_n == widx)
+                b_pos = tl.where(moved, y_pos, b_pos)
+                b_pri = tl.where(moved, y_pri, b_pri)
+                b_col = tl.where(moved, y_col, b_col)
+                b_rank = tl.where(moved, y_rank, b_rank)
+                taken = promote_s & (o_n == s_idx)
+                b_pos = tl.where(taken, leave_pos, b_pos)
+                b_pri = tl.where(taken, leave_pri, b_pri)
+                b_col = tl.where(taken, leave_col, b_col)
+                b_rank = tl.where(taken, leave_rank, b_rank)
+                b_rank = tl.where(real & at, new_pri, b_rank)  # a new token's static priority is its priority
+            else:
+                promote = leaving & (TOPK > 0) & (leave_pri >= weakest_pri) & (leave_pri > float("-inf"))
+                gone = tl.where(promote, weakest_pos, leave_pos)
+                tl.store(ev_ptr + i_bh.to(tl.int64) * C + j, tl.where(leaving, gone, -1))
+                moved = promote & (o_n == widx)
+                b_pos = tl.where(moved, leave_pos, b_pos)
+                b_pri = tl.where(moved, leave_pri, b_pri)
+                b_col = tl.where(moved, leave_col, b_col)
             here = real & at
             b_pos = tl.where(here, p, b_pos)
             b_pri = tl.where(here, new_pri, b_pri)
@@ -133,11 +175,11 @@ if triton is not None:
                 b_m = tl.max(b_s, axis=1)
                 b_e = tl.exp(b_s - b_m[:, None])
                 b_p = b_e / tl.sum(b_e, axis=1)[:, None]
-                if SCORE == 0:
+                if SCORE == 0 or SCORE == 3:
                     b_acc = tl.max(tl.where(m_g[:, None], b_p, float("-inf")), axis=0)
                 else:
                     b_acc += tl.sum(tl.where(m_l, b_p, 0.0), axis=0)
-            if SCORE == 0:
+            if SCORE == 0 or SCORE == 3:
                 b_new_pri = b_acc
             elif SCORE == 1:
                 b_new_pri = b_pri + b_acc
@@ -149,6 +191,8 @@ if triton is not None:
         tl.store(p_pos, b_pos, mask=m_n)
         tl.store(p_pri, b_pri, mask=m_n)
         tl.store(col_ptr + i_bh.to(tl.int64) * N + o_n, b_col, mask=m_n)
+        if SCORE == 3:
+            tl.store(p_rank, b_rank, mask=m_n)
 
 
 
@@ -168,12 +212,20 @@ def dynamic_walk_triton(
     score: str,
     block: int = BLOCK_C,
     num_warps: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """See `ops.dynamic.dynamic_walk`; `num_warps` overrides the launch's (for `bench/bench_walk.py`)."""
+    slot_prior: Tensor | None = None,  # [B, H, N], "cascade" only
+    pool: int | None = None,  # "cascade" only
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """See `ops.dynamic.dynamic_walk`; `num_warps` overrides the launch's (for `bench/bench_walk.py`).
+
+    "cascade" (KVpop-cascade) takes the slots' static priorities `slot_prior` and the score pool's size `pool`,
+    and returns the priors after the chunk as a fourth result (None for the other scores)."""
     if triton is None:
         raise RuntimeError("the Triton walk needs `triton` (pip install triton)")
     if score not in SCORES:
         raise ValueError(f"score={score!r} must be one of {tuple(SCORES)}")
+    cascade = score == "cascade"
+    if cascade != (slot_prior is not None and pool is not None):
+        raise ValueError(f"score={score!r}: the slots' priors and the pool size go with score 'cascade' only")
     mean = score == "mean"
     if mean and not (torch.equal(slot_pos, slot_pos[:, :1].expand_as(slot_pos))
                      and torch.equal(slot_pri, slot_pri[:, :1].expand_as(slot_pri))):
@@ -187,6 +239,9 @@ def dynamic_walk_triton(
     pos = slot_pos.to(torch.int64).contiguous().clone()
     pri = slot_pri.float().contiguous().clone()
     col = torch.empty_like(pos)
+    # the slots' static priorities (cascade), in and out; another score's kernel never reads it
+    rank = slot_prior.float().contiguous().clone() if cascade else pri
+    static = topk - pool if cascade else 0
     ev = torch.full((B, H, C), -1, dtype=torch.int64, device=key.device)
     position = position.to(torch.int64)
     valid = valid.to(torch.int8)
@@ -201,7 +256,7 @@ def dynamic_walk_triton(
         logits = torch.matmul(q[:, :, :, c0 : c0 + cb], cand[:, :, None].transpose(-1, -2)).contiguous()
         evb = torch.empty(B, H, cb, dtype=torch.int64, device=key.device)
         args = (logits, pos, pri, col, position[:, c0 : c0 + cb].contiguous(), valid[:, c0 : c0 + cb].contiguous(),
-                priority[:, :, c0 : c0 + cb].contiguous(), evb, cb, cb, H, N, sink, window, topk)
+                priority[:, :, c0 : c0 + cb].contiguous(), evb, rank, cb, cb, H, N, sink, window, topk, static)
         dynamic_walk_fwd_kernel[(B,) if mean else (B * H,)](
             *args, G=G, BG=triton.next_power_of_2(G), BN=BN, SCORE=SCORES[score], NH=NH, num_warps=warps)
         if mean:
@@ -211,4 +266,4 @@ def dynamic_walk_triton(
         ev[:, :, c0 : c0 + cb] = evb
         # the slots' keys for the next block; an empty slot's key is never read (its logit is masked)
         keys = cand.gather(2, col[..., None].expand(-1, -1, -1, D))
-    return ev, pos, pri
+    return ev, pos, pri, (rank if cascade else None)

@@ -3,8 +3,9 @@
 Each step is `cache.decode_step` without the values: the token leaving the window (position
 `p - window`) replaces the weakest long-range slot if it beats it (ties: the newer token wins), the
 new token takes its sink or window-ring slot, and the query's probabilities over the occupied slots
-(`step_probs`) update every slot's priority. Slow (about 20 small operations per token), obviously
-the step semantics; `walk.py` is the same loop with fewer operations, `kernel.py` the Triton form.
+(`step_probs`) update every slot's priority. KVpop-cascade (`pool`) splits the long-range slots in a static
+pool, which the leaving token meets first by its carried static priority, and a pool ranked by the score,
+which the loser of that meets. Slow (about 20 small operations per token), obviously the step semantics; `walk.py` is the same loop with fewer operations, `kernel.py` the Triton form.
 """
 
 from __future__ import annotations
@@ -14,6 +15,22 @@ from torch import Tensor
 
 from kvpop.ops.attention.reference import step_probs
 from kvpop.ops.dynamic.score import Score, score_update
+
+
+def _weakest(rank: Tensor, pos: Tensor) -> Tensor:
+    """Index [B, H, 1] of the weakest slot by (rank, position): among equal ranks the older token is weaker, and
+    empty slots (-inf, -1) go first."""
+    low = rank.amin(-1, keepdim=True)
+    return torch.where(rank == low, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
+
+
+def _move(keys: Tensor, pos: Tensor, bufs: list[Tensor], src: Tensor, dst: Tensor) -> None:
+    """Copy slot `src` to slot `dst` ([B, H, 1] each; the scratch slot `N` drops the copy) in every buffer."""
+    D = keys.shape[-1]
+    keys.scatter_(2, dst[..., None].expand(-1, -1, -1, D), keys.gather(2, src[..., None].expand(-1, -1, -1, D)))
+    pos.scatter_(2, dst, pos.gather(2, src))
+    for buf in bufs:
+        buf.scatter_(2, dst, buf.gather(2, src))
 
 
 def dynamic_walk_reference(
@@ -31,9 +48,12 @@ def dynamic_walk_reference(
     scale: float,
     score: Score,
     slot_prior: Tensor | None = None,  # [B, H, N]
+    pool: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Insert `C` tokens into `N = sink + window + topk` slots step by step; see `dynamic_walk`."""
     s, w, k = sink, window, topk
+    pool = k if pool is None else pool
+    static = k - pool  # KVpop-cascade's static pool, ranked by `slot_prior`: the long-range slots before the rest
     B, H, C, D = key.shape
     N = slot_pos.shape[-1]
     # the decode step's buffers: the slots plus a scratch slot that masked writes target
@@ -53,20 +73,35 @@ def dynamic_walk_reference(
         leave_pos, leave_pri = pos.gather(2, idx), pri.gather(2, idx)
         out = leave_pos
         if k > 0:
-            top_pos, top_pri = pos[:, :, s + w : N], pri[:, :, s + w : N]
-            weakest_pri = top_pri.amin(-1, keepdim=True)
-            # among equal weakest priorities the older token is weaker; empty slots (-inf, -1) go first
-            oldest = torch.where(top_pri == weakest_pri, top_pos, torch.iinfo(torch.long).max)
-            widx = oldest.argmin(-1, keepdim=True)
-            weakest_pos = top_pos.gather(2, widx)
-            beats = (leave_pri > weakest_pri) | ((leave_pri == weakest_pri) & (leave_pos > weakest_pos))
-            promote = leaving & beats & (leave_pri > float("-inf"))
-            out = torch.where(promote, weakest_pos, leave_pos)
-            dst = torch.where(promote, widx + s + w, N)
-            keys.scatter_(2, dst[..., None].expand(-1, -1, -1, D), keys.gather(2, idx[..., None].expand(-1, -1, -1, D)))
-            pos.scatter_(2, dst, leave_pos)
-            for buf in bufs:
-                buf.scatter_(2, dst, buf.gather(2, idx))
+            # the static pool (KVpop-cascade only) ranks by the carried static priority; the token leaving the
+            # window is the newest, so it wins ties there. Whichever loses (it or the static pool's weakest)
+            # then meets the pool ranked by `pri`: every long-range slot unless the cascade splits them
+            rank = bufs[1] if static else None
+            src, cand_pos, cand_pri = idx, leave_pos, leave_pri
+            if static:
+                lo, hi = s + w, s + w + static
+                st_rank, st_pos = rank[:, :, lo:hi], pos[:, :, lo:hi]
+                sidx = _weakest(st_rank, st_pos)
+                leave_rank = rank.gather(2, idx)
+                weakest_rank, weakest_pos = st_rank.gather(2, sidx), st_pos.gather(2, sidx)
+                beats = (leave_rank > weakest_rank) | ((leave_rank == weakest_rank) & (leave_pos > weakest_pos))
+                promote_s = leaving & beats & (leave_rank > float("-inf"))
+                src = torch.where(promote_s, sidx + lo, idx)
+                cand_pos, cand_pri = pos.gather(2, src), pri.gather(2, src)
+            if pool:
+                lo = s + w + static
+                top_pos, top_pri = pos[:, :, lo:N], pri[:, :, lo:N]
+                widx = _weakest(top_pri, top_pos)
+                weakest_pri, weakest_pos = top_pri.gather(2, widx), top_pos.gather(2, widx)
+                beats = (cand_pri > weakest_pri) | ((cand_pri == weakest_pri) & (cand_pos > weakest_pos))
+                # a -inf token (DMS's "evict") never takes a long-range slot, not even an empty one
+                promote = leaving & beats & (cand_pri > float("-inf"))
+                out = torch.where(promote, weakest_pos, cand_pos)
+                _move(keys, pos, bufs, src, torch.where(promote, widx + lo, N))
+            else:
+                out = cand_pos
+            if static:  # after the move above, which may have read the slot this overwrites
+                _move(keys, pos, bufs, idx, torch.where(promote_s, sidx + s + w, N))
         evicted[:, :, j] = torch.where(leaving, out, -1)[..., 0]
         dst = torch.where(real[:, None, None], idx, N)
         keys.scatter_(2, dst[..., None].expand(-1, -1, -1, D), key[:, :, j : j + 1].to(keys.dtype))

@@ -10,13 +10,15 @@ from typing import Literal
 
 from torch import Tensor
 
-Score = Literal["max", "mean", "sum", "prior"]
-SCORES = ("max", "mean", "sum", "prior")
+Score = Literal["max", "mean", "sum", "prior", "cascade"]
+SCORES = ("max", "mean", "sum", "prior", "cascade")
 """`max`: TOVA, the largest probability over a KV head's query heads; `mean`: TOVA averaged over every
 query head of the layer (all KV heads then rank alike); `sum`: H2O, probabilities summed over the
 query heads and accumulated over steps; `prior`: KVpop-TOVA (`KVpopConfig.tova_prior`, an extension),
 `mean` plus the slot's own static prior (the learned scorer's prediction of its future attention, fixed
-at insertion and equal in every KV head of the layer)."""
+at insertion and equal in every KV head of the layer); `cascade`: KVpop-cascade (`KVpopConfig.tova_pool`, an
+extension), `max` for the slots' TOVA score, while each slot also carries its static priority (the walks'
+`slot_prior`), which ranks the static pool (`ops.dynamic.dynamic_walk`'s `pool`)."""
 
 
 def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor | None,
@@ -37,7 +39,8 @@ def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor
     # ties" holds. A reduction over outer dims (`probs.mean(dim=(1, 2))`) sums some columns in another
     # order on the CPU (measured: widths 5, 6, 33, ... at 8 x 4 heads), one bit apart (tests/test_dynamic.py)
     B, H, G, N = probs.shape
-    if score == "max":
+    if score in ("max", "cascade"):
+        # cascade: the pool that TOVA ranks is ranked per KV head, since the static pool's tokens differ by head
         new = probs.amax(dim=2)
     elif score in ("mean", "prior"):
         per_slot = probs.permute(0, 3, 1, 2).contiguous().view(B, N, H * G)

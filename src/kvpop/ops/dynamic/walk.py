@@ -25,6 +25,15 @@ from kvpop.ops.dynamic.score import Score, score_update
 _LAST = torch.iinfo(torch.long).max
 
 
+def _move(keys: Tensor, pos: Tensor, bufs: list[Tensor], src: Tensor, dst: Tensor) -> None:
+    """Copy slot `src` to slot `dst` ([B, H, 1] each; the scratch slot drops the copy) in every buffer."""
+    D = keys.shape[-1]
+    keys.scatter_(2, dst[..., None].expand(-1, -1, -1, D), keys.gather(2, src[..., None].expand(-1, -1, -1, D)))
+    pos.scatter_(2, dst, pos.gather(2, src))
+    for buf in bufs:
+        buf.scatter_(2, dst, buf.gather(2, src))
+
+
 def dynamic_walk_torch(
     query: Tensor,  # [B, Hq, C, D]
     key: Tensor,  # [B, H, C, D]
@@ -40,9 +49,12 @@ def dynamic_walk_torch(
     scale: float,
     score: Score,
     slot_prior: Tensor | None = None,  # [B, H, N]
+    pool: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """See `ops.dynamic.dynamic_walk`."""
     s, w, k = sink, window, topk
+    pool = k if pool is None else pool
+    static = k - pool  # KVpop-cascade's static pool (ranked by `slot_prior`), the long-range slots before the rest
     B, Hq, C, D = query.shape
     H, N = key.shape[1], slot_pos.shape[-1]
     G = Hq // H
@@ -52,14 +64,20 @@ def dynamic_walk_torch(
     pos = torch.cat([slot_pos, slot_pos.new_full((B, H, 1), -1)], dim=2)
     pri = torch.cat([slot_pri.float(), slot_pri.new_full((B, H, 1), float("-inf"), dtype=torch.float32)], dim=2)
     keys_n, pos_n, pri_n = keys[:, :, :N], pos[:, :, :N], pri[:, :, :N]
-    # the long-range slots followed by the scratch slot: a write to index `k` of these views is dropped
-    keys_top, pos_top, pri_top = keys[:, :, s + w :], pos[:, :, s + w :], pri[:, :, s + w :]
-    top_pos, top_pri = pos[:, :, s + w : N], pri[:, :, s + w : N]
-    # `prior` (KVpop-TOVA): each slot's static prior moves with its token, like its priority
+    # the long-range slots followed by the scratch slot: a write to index `pool` of these views is dropped
+    # (KVpop-cascade: the pool ranked by `pri` is the last `pool` of them)
+    lo = s + w + static
+    keys_top, pos_top, pri_top = keys[:, :, lo:], pos[:, :, lo:], pri[:, :, lo:]
+    top_pos, top_pri = pos[:, :, lo:N], pri[:, :, lo:N]
+    # `prior` (KVpop-TOVA; KVpop-cascade's static priority): each slot's prior moves with its token, like its priority
     has_prior = slot_prior is not None
     if has_prior:
         prior = torch.cat([slot_prior.float(), pri.new_full((B, H, 1), float("-inf"))], dim=2)
-        prior_n, prior_top = prior[:, :, :N], prior[:, :, s + w :]
+        prior_n, prior_top = prior[:, :, :N], prior[:, :, lo:]
+    if static:
+        # the static pool's views, and the views to move a slot anywhere (the scratch slot last)
+        st_pos, st_rank = pos[:, :, s + w : lo], prior[:, :, s + w : lo]
+        bufs = [pri, prior]
 
     # per-token inputs, prepared once; each list holds C views
     slot = torch.where(position < s, position.clamp(min=0), s + (position - s).clamp(min=0) % w)  # [B, C]
@@ -83,7 +101,8 @@ def dynamic_walk_torch(
     # the decode step scales each query (elementwise: the same bits for the whole chunk at once)
     queries = (query.reshape(B, H, G, C, D).float() * scale).transpose(2, 3).contiguous().unbind(2)  # [B, H, G, D]
     last = torch.tensor(_LAST, device=dev)
-    scratch = torch.tensor(k, device=dev)
+    scratch = torch.tensor(pool, device=dev)
+    scratch_n = torch.tensor(N, device=dev)
     evicted = torch.full((B, H, C, 1), -1, dtype=torch.long, device=dev)
     ev = evicted.unbind(2)
     full = False
@@ -91,7 +110,27 @@ def dynamic_walk_torch(
     for j in range(C):
         if decide[j]:
             leave_pos, leave_pri = pos.gather(2, idx[j]), pri.gather(2, idx[j])
-            if k > 0:
+            if static:
+                # KVpop-cascade: the static pool first (the leaving token is the newest: it wins ties), then
+                # whichever loses meets the pool ranked by `pri`
+                sidx = torch.where(st_rank == st_rank.amin(-1, keepdim=True), st_pos, last).argmin(-1, keepdim=True)
+                leave_rank = prior.gather(2, idx[j])
+                promote_s = (leave_rank >= st_rank.gather(2, sidx)) & (leave_rank > float("-inf")) & leave[j]
+                src = torch.where(promote_s, sidx + (s + w), idx[j])
+                if pool:
+                    cand_pos, cand_pri = pos.gather(2, src), pri.gather(2, src)
+                    widx = torch.where(top_pri == top_pri.amin(-1, keepdim=True), top_pos, last).argmin(-1, keepdim=True)
+                    weakest_pri, weakest_pos = top_pri.gather(2, widx), top_pos.gather(2, widx)
+                    # the loser may be older than the pool's tokens (a token demoted from the static pool): ties
+                    # go to the newer token by position
+                    promote = ((cand_pri > weakest_pri) | ((cand_pri == weakest_pri) & (cand_pos > weakest_pos)))
+                    promote &= (cand_pri > float("-inf")) & leave[j]
+                    torch.where(promote, weakest_pos, cand_pos, out=ev[j])
+                    _move(keys, pos, bufs, src, torch.where(promote, widx + lo, scratch_n))
+                else:
+                    ev[j].copy_(pos.gather(2, src))
+                _move(keys, pos, bufs, idx[j], torch.where(promote_s, sidx + (s + w), scratch_n))
+            elif k > 0:
                 weakest_pri = top_pri.amin(-1, keepdim=True)
                 # among equal weakest priorities the older token is weaker; empty slots (-inf, -1) go first
                 widx = torch.where(top_pri == weakest_pri, top_pos, last).argmin(-1, keepdim=True)

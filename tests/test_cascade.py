@@ -1,0 +1,354 @@
+"""KVpop-cascade (`KVpopConfig.tova_pool`, an extension): the static rule's rejects compete for a TOVA-ranked pool.
+
+Every execution makes the same decisions: a plain-Python statement of the step semantics, the decode step
+(`cache.decode_step`), the reference walk and the torch walk (`ops/dynamic`), the chunked prefill and the
+teacher-forced forward (the last in `tests/test_cache.py`, configs "kvpop-cascade*"). The two ends of the
+pool size are the two rules it joins: `tova_pool = topk` is TOVA per KV head with the same split, and a pool
+of 0 is the static rule.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import kvpop
+from helpers import assert_close
+from kvpop.baselines import make_policy
+from kvpop.cache import KVpopLayerCache
+from kvpop.ops.dynamic import dynamic_eviction_positions, dynamic_walk
+from kvpop.policy import CascadePolicy, eviction_times
+
+ATOL = 1e-5
+
+
+def _feed(layer, policy, q, k, v, valid=None, scale=1.0):
+    """Tokens one at a time through a layer cache (the decode step); returns outputs and the slots after each step."""
+    B, _, S, _ = k.shape
+    valid = torch.ones(B, S, dtype=torch.bool) if valid is None else valid
+    outs, held = [], []
+    for t in range(S):
+        sl = slice(t, t + 1)
+        outs.append(layer.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl], policy, scale))
+        held.append(layer.pos.clone())
+    return torch.cat(outs, 2), held
+
+
+def _policy(sink, window, topk, pool, Hkv, D, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = kvpop.KVpopConfig(sink=sink, window=window, topk=topk, tova_pool=pool, scorer_hidden=8, **kw)
+    policy = make_policy(cfg, Hkv, D).eval()
+    return cfg, policy
+
+
+def _reference_cascade(q, k, v, pi, sink, window, topk, pool, scale):
+    """The step semantics in plain Python, per (batch row, KV head).
+
+    `pi[b, h, t]`: token t's static priority. Each kept long-range token sits in the static pool ("s", at most
+    `topk - pool`) or the TOVA pool ("d", at most `pool`). The token leaving the window takes a free static slot,
+    or displaces the static pool's weakest if its priority is at least as high (it is the newest); the loser (the
+    leaving token or the displaced one) takes a free TOVA slot, or displaces the TOVA pool's weakest by (latest
+    attention, position), or is evicted. The latest attention of a token is the max over its KV head's query heads.
+    """
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    static = topk - pool
+    out = torch.zeros(B, Hq, S, D)
+    pools = []
+    for b in range(B):
+        per_head = []
+        for h in range(Hkv):
+            held = {}  # position -> [pool, latest attention]
+            for p in range(S):
+                x = p - window
+                if x >= sink:
+                    loser = x
+                    if static:
+                        st = [t for t in held if held[t][0] == "s"]
+                        if len(st) < static:
+                            held[x][0], loser = "s", None
+                        else:
+                            m = min(st, key=lambda t: (float(pi[b, h, t]), t))
+                            if float(pi[b, h, x]) >= float(pi[b, h, m]):
+                                held[x][0], loser = "s", m
+                    if loser is not None:
+                        dy = [t for t in held if held[t][0] == "d"]
+                        if len(dy) < pool:
+                            held[loser][0] = "d"
+                        elif pool:
+                            d = min(dy, key=lambda t: (held[t][1], t))
+                            if (held[loser][1], loser) > (held[d][1], d):
+                                held[loser][0] = "d"
+                                del held[d]
+                            else:
+                                del held[loser]
+                        else:
+                            del held[loser]
+                held[p] = ["sink" if p < sink else "w", 0.0]
+                ts = sorted(held)
+                logits = torch.stack([q[b, h * G : (h + 1) * G, p] @ k[b, h, t] * scale for t in ts], -1)  # [G, n]
+                probs = torch.softmax(logits, -1)
+                out[b, h * G : (h + 1) * G, p] = probs @ v[b, h, ts]
+                for i, t in enumerate(ts):
+                    held[t][1] = float(probs[:, i].max())
+            per_head.append({t: c[0] for t, c in held.items()})
+        pools.append(per_head)
+    return out, pools
+
+
+@pytest.mark.parametrize("sink,window,topk,pool", [(2, 3, 8, 3), (0, 1, 7, 2), (1, 2, 6, 6), (2, 4, 6, 0),
+                                                   (0, 3, 5, 1), (3, 2, 9, 8)])
+@torch.no_grad()
+def test_decode_step_matches_the_plain_reference(sink, window, topk, pool):
+    B, Hkv, G, S, D = 2, 2, 3, 36, 4
+    g = torch.Generator().manual_seed(topk + pool)
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
+    cfg, policy = _policy(sink, window, topk, pool, Hkv, D)
+    if pool == 0:  # a pool of 0 never comes out of a config (it is KVpop-mlp): build the policy directly
+        policy = CascadePolicy(cfg, Hkv, D).eval()
+    assert policy.dynamic and policy.score == "cascade" and policy.pool == pool
+    pi = policy.priority(k, v, torch.arange(S).expand(B, S))
+    layer = KVpopLayerCache(sink, window, topk)
+    got, _ = _feed(layer, policy, q, k, v, scale=D**-0.5)
+    want, pools = _reference_cascade(q, k, v, pi, sink, window, topk, pool, D**-0.5)
+    assert_close(got, want, ATOL, "outputs")
+    lo = sink + window
+    for b in range(B):
+        for h in range(Hkv):
+            slots = layer.pos[b, h].tolist()
+            assert sorted(p for p in slots if p >= 0) == sorted(pools[b][h]), (b, h)
+            # and each pool's tokens sit in that pool's slots
+            assert sorted(p for p in slots[lo : lo + topk - pool] if p >= 0) == sorted(
+                t for t, c in pools[b][h].items() if c == "s")
+            assert sorted(p for p in slots[lo + topk - pool :] if p >= 0) == sorted(
+                t for t, c in pools[b][h].items() if c == "d")
+
+
+@torch.no_grad()
+def test_the_pool_joins_the_rules_it_is_made_of():
+    # tova_pool = topk: TOVA per KV head (the max over its query heads) with the same sinks and window, slot
+    # for slot; a pool of 0: the static rule's eviction times of the same priorities
+    B, Hkv, G, S, D = 2, 2, 2, 40, 4
+    sink, window, topk = 2, 3, 7
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
+    _, cascade = _policy(sink, window, topk, topk, Hkv, D)
+    tova = make_policy(kvpop.KVpopConfig(sink=sink, window=window, topk=topk, policy="tova"), Hkv, D)
+    runs = []
+    for policy in (cascade, tova):
+        layer = KVpopLayerCache(sink, window, topk)
+        runs.append((*_feed(layer, policy, q, k, v, scale=D**-0.5), layer))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert torch.equal(runs[0][2].pri, runs[1][2].pri)
+
+    cfg, _ = _policy(sink, window, topk, 1, Hkv, D)
+    static = CascadePolicy(cfg, Hkv, D).eval()
+    static.pool = 0
+    pi = static.priority(k, v, torch.arange(S).expand(B, S))
+    position = torch.arange(S).expand(B, S)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    got = dynamic_eviction_positions(q, k, position, valid, pi, sink, window, topk, D**-0.5, "cascade", pool=0)
+    want = eviction_times(pi, sink, window, topk)  # S for a token never evicted, where the walk says NEVER
+    got = got.clamp(max=S)
+    eligible = torch.arange(S) >= sink
+    assert torch.equal(got[..., eligible], want[..., eligible])
+
+
+def _inputs(B, Hkv, G, S, D, ties, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
+    pi = torch.randn(B, Hkv, S, generator=g)
+    if ties:
+        # repeated keys and queries (equal probabilities) and static priorities on a coarse grid
+        k = k[:, :, torch.randint(0, min(4, S), (S,), generator=g)]
+        q[:, :, 1::2] = q[:, :, 0::2][:, :, : S // 2]
+        pi = pi.round()
+    return q, k, v, pi
+
+
+def _left_padded(B, S, seed):
+    g = torch.Generator().manual_seed(seed)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    for b in range(1, B):
+        valid[b, : int(torch.randint(1, max(2, S // 3), (1,), generator=g))] = False
+    return valid
+
+
+@pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk,pool", [
+    (1, 1, 1, 9, 4, 0, 1, 3, 1), (2, 3, 1, 37, 4, 1, 1, 5, 2), (1, 2, 4, 100, 8, 0, 50, 50, 25),
+    (2, 1, 2, 70, 8, 3, 7, 11, 11), (3, 2, 3, 64, 8, 2, 3, 12, 0), (2, 2, 2, 80, 8, 4, 4, 8, 7),
+])
+@pytest.mark.parametrize("ties", [False, True])
+def test_torch_walk_equals_the_reference_walk(B, Hkv, G, S, D, sink, window, topk, pool, ties):
+    # op level, bit for bit: two chunks, the second from the slots, priorities and priors the first left
+    q, k, _, pi = _inputs(B, Hkv, G, S, D, ties, seed=S + pool)
+    N = sink + window + topk
+    valid = _left_padded(B, S, seed=3)
+    position = valid.long().cumsum(-1) - 1
+    empty = torch.full((B, Hkv, N), float("-inf"))
+    half = S // 2
+    slots = (k.new_zeros(B, Hkv, N, D), position.new_full((B, Hkv, N), -1), empty)
+    first = dynamic_walk(q[:, :, :half], k[:, :, :half], *slots, position[:, :half], valid[:, :half], pi[..., :half],
+                         sink, window, topk, D**-0.5, "cascade", backend="reference", slot_prior=empty, pool=pool)
+    again = dynamic_walk(q[:, :, :half], k[:, :, :half], *slots, position[:, :half], valid[:, :half], pi[..., :half],
+                         sink, window, topk, D**-0.5, "cascade", backend="torch", slot_prior=empty, pool=pool)
+    for a, b, what in zip(again, first, ("evicted", "pos", "pri", "prior")):
+        assert torch.equal(a, b), f"first chunk: {what}"
+    src = first[1].clamp(min=0)[..., None].expand(-1, -1, -1, D)
+    keys = torch.where((first[1] >= 0)[..., None], k.gather(2, src), 0.0)
+    args = (q[:, :, half:], k[:, :, half:], keys, first[1], first[2], position[:, half:], valid[:, half:],
+            pi[..., half:], sink, window, topk, D**-0.5, "cascade")
+    want = dynamic_walk(*args, backend="reference", slot_prior=first[3], pool=pool)
+    got = dynamic_walk(*args, backend="auto", slot_prior=first[3], pool=pool)
+    for a, b, what in zip(got, want, ("evicted", "pos", "pri", "prior")):
+        assert torch.equal(a, b), what
+    # every kept token carries its own static priority
+    held = want[1][0] >= 0  # row 0 has no padding: a token's position is its index
+    assert torch.equal(want[3][0][held], pi[0].gather(-1, want[1][0].clamp(min=0))[held])
+    # a step evicts at most one token, and a token at most once
+    ev = torch.cat([first[0], want[0]], dim=-1)
+    for row in ev.flatten(0, 1):
+        kept = row[row >= 0]
+        assert kept.unique().numel() == kept.numel()
+
+
+@pytest.mark.parametrize("split", [(40,), (17, 30, 1, 1, 1, 13), (1, 5, 40, 1, 1, 15)], ids=str)
+@pytest.mark.parametrize("ties", [False, True])
+@torch.no_grad()
+def test_chunked_prefill_equals_the_token_by_token_replay(split, ties):
+    # the cache's prefill (the walk, then one attention) leaves the slots bit for bit as decoding does
+    B, Hkv, G, D = 3, 2, 2, 8
+    S = sum(split)
+    sink, window, topk, pool = 2, 3, 10, 4
+    q, k, v, _ = _inputs(B, Hkv, G, S, D, ties, seed=11)
+    valid = _left_padded(B, S, seed=2)
+    _, policy = _policy(sink, window, topk, pool, Hkv, D)
+    # priorities read off the key by indexing alone: the same bits whatever the chunk's shape (the MLP's einsum
+    # may round a chunk of 40 tokens otherwise than one token); with ties, on a coarse grid
+    grid = 2.0 if ties else 1e6
+    policy.priority = lambda key, value, position: (key[..., 0].float() * grid).round() / grid
+    replay = KVpopLayerCache(sink, window, topk)
+    want, _ = _feed(replay, policy, q, k, v, valid, D**-0.5)
+    fast = KVpopLayerCache(sink, window, topk)
+    outs, start = [], 0
+    for n in split:
+        sl = slice(start, start + n)
+        outs.append(fast.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl], policy, D**-0.5))
+        start += n
+    for name in ("keys", "values", "pos", "pri", "prior", "seen"):
+        assert torch.equal(getattr(fast, name), getattr(replay, name)), name
+    got = torch.cat(outs, 2)
+    real = valid[:, None, :, None].expand_as(got)
+    assert_close(got[real], want[real], 2e-5, "outputs at real tokens")
+
+
+def test_cascade_trains_as_the_static_rule():
+    cfg = kvpop.KVpopConfig.for_budget(32, tova_pool=6, scorer_hidden=8)
+    assert (cfg.sink, cfg.window, cfg.topk) == (4, 8, 20)  # KVpop's split: the pool comes out of the top-k
+    policy = make_policy(cfg, 2, 4)
+    assert isinstance(policy, CascadePolicy) and policy.training and not policy.dynamic
+    policy.eval()
+    assert policy.dynamic and policy.pool == 6
+    assert type(make_policy(kvpop.KVpopConfig.for_budget(32, scorer_hidden=8), 2, 4)).__name__ == "ScorerPolicy"
+
+
+def test_bad_pools_are_refused():
+    with pytest.raises(ValueError, match=r"tova_pool=21 .*\[0, topk=20\]"):
+        kvpop.KVpopConfig.for_budget(32, tova_pool=21)
+    with pytest.raises(ValueError, match="tova_pool=-1"):
+        kvpop.KVpopConfig.for_budget(32, tova_pool=-1)
+    with pytest.raises(ValueError, match="tova_pool=2 .*scorer='mlp'"):
+        kvpop.KVpopConfig.for_budget(32, tova_pool=2, scorer="mlstm")
+    with pytest.raises(ValueError, match="tova_pool=2 .*policy='kvpop'"):
+        kvpop.KVpopConfig.for_budget(32, tova_pool=2, policy="tova")
+    with pytest.raises(ValueError, match="two different extensions"):
+        kvpop.KVpopConfig.for_budget(32, tova_pool=2, tova_prior=1.0)
+    with pytest.raises(ValueError, match="must hold the TOVA pool"):
+        kvpop.KVpopConfig(sink=2, window=2, topk=4, tova_pool=3, layer_topk=(2, 6))
+    q, k = torch.zeros(1, 2, 5, 4), torch.zeros(1, 1, 5, 4)
+    slots = (torch.zeros(1, 1, 6, 4), torch.full((1, 1, 6), -1), torch.full((1, 1, 6), float("-inf")))
+    pos, valid, pri = torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool), torch.zeros(1, 1, 5)
+    with pytest.raises(ValueError, match="pool size is given with score 'cascade' only"):
+        dynamic_walk(q, k, *slots, pos, valid, pri, 1, 2, 3, 1.0, "cascade", slot_prior=slots[2])
+    with pytest.raises(ValueError, match=r"pool=4 must be an integer in \[0, topk=3\]"):
+        dynamic_walk(q, k, *slots, pos, valid, pri, 1, 2, 3, 1.0, "cascade", slot_prior=slots[2], pool=4)
+    with pytest.raises(ValueError, match="does not run score 'cascade'"):
+        dynamic_walk(q, k, *slots, pos, valid, pri, 1, 2, 3, 1.0, "cascade", backend="parallel", slot_prior=slots[2],
+                     pool=1)
+
+
+# --- the Triton walk with two pools (ops/dynamic/kernel.py, score 3): the interpreter on the CPU, natively on CUDA ---
+
+TRITON_CHECK = textwrap.dedent(
+    """
+    import torch
+    from kvpop.ops.dynamic import dynamic_walk
+    from kvpop.ops.dynamic.kernel import dynamic_walk_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def case(B, H, G, C, D, s, w, k, pool, ties, pad, seed):
+        g = torch.Generator().manual_seed(seed)
+        q, key = torch.randn(B, H * G, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
+        pi = torch.randn(B, H, C, generator=g)
+        if ties:
+            key[:, :, 2::3] = key[:, :, 0:1]  # equal probabilities
+            pi = pi.round()  # equal static priorities
+        valid = torch.ones(B, C, dtype=torch.bool)
+        if pad:
+            valid[-1, : C // 4] = False
+        N = s + w + k
+        empty = torch.full((B, H, N), float("-inf"))
+        slots = (torch.zeros(B, H, N, D), torch.full((B, H, N), -1), empty)
+        position = valid.long().cumsum(-1) - 1
+        half = C // 2
+        first = dynamic_walk(q[:, :, :half], key[:, :, :half], *slots, position[:, :half], valid[:, :half],
+                             pi[..., :half], s, w, k, D**-0.5, "cascade", backend="torch", slot_prior=empty, pool=pool)
+        keys = torch.zeros(B, H, N, D)  # the slot keys are not the walk's business; any values do for the check
+        args = [t.to(device) for t in (q[:, :, half:], key[:, :, half:], keys, first[1], first[2], position[:, half:],
+                                       valid[:, half:], pi[..., half:])]
+        prior = first[3].to(device)
+        want = dynamic_walk(*args, s, w, k, D**-0.5, "cascade", backend="torch", slot_prior=prior, pool=pool)
+        got = dynamic_walk(*args, s, w, k, D**-0.5, "cascade", backend="triton", slot_prior=prior, pool=pool)
+        blocks = dynamic_walk_triton(*args, s, w, k, D**-0.5, "cascade", block=8, slot_prior=prior, pool=pool)
+        what = (B, H, G, C, D, s, w, k, pool, ties, pad, seed)
+        for a, b in ((blocks, got), (got, want)):
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[3], b[3]), what
+        held = want[2].isfinite()
+        assert torch.equal(got[2].isfinite(), held), what
+        assert (got[2] - want[2])[held].abs().max() <= 1e-5 * max(1.0, float(want[2][held].abs().max())), what
+
+    for i, (B, H, G, C, D, s, w, k, pool) in enumerate(SHAPES):
+        case(B, H, G, C, D, s, w, k, pool, ties=i % 2 == 0, pad=i % 3 == 1, seed=i)
+    print("ok")
+    """
+)
+
+
+def _run_triton_check(shapes) -> None:
+    code = TRITON_CHECK.replace("SHAPES", repr(shapes))
+    if torch.cuda.is_available():
+        exec(compile(code, "<triton cascade check>", "exec"), {})
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+
+
+def test_triton_walk_makes_the_torch_walks_cascade_decisions():
+    pytest.importorskip("triton", reason="the Triton walk is optional (pip install triton)")
+    # (B, H, G, C, D, sink, window, topk, pool): a split pool, all static (0), all TOVA (topk), GQA, padding
+    _run_triton_check([(1, 2, 2, 31, 16, 2, 3, 8, 3), (2, 2, 3, 40, 12, 0, 1, 7, 0), (2, 1, 4, 37, 16, 0, 4, 6, 6),
+                       (1, 1, 2, 29, 8, 1, 2, 5, 1), (2, 2, 1, 44, 8, 4, 4, 10, 4), (1, 2, 2, 9, 8, 1, 2, 3, 2)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_cascade_walk_at_size_on_cuda():
+    pytest.importorskip("triton")
+    _run_triton_check([(1, 8, 4, 2048, 128, 4, 256, 764, 256), (2, 3, 3, 2048, 64, 4, 64, 188, 94)])
