@@ -23,7 +23,7 @@
 # the table's StreamingLLM / oracle / TOVA must repeat the seventh session's digits on its 8 sequences; fidelity decodes
 # ~20-40 ms per batch step (launch-bound), so its processes share the GPU under MPS; a call that stops the MPS daemon
 # unsets its environment before the next CUDA process (eleventh).
-# Knobs: ROWS, FREE_ROWS, STEPS (120), SEEDS (0), POOLS (the cascade's TOVA slots per budget, "2048:P,1024:P"),
+# Knobs: ROWS, FREE_ROWS, STEPS (120), SEEDS (0), POOLS / TABLE_POOLS (the cascade's TOVA slots per budget),
 # TRAIN_S (call 2's training seconds, 420), TRAIN3_S / EVAL_S (call 3: 60 / 420), FID_P (8 problems), SUITE_S (400),
 # SIDE_S (fidelity, 430), LENGTHS (4k,8000), OOD_S (call 4's code rows, 330).
 set -uo pipefail
@@ -77,8 +77,13 @@ mps_on() {  # NVIDIA's MPS daemon, so launch-bound side processes run their kern
 
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
 rows=${ROWS:-kvpop-mlp+prerope+mix+frozen,dms+frozen,streaming_llm_plus}
-pool() {  # pool BUDGET: the cascade's TOVA slots at that budget, from POOLS ("2048:766,1024:382")
-  echo "${POOLS:-2048:766,1024:382}" | tr ',' '\n' | sed -n "s/^$1://p"
+# the cascade's TOVA slots per budget: a quarter of the top-k (window 256: 1788 and 764 slots), fixed on the CPU before
+# this lease (docs/RESULTS.md, twelfth session); the table adds half the top-k beside it
+pool() {  # pool BUDGET: the pre-registered pool at that budget, from POOLS
+  echo "${POOLS:-2048:447,1024:191}" | tr ',' '\n' | sed -n "s/^$1://p"
+}
+table_pools() {  # table_pools BUDGET: the table's pools at that budget, from TABLE_POOLS (slashes between them)
+  echo "${TABLE_POOLS:-2048:447/894,1024:191/382}" | tr ',' '\n' | sed -n "s/^$1://p" | tr '/' ','
 }
 mlp_dir() {  # the KVpop-mlp run at budget $1 (seed 0)
   echo "$HOME/study/runs/kvpop-mlp+prerope+mix+frozen_b$1/final"
@@ -120,11 +125,15 @@ case $phase in
     # the table: TOVA beside every trained row and the cascade (the KVpop-mlp weights with a TOVA pool), one process
     # per budget on the seventh session's 8 sequences (TOVA must repeat its digits)
     ( step "table_b$b" "${EVAL_S:-420}" "${kvpop[@]}" eval --model smollm2-135m --data champ --seq-len 8192 \
-        --sequences 8 --budgets "$b" --policies tova $(trained "$b") --tova-pool "$(pool "$b")" --no-progress \
+        --sequences 8 --budgets "$b" --policies tova $(trained "$b") --tova-pool "$(table_pools "$b")" --no-progress \
         --out "$HOME/table_b$b"
       mkdir -p "$out/table_b$b" && cp "$HOME/table_b$b"/*.json "$HOME/table_b$b"/*.txt "$out/table_b$b/" 2>/dev/null ) &
-    ( SIDE_S=${SUITE_S:-400} suite "suite_b$b" --policies none --budgets "$b" $(trained "$b") --tova-pool "$(pool "$b")"
-      cp "$HOME/suite_b$b"/*.png "$out/suite_b$b/" 2>/dev/null ) &
+    # the suite: one process per trained row (the cascade beside its KVpop-mlp weights), so they overlap
+    while read -r flag t; do
+      name=${t%%=*}; extra=(); [ "$name" = "kvpop-mlp+prerope+mix+frozen" ] && extra=(--tova-pool "$(pool "$b")")
+      ( SIDE_S=${SUITE_S:-400} suite "suite_b${b}_$name" --policies none --budgets "$b" "$flag" "$t" "${extra[@]}"
+        cp "$HOME/suite_b${b}_$name"/*.png "$out/suite_b${b}_$name/" 2>/dev/null ) &
+    done < <(trained "$b")
   done
   # B = 2048 needs 4096 tokens to fill its cache for long; one trained row per process, so the launch-bound
   # decodes overlap; B = 1024 at 2048 tokens as in the ninth session's table
