@@ -293,3 +293,16 @@ def test_a_model_directory_without_tokenizer_is_named(capsys, tmp_path):
     model.save_pretrained(tmp_path)
     rc, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "hello")
     assert rc == 1 and f"no tokenizer found in '{tmp_path}'" in err
+
+
+def test_info_names_the_rule_of_a_kvpop_directory(capsys, tmp_path):
+    from kvpop.models import load_model
+
+    model, tok = load_model("tiny-random-qwen3")
+    kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(32, scorer_hidden=8, tova_pool=5)), tmp_path / "c",
+               tokenizer=tok)
+    rc, out, _ = run(capsys, "info", "--model", str(tmp_path / "c"))
+    assert rc == 0
+    line = next(x for x in out.splitlines() if x.startswith("retrofitted with"))
+    assert "sink=4 window=8 topk=20 (budget 32), policy kvpop, scorer mlp" in line
+    assert "KVpop-cascade with 5 TOVA slots" in line

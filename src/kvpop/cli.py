@@ -276,7 +276,8 @@ def info(args: argparse.Namespace) -> int:
                                     + (f", {c['scorer_keys']} keys" if c.get("scorer_keys", "cached") != "cached" else "")
                                     + (f", {c['evidence_mix']} features" if c.get("scorer") == "evidence" else "")
                                     + (f", KVpop-TOVA prior weight {c['tova_prior']}" if c.get("tova_prior") is not None
-                                       else ""))
+                                       else "")
+                                    + (f", KVpop-cascade with {c['tova_pool']} TOVA slots" if c.get("tova_pool") else ""))
         if c.get("scorer") == "mlstm":
             matched = c.get("extra", {}).get("match_mlp_memory")
             rows["retrofitted with"] += (f", delay {c['window'] if c.get('delay') is None else c['delay']}"
