@@ -87,3 +87,27 @@ def padded_batch(seqs: list[torch.Tensor], pad_id: int = 0):
         mask[i, S - len(s):] = 1
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     return ids, mask, pos
+
+
+def run_triton_check(code: str, what: str = "<triton check>") -> None:
+    """Run a Triton kernel check (a script that prints "ok" at the end): in this process on CUDA, else in a
+    subprocess under Triton's CPU interpreter (`TRITON_INTERPRET=1` must be set before Triton is imported)."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        exec(compile(code, what, "exec"), {})
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+
+
+def left_padded(B: int, S: int, seed: int) -> torch.Tensor:
+    """bool [B, S]: row 0 full, the others left-padded by a few tokens."""
+    g = torch.Generator().manual_seed(seed)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    for b in range(1, B):
+        valid[b, : int(torch.randint(1, max(2, S // 3), (1,), generator=g))] = False
+    return valid

@@ -7,16 +7,13 @@ pool size are the two rules it joins: `tova_pool = topk` is TOVA per KV head wit
 of 0 is the static rule.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 import kvpop
-from helpers import assert_close
+from helpers import assert_close, left_padded, run_triton_check
 from kvpop.baselines import make_policy
 from kvpop.cache import KVpopLayerCache
 from kvpop.ops.dynamic import dynamic_eviction_positions, dynamic_walk
@@ -171,14 +168,6 @@ def _inputs(B, Hkv, G, S, D, ties, seed):
     return q, k, v, pi
 
 
-def _left_padded(B, S, seed):
-    g = torch.Generator().manual_seed(seed)
-    valid = torch.ones(B, S, dtype=torch.bool)
-    for b in range(1, B):
-        valid[b, : int(torch.randint(1, max(2, S // 3), (1,), generator=g))] = False
-    return valid
-
-
 @pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk,pool", [
     (1, 1, 1, 9, 4, 0, 1, 3, 1), (2, 3, 1, 37, 4, 1, 1, 5, 2), (1, 2, 4, 100, 8, 0, 50, 50, 25),
     (2, 1, 2, 70, 8, 3, 7, 11, 11), (3, 2, 3, 64, 8, 2, 3, 12, 0), (2, 2, 2, 80, 8, 4, 4, 8, 7),
@@ -188,7 +177,7 @@ def test_torch_walk_equals_the_reference_walk(B, Hkv, G, S, D, sink, window, top
     # op level, bit for bit: two chunks, the second from the slots, priorities and priors the first left
     q, k, _, pi = _inputs(B, Hkv, G, S, D, ties, seed=S + pool)
     N = sink + window + topk
-    valid = _left_padded(B, S, seed=3)
+    valid = left_padded(B, S, seed=3)
     position = valid.long().cumsum(-1) - 1
     empty = torch.full((B, Hkv, N), float("-inf"))
     half = S // 2
@@ -226,7 +215,7 @@ def test_chunked_prefill_equals_the_token_by_token_replay(split, ties):
     S = sum(split)
     sink, window, topk, pool = 2, 3, 10, 4
     q, k, v, _ = _inputs(B, Hkv, G, S, D, ties, seed=11)
-    valid = _left_padded(B, S, seed=2)
+    valid = left_padded(B, S, seed=2)
     _, policy = _policy(sink, window, topk, pool, Hkv, D)
     # priorities read off the key by indexing alone: the same bits whatever the chunk's shape (the MLP's einsum
     # may round a chunk of 40 tokens otherwise than one token); with ties, on a coarse grid
@@ -331,13 +320,7 @@ TRITON_CHECK = textwrap.dedent(
 
 
 def _run_triton_check(shapes) -> None:
-    code = TRITON_CHECK.replace("SHAPES", repr(shapes))
-    if torch.cuda.is_available():
-        exec(compile(code, "<triton cascade check>", "exec"), {})
-        return
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+    run_triton_check(TRITON_CHECK.replace("SHAPES", repr(shapes)), "<triton cascade check>")
 
 
 def test_triton_walk_makes_the_torch_walks_cascade_decisions():

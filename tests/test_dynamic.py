@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import kvpop
-from helpers import assert_close
+from helpers import assert_close, left_padded, run_triton_check
 from kvpop.baselines import make_policy
 from kvpop.cache import KVpopLayerCache
 from kvpop.ops.attention import sparse_attention
@@ -78,15 +78,6 @@ def _assert_same_state(a, b, what):
         assert torch.equal(x, y), f"{what}: {name} differ"
 
 
-def _left_padded(B, S, seed):
-    """bool [B, S]: row 0 full, the others left-padded by a few tokens."""
-    g = torch.Generator().manual_seed(seed)
-    valid = torch.ones(B, S, dtype=torch.bool)
-    for b in range(1, B):
-        valid[b, : int(torch.randint(1, max(2, S // 3), (1,), generator=g))] = False
-    return valid
-
-
 @pytest.mark.parametrize("name", list(POLICIES))
 @pytest.mark.parametrize("sink,window,topk", SPLITS)
 @pytest.mark.parametrize("ties", [None, "duplicates", "zeros"])
@@ -120,7 +111,7 @@ def test_chunks_and_decode_steps_with_left_padding(name, sink, window, topk, spl
     B, Hkv, G, D = 3, 2, 2, 16
     S = sum(split)
     q, k, v = _inputs(B, Hkv, G, S, D, "duplicates", seed=1)
-    valid = _left_padded(B, S, seed=2)
+    valid = left_padded(B, S, seed=2)
     scale = D**-0.5
     replay, policy = _layer_and_policy(sink, window, topk, Hkv, D, **POLICIES[name])
     want, _ = _replay(replay, policy, q, k, v, valid, scale)
@@ -146,7 +137,7 @@ def _walk_args_from_decoded_slots(score, B, Hkv, G, S, D, sink, window, topk, ne
     g = torch.Generator().manual_seed(S)
     q, k, _ = _inputs(B, Hkv, G, S, D, None, seed=S)
     N = sink + window + topk
-    valid = _left_padded(B, S, seed=3)
+    valid = left_padded(B, S, seed=3)
     seen = torch.randint(0, 2 * N, (B,), generator=g)
     position = seen[:, None] + valid.long().cumsum(-1) - 1
     # slots as decoding leaves them: fill a layer by a replay of `seen` random tokens first
@@ -184,7 +175,7 @@ def test_torch_walk_equals_the_reference_walk_with_priors(B, Hkv, G, S, D, sink,
     if ties:
         k = k[:, :, torch.randint(0, min(4, S), (S,), generator=g)]
     N = sink + window + topk
-    valid = _left_padded(B, S, seed=3)
+    valid = left_padded(B, S, seed=3)
     position = valid.long().cumsum(-1) - 1
     prior = torch.rand(B, Hkv, S, generator=g) * 0.05
     if ties:
@@ -269,7 +260,7 @@ def test_teacher_forced_sparse_attention_equals_the_replay():
     # the teacher-forced path (attention.py): eviction positions, then FlexAttention / the CPU kernel
     B, Hkv, G, S, D = 2, 2, 2, 50, 8
     q, k, v = _inputs(B, Hkv, G, S, D, "duplicates", seed=4)
-    valid = _left_padded(B, S, seed=5)
+    valid = left_padded(B, S, seed=5)
     position = valid.long().cumsum(-1) - 1
     layer, policy = _layer_and_policy(0, 1, 9, Hkv, D, policy="tova", tova_head_average=True)
     want, _ = _replay(layer, policy, q, k, v, valid, D**-0.5)
@@ -330,13 +321,7 @@ TRITON_CHECK = textwrap.dedent(
 
 
 def _run_triton_check(shapes) -> None:
-    code = TRITON_CHECK.replace("SHAPES", repr(shapes))
-    if torch.cuda.is_available():
-        exec(compile(code, "<triton walk check>", "exec"), {})
-        return
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+    run_triton_check(TRITON_CHECK.replace("SHAPES", repr(shapes)), "<triton walk check>")
 
 
 def test_triton_walk_makes_the_torch_walks_decisions():
@@ -408,7 +393,7 @@ def _chunk_after_a_first(B, H, G, C, D, s, w, k, score, ties, pad, seed, prior=N
         q[:, :, 1::2] = q[:, :, 0::2][:, :, : C // 2]
     elif ties == "zeros":
         key.zero_()
-    valid = _left_padded(B, C, seed) if pad else torch.ones(B, C, dtype=torch.bool)
+    valid = left_padded(B, C, seed) if pad else torch.ones(B, C, dtype=torch.bool)
     N = s + w + k
     slots = (torch.zeros(B, H, N, D), torch.full((B, H, N), -1), torch.full((B, H, N), float("-inf")))
     position = (valid.long().cumsum(-1) - 1).clamp(min=0)

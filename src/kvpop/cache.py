@@ -35,6 +35,7 @@ from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import attention_with_probs, decode_attention, sparse_attention
 from kvpop.ops.dynamic import candidate_index, dynamic_walk, eviction_from_steps
+from kvpop.ops.dynamic.reference import move_slot, weakest_slot
 from kvpop.ops.topk import eviction_positions
 from kvpop.policy import LayerPolicy
 
@@ -406,24 +407,6 @@ class KVpopLayerCache(CacheLayerMixin):
         return out
 
 
-def _weakest(rank: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The weakest slot by (rank, position), [B, H, 1] each: its index, rank and position. Among equal ranks the
-    older token is weaker; empty slots (-inf, -1) go first."""
-    low = rank.amin(-1, keepdim=True)
-    widx = torch.where(rank == low, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
-    return widx, low, pos.gather(2, widx)
-
-
-def _move(buffers: tuple[Tensor, ...], src: Tensor, dst: Tensor) -> None:
-    """Copy slot `src` to slot `dst` ([B, H, 1]; the scratch slot drops the copy) in every buffer."""
-    for buf in buffers:
-        if buf.dim() == 4:
-            s4, d4 = (i[..., None].expand(-1, -1, -1, buf.shape[-1]) for i in (src, dst))
-            buf.scatter_(2, d4, buf.gather(2, s4))
-        else:
-            buf.scatter_(2, dst, buf.gather(2, src))
-
-
 def decode_step(
     buffers: tuple[Tensor, ...],
     query: Tensor,  # [B, Hq, 1, D]
@@ -474,7 +457,7 @@ def decode_step(
             # loses (the leaving token or the static pool's weakest) meets the pool ranked by `pri` below
             lo = s + w
             rank = buffers[4][:, :, :slots]
-            sidx, weakest_rank, weakest_pos = _weakest(rank[..., lo : lo + static], pos[..., lo : lo + static])
+            sidx, weakest_rank, weakest_pos = weakest_slot(rank[..., lo : lo + static], pos[..., lo : lo + static])
             leave_rank = rank.gather(2, idx)
             beats = (leave_rank > weakest_rank) | ((leave_rank == weakest_rank) & (leave_pos > weakest_pos))
             promote_s = leaving & beats & (leave_rank > float("-inf"))
@@ -482,13 +465,13 @@ def decode_step(
         if pool:
             lo = s + w + static
             cand_pos, cand_pri = pos.gather(2, src), pri.gather(2, src)
-            widx, weakest_pri, weakest_pos = _weakest(pri[..., lo:], pos[..., lo:])
+            widx, weakest_pri, weakest_pos = weakest_slot(pri[..., lo:], pos[..., lo:])
             beats = (cand_pri > weakest_pri) | ((cand_pri == weakest_pri) & (cand_pos > weakest_pos))
             # a -inf token (DMS's "evict") never takes a long-range slot, not even an empty one
             promote = leaving & beats & (cand_pri > float("-inf"))
-            _move(buffers, src, torch.where(promote, widx + lo, slots))  # the scratch slot unless promoted
+            move_slot(buffers, src, torch.where(promote, widx + lo, slots))  # the scratch slot unless promoted
         if static:  # after the move above, which may have read the slot this overwrites
-            _move(buffers, idx, torch.where(promote_s, sidx + s + w, slots))
+            move_slot(buffers, idx, torch.where(promote_s, sidx + s + w, slots))
     dst = torch.where(real[:, None, None], idx, slots)
     new_pos = p[:, None, None].expand(B, H, 1)
     # a prior buffer (KVpop-TOVA) takes the new token's priority too: its prior is its priority at insertion

@@ -17,20 +17,23 @@ from kvpop.ops.attention.reference import step_probs
 from kvpop.ops.dynamic.score import Score, score_update
 
 
-def _weakest(rank: Tensor, pos: Tensor) -> Tensor:
-    """Index [B, H, 1] of the weakest slot by (rank, position): among equal ranks the older token is weaker, and
-    empty slots (-inf, -1) go first."""
+def weakest_slot(rank: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The weakest of some slots by (rank, position), [B, H, 1] each: its index among them, its rank and its position.
+    Among equal ranks the older token is weaker; empty slots (-inf, -1) go first."""
     low = rank.amin(-1, keepdim=True)
-    return torch.where(rank == low, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
+    widx = torch.where(rank == low, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
+    return widx, low, pos.gather(2, widx)
 
 
-def _move(keys: Tensor, pos: Tensor, bufs: list[Tensor], src: Tensor, dst: Tensor) -> None:
-    """Copy slot `src` to slot `dst` ([B, H, 1] each; the scratch slot `N` drops the copy) in every buffer."""
-    D = keys.shape[-1]
-    keys.scatter_(2, dst[..., None].expand(-1, -1, -1, D), keys.gather(2, src[..., None].expand(-1, -1, -1, D)))
-    pos.scatter_(2, dst, pos.gather(2, src))
-    for buf in bufs:
-        buf.scatter_(2, dst, buf.gather(2, src))
+def move_slot(buffers, src: Tensor, dst: Tensor) -> None:
+    """Copy slot `src` to slot `dst` ([B, H, 1] each; a scratch slot as `dst` drops the copy) in every buffer:
+    [B, H, N] ones and [B, H, N, D] ones (keys, values). The walks and the decode step move tokens with it."""
+    for buf in buffers:
+        if buf.dim() == 4:
+            s4, d4 = (i[..., None].expand(-1, -1, -1, buf.shape[-1]) for i in (src, dst))
+            buf.scatter_(2, d4, buf.gather(2, s4))
+        else:
+            buf.scatter_(2, dst, buf.gather(2, src))
 
 
 def dynamic_walk_reference(
@@ -81,9 +84,8 @@ def dynamic_walk_reference(
             if static:
                 lo, hi = s + w, s + w + static
                 st_rank, st_pos = rank[:, :, lo:hi], pos[:, :, lo:hi]
-                sidx = _weakest(st_rank, st_pos)
+                sidx, weakest_rank, weakest_pos = weakest_slot(st_rank, st_pos)
                 leave_rank = rank.gather(2, idx)
-                weakest_rank, weakest_pos = st_rank.gather(2, sidx), st_pos.gather(2, sidx)
                 beats = (leave_rank > weakest_rank) | ((leave_rank == weakest_rank) & (leave_pos > weakest_pos))
                 promote_s = leaving & beats & (leave_rank > float("-inf"))
                 src = torch.where(promote_s, sidx + lo, idx)
@@ -91,17 +93,16 @@ def dynamic_walk_reference(
             if pool:
                 lo = s + w + static
                 top_pos, top_pri = pos[:, :, lo:N], pri[:, :, lo:N]
-                widx = _weakest(top_pri, top_pos)
-                weakest_pri, weakest_pos = top_pri.gather(2, widx), top_pos.gather(2, widx)
+                widx, weakest_pri, weakest_pos = weakest_slot(top_pri, top_pos)
                 beats = (cand_pri > weakest_pri) | ((cand_pri == weakest_pri) & (cand_pos > weakest_pos))
                 # a -inf token (DMS's "evict") never takes a long-range slot, not even an empty one
                 promote = leaving & beats & (cand_pri > float("-inf"))
                 out = torch.where(promote, weakest_pos, cand_pos)
-                _move(keys, pos, bufs, src, torch.where(promote, widx + lo, N))
+                move_slot((keys, pos, *bufs), src, torch.where(promote, widx + lo, N))
             else:
                 out = cand_pos
             if static:  # after the move above, which may have read the slot this overwrites
-                _move(keys, pos, bufs, idx, torch.where(promote_s, sidx + s + w, N))
+                move_slot((keys, pos, *bufs), idx, torch.where(promote_s, sidx + s + w, N))
         evicted[:, :, j] = torch.where(leaving, out, -1)[..., 0]
         dst = torch.where(real[:, None, None], idx, N)
         keys.scatter_(2, dst[..., None].expand(-1, -1, -1, D), key[:, :, j : j + 1].to(keys.dtype))

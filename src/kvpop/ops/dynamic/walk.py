@@ -20,18 +20,10 @@ import torch
 from torch import Tensor
 
 from kvpop.ops.attention.reference import slot_probs
+from kvpop.ops.dynamic.reference import move_slot
 from kvpop.ops.dynamic.score import Score, score_update
 
 _LAST = torch.iinfo(torch.long).max
-
-
-def _move(keys: Tensor, pos: Tensor, bufs: list[Tensor], src: Tensor, dst: Tensor) -> None:
-    """Copy slot `src` to slot `dst` ([B, H, 1] each; the scratch slot drops the copy) in every buffer."""
-    D = keys.shape[-1]
-    keys.scatter_(2, dst[..., None].expand(-1, -1, -1, D), keys.gather(2, src[..., None].expand(-1, -1, -1, D)))
-    pos.scatter_(2, dst, pos.gather(2, src))
-    for buf in bufs:
-        buf.scatter_(2, dst, buf.gather(2, src))
 
 
 def dynamic_walk_torch(
@@ -77,7 +69,7 @@ def dynamic_walk_torch(
     if static:
         # the static pool's views, and the views to move a slot anywhere (the scratch slot last)
         st_pos, st_rank = pos[:, :, s + w : lo], prior[:, :, s + w : lo]
-        bufs = [pri, prior]
+        bufs = (keys, pos, pri, prior)
 
     # per-token inputs, prepared once; each list holds C views
     slot = torch.where(position < s, position.clamp(min=0), s + (position - s).clamp(min=0) % w)  # [B, C]
@@ -126,10 +118,10 @@ def dynamic_walk_torch(
                     promote = ((cand_pri > weakest_pri) | ((cand_pri == weakest_pri) & (cand_pos > weakest_pos)))
                     promote &= (cand_pri > float("-inf")) & leave[j]
                     torch.where(promote, weakest_pos, cand_pos, out=ev[j])
-                    _move(keys, pos, bufs, src, torch.where(promote, widx + lo, scratch_n))
+                    move_slot(bufs, src, torch.where(promote, widx + lo, scratch_n))
                 else:
                     ev[j].copy_(pos.gather(2, src))
-                _move(keys, pos, bufs, idx[j], torch.where(promote_s, sidx + (s + w), scratch_n))
+                move_slot(bufs, idx[j], torch.where(promote_s, sidx + (s + w), scratch_n))
             elif k > 0:
                 weakest_pri = top_pri.amin(-1, keepdim=True)
                 # among equal weakest priorities the older token is weaker; empty slots (-inf, -1) go first
