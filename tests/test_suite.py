@@ -211,3 +211,31 @@ def test_parsers_and_length_limit():
     check_lengths(SuiteConfig(tasks=("passkey",), lengths=(8176,)), 8192)
     with pytest.raises(ValueError, match="samples=0"):
         SuiteConfig(samples=0)
+
+
+def test_a_trained_directory_runs_at_its_entrys_config(tiny, samples, tmp_path, monkeypatch):
+    # a directory's weights at another split (a TOVA pool, per-layer budgets): the suite loads it at the entry's
+    # config, not the saved one (it loaded the saved one, so a `+layers` row ran at the uniform split)
+    import importlib
+
+    from kvpop.eval.evaluate import from_directory, with_layer_budgets, with_tova_pool
+
+    retrofit_module = importlib.import_module("kvpop.retrofit")  # `kvpop.retrofit` is also the function
+    model, tok = tiny
+    kvpop.save(kvpop.retrofit(load_model("tiny-random-qwen3")[0], kvpop.KVpopConfig.for_budget(BUDGET, scorer_hidden=8)),
+               tmp_path / "mlp", tokenizer=tok)
+    saved = from_directory(str(tmp_path / "mlp"))
+    entries = [with_tova_pool(saved, 3), with_layer_budgets(saved, [BUDGET - 4, BUDGET + 4])]
+    seen = []
+    real = retrofit_module.load
+
+    def load(*args, **kw):
+        m = real(*args, **kw)
+        seen.append(m.kvpop.config)
+        return m
+
+    monkeypatch.setattr(retrofit_module, "load", load)
+    with quiet():
+        records = run_suite(model, tok, entries, samples[:1], dense=False, progress=False)
+    assert [c.tova_pool for c in seen] == [3, 0] and seen[1].layer_topk == entries[1].cfg.layer_topk
+    assert {r["policy"].split("[")[0] for r in records} == {e.name for e in entries}  # labelled NAME[its directory]
