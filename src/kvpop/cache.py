@@ -464,7 +464,9 @@ def decode_step(
             src = torch.where(promote_s, sidx + lo, idx)
         if pool:
             lo = s + w + static
-            cand_pos, cand_pri = pos.gather(2, src), pri.gather(2, src)
+            # one pool: the candidate is the leaving token, whose position is at hand
+            cand_pos = pos.gather(2, src) if static else leave_pos
+            cand_pri = pri.gather(2, src)
             widx, weakest_pri, weakest_pos = weakest_slot(pri[..., lo:], pos[..., lo:])
             beats = (cand_pri > weakest_pri) | ((cand_pri == weakest_pri) & (cand_pos > weakest_pos))
             # a -inf token (DMS's "evict") never takes a long-range slot, not even an empty one
@@ -474,7 +476,8 @@ def decode_step(
             move_slot(buffers, idx, torch.where(promote_s, sidx + s + w, slots))
     dst = torch.where(real[:, None, None], idx, slots)
     new_pos = p[:, None, None].expand(B, H, 1)
-    # a prior buffer (KVpop-TOVA) takes the new token's priority too: its prior is its priority at insertion
+    # a prior buffer (KVpop-TOVA, KVpop-cascade) takes the new token's priority too: its prior is its priority at
+    # insertion
     for buf, new in zip(buffers, (key, value, new_pos, pri_new[..., None], pri_new[..., None])):
         d = dst[..., None].expand(-1, -1, -1, buf.shape[-1]) if buf.dim() == 4 else dst
         buf.scatter_(2, d, new.to(buf.dtype))
