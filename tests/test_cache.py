@@ -46,6 +46,10 @@ CONFIGS = {
     "kvpop-cascade": kvpop.KVpopConfig.for_budget(14, tova_pool=3, scorer_hidden=16),
     "kvpop-cascade-layers": kvpop.KVpopConfig(sink=2, window=3, topk=9, tova_pool=4, scorer_hidden=16,
                                               layer_topk=(5, 13)),
+    # the layer-wide cascade: TOVA's paper ranking takes each token first, per-head static pools keep its evictions
+    "kvpop-cascade-mean": kvpop.KVpopConfig.for_budget(14, tova_pool=9, tova_head_average=True, scorer_hidden=16),
+    "kvpop-cascade-mean-windowed": kvpop.KVpopConfig(sink=2, window=3, topk=9, tova_pool=5, tova_head_average=True,
+                                                     scorer_hidden=16, scorer_keys="pre_rope"),
 }
 
 
@@ -112,7 +116,7 @@ def test_cache_holds_exactly_what_the_rule_retains(models, arch, cfg_name):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg_name", ["base", "streaming_llm", "tova", "h2o", "mlstm", "mlstm-delay0", "dms", "evidence",
-                                      "evidence-pre-rope", "kvpop-tova", "kvpop-cascade"])
+                                      "evidence-pre-rope", "kvpop-tova", "kvpop-cascade", "kvpop-cascade-mean"])
 @torch.no_grad()
 def test_batch_with_left_padding(models, arch, cfg_name):
     model = models[(arch, cfg_name)]
@@ -129,7 +133,7 @@ def test_batch_with_left_padding(models, arch, cfg_name):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg_name", ["base", "mlstm", "streaming_llm", "tova", "h2o", "dms", "evidence", "kvpop-tova",
-                                      "kvpop-cascade"])
+                                      "kvpop-cascade", "kvpop-cascade-mean"])
 @torch.no_grad()
 def test_generate_greedy_batched_equals_single(models, arch, cfg_name):
     model = models[(arch, cfg_name)]

@@ -173,7 +173,8 @@ def _inputs(B, Hkv, G, S, D, ties, seed):
     (2, 1, 2, 70, 8, 3, 7, 11, 11), (3, 2, 3, 64, 8, 2, 3, 12, 0), (2, 2, 2, 80, 8, 4, 4, 8, 7),
 ])
 @pytest.mark.parametrize("ties", [False, True])
-def test_torch_walk_equals_the_reference_walk(B, Hkv, G, S, D, sink, window, topk, pool, ties):
+@pytest.mark.parametrize("score", ["cascade", "cascade_mean"])
+def test_torch_walk_equals_the_reference_walk(B, Hkv, G, S, D, sink, window, topk, pool, ties, score):
     # op level, bit for bit: two chunks, the second from the slots, priorities and priors the first left
     q, k, _, pi = _inputs(B, Hkv, G, S, D, ties, seed=S + pool)
     N = sink + window + topk
@@ -183,15 +184,15 @@ def test_torch_walk_equals_the_reference_walk(B, Hkv, G, S, D, sink, window, top
     half = S // 2
     slots = (k.new_zeros(B, Hkv, N, D), position.new_full((B, Hkv, N), -1), empty)
     first = dynamic_walk(q[:, :, :half], k[:, :, :half], *slots, position[:, :half], valid[:, :half], pi[..., :half],
-                         sink, window, topk, D**-0.5, "cascade", backend="reference", slot_prior=empty, pool=pool)
+                         sink, window, topk, D**-0.5, score, backend="reference", slot_prior=empty, pool=pool)
     again = dynamic_walk(q[:, :, :half], k[:, :, :half], *slots, position[:, :half], valid[:, :half], pi[..., :half],
-                         sink, window, topk, D**-0.5, "cascade", backend="torch", slot_prior=empty, pool=pool)
+                         sink, window, topk, D**-0.5, score, backend="torch", slot_prior=empty, pool=pool)
     for a, b, what in zip(again, first, ("evicted", "pos", "pri", "prior")):
         assert torch.equal(a, b), f"first chunk: {what}"
     src = first[1].clamp(min=0)[..., None].expand(-1, -1, -1, D)
     keys = torch.where((first[1] >= 0)[..., None], k.gather(2, src), 0.0)
     args = (q[:, :, half:], k[:, :, half:], keys, first[1], first[2], position[:, half:], valid[:, half:],
-            pi[..., half:], sink, window, topk, D**-0.5, "cascade")
+            pi[..., half:], sink, window, topk, D**-0.5, score)
     want = dynamic_walk(*args, backend="reference", slot_prior=first[3], pool=pool)
     got = dynamic_walk(*args, backend="auto", slot_prior=first[3], pool=pool)
     for a, b, what in zip(got, want, ("evicted", "pos", "pri", "prior")):
@@ -262,7 +263,7 @@ def test_bad_pools_are_refused():
     q, k = torch.zeros(1, 2, 5, 4), torch.zeros(1, 1, 5, 4)
     slots = (torch.zeros(1, 1, 6, 4), torch.full((1, 1, 6), -1), torch.full((1, 1, 6), float("-inf")))
     pos, valid, pri = torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool), torch.zeros(1, 1, 5)
-    with pytest.raises(ValueError, match="pool size is given with score 'cascade' only"):
+    with pytest.raises(ValueError, match="pool size is given with scores 'cascade' and 'cascade_mean' only"):
         dynamic_walk(q, k, *slots, pos, valid, pri, 1, 2, 3, 1.0, "cascade", slot_prior=slots[2])
     with pytest.raises(ValueError, match=r"pool=4 must be an integer in \[0, topk=3\]"):
         dynamic_walk(q, k, *slots, pos, valid, pri, 1, 2, 3, 1.0, "cascade", slot_prior=slots[2], pool=4)
@@ -281,7 +282,7 @@ TRITON_CHECK = textwrap.dedent(
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
-    def case(B, H, G, C, D, s, w, k, pool, ties, pad, seed):
+    def case(B, H, G, C, D, s, w, k, pool, ties, pad, seed, score="cascade"):
         g = torch.Generator().manual_seed(seed)
         q, key = torch.randn(B, H * G, C, D, generator=g), torch.randn(B, H, C, D, generator=g)
         pi = torch.randn(B, H, C, generator=g)
@@ -297,23 +298,23 @@ TRITON_CHECK = textwrap.dedent(
         position = valid.long().cumsum(-1) - 1
         half = C // 2
         first = dynamic_walk(q[:, :, :half], key[:, :, :half], *slots, position[:, :half], valid[:, :half],
-                             pi[..., :half], s, w, k, D**-0.5, "cascade", backend="torch", slot_prior=empty, pool=pool)
+                             pi[..., :half], s, w, k, D**-0.5, score, backend="torch", slot_prior=empty, pool=pool)
         keys = torch.zeros(B, H, N, D)  # the slot keys are not the walk's business; any values do for the check
         args = [t.to(device) for t in (q[:, :, half:], key[:, :, half:], keys, first[1], first[2], position[:, half:],
                                        valid[:, half:], pi[..., half:])]
         prior = first[3].to(device)
-        want = dynamic_walk(*args, s, w, k, D**-0.5, "cascade", backend="torch", slot_prior=prior, pool=pool)
-        got = dynamic_walk(*args, s, w, k, D**-0.5, "cascade", backend="triton", slot_prior=prior, pool=pool)
-        blocks = dynamic_walk_triton(*args, s, w, k, D**-0.5, "cascade", block=8, slot_prior=prior, pool=pool)
-        what = (B, H, G, C, D, s, w, k, pool, ties, pad, seed)
+        want = dynamic_walk(*args, s, w, k, D**-0.5, score, backend="torch", slot_prior=prior, pool=pool)
+        got = dynamic_walk(*args, s, w, k, D**-0.5, score, backend="triton", slot_prior=prior, pool=pool)
+        blocks = dynamic_walk_triton(*args, s, w, k, D**-0.5, score, block=8, slot_prior=prior, pool=pool)
+        what = (B, H, G, C, D, s, w, k, pool, ties, pad, seed, score)
         for a, b in ((blocks, got), (got, want)):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[3], b[3]), what
         held = want[2].isfinite()
         assert torch.equal(got[2].isfinite(), held), what
         assert (got[2] - want[2])[held].abs().max() <= 1e-5 * max(1.0, float(want[2][held].abs().max())), what
 
-    for i, (B, H, G, C, D, s, w, k, pool) in enumerate(SHAPES):
-        case(B, H, G, C, D, s, w, k, pool, ties=i % 2 == 0, pad=i % 3 == 1, seed=i)
+    for i, (B, H, G, C, D, s, w, k, pool, *score) in enumerate(SHAPES):
+        case(B, H, G, C, D, s, w, k, pool, ties=i % 2 == 0, pad=i % 3 == 1, seed=i, score=(score or ["cascade"])[0])
     print("ok")
     """
 )
@@ -335,3 +336,197 @@ def test_triton_walk_makes_the_torch_walks_cascade_decisions():
 def test_triton_cascade_walk_at_size_on_cuda():
     pytest.importorskip("triton")
     _run_triton_check([(1, 8, 4, 2048, 128, 4, 256, 764, 256), (2, 3, 3, 2048, 64, 4, 64, 188, 94)])
+
+
+# --- the layer-wide cascade (`tova_head_average`, score "cascade_mean"): TOVA's paper ranking takes the token first ---
+
+
+def _reference_layer_cascade(q, k, v, pi, sink, window, topk, pool, scale):
+    """The layer-wide cascade's step semantics in plain Python, per batch row (its KV heads together).
+
+    The TOVA pool ("d", at most `pool` tokens) is one for the layer: the token leaving the window takes a free
+    TOVA slot, or displaces the pool's weakest by (latest attention, position) if its attention is at least as
+    high (it is the newest). The loser (the leaving token or the displaced one), the same token in every KV head,
+    then meets each head's own static pool ("s", at most `topk - pool`): it takes a free slot, or displaces the
+    weakest by (static priority `pi[b, h]`, position) if it beats it, or is evicted from that head. A token's
+    latest attention is its probability averaged over every query head of the layer (TOVA's paper ranking).
+    """
+    B, Hq, S, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    static = topk - pool
+    out = torch.zeros(B, Hq, S, D)
+    pools = []
+    for b in range(B):
+        held = [{} for _ in range(Hkv)]  # per head: position -> pool
+        att = {}  # the layer's latest attention of the tokens every head holds (sinks, window, TOVA pool)
+        for p in range(S):
+            x = p - window
+            if x >= sink:
+                loser = x
+                if pool:
+                    dy = [t for t in held[0] if held[0][t] == "d"]
+                    if len(dy) < pool:
+                        loser = None
+                    else:
+                        d = min(dy, key=lambda t: (att[t], t))
+                        if att[x] >= att[d]:
+                            loser = d
+                    if loser != x:
+                        for h in range(Hkv):
+                            held[h][x] = "d"
+                for h in range(Hkv):
+                    if loser is None:
+                        break
+                    del held[h][loser]
+                    st = [t for t in held[h] if held[h][t] == "s"]
+                    if len(st) < static:
+                        held[h][loser] = "s"
+                    elif static:
+                        m = min(st, key=lambda t: (float(pi[b, h, t]), t))
+                        if (float(pi[b, h, loser]), loser) > (float(pi[b, h, m]), m):
+                            del held[h][m]
+                            held[h][loser] = "s"
+            for h in range(Hkv):
+                held[h][p] = "sink" if p < sink else "w"
+            probs_of = {}
+            for h in range(Hkv):
+                ts = sorted(held[h])
+                logits = torch.stack([q[b, h * G : (h + 1) * G, p] @ k[b, h, t] * scale for t in ts], -1)  # [G, n]
+                probs = torch.softmax(logits, -1)
+                out[b, h * G : (h + 1) * G, p] = probs @ v[b, h, ts]
+                for i, t in enumerate(ts):
+                    probs_of.setdefault(t, []).append(probs[:, i])
+            for t, ps in probs_of.items():
+                if len(ps) == Hkv:  # a token every head holds
+                    att[t] = float(torch.cat(ps).double().mean())
+        pools.append([dict(hh) for hh in held])
+    return out, pools
+
+
+def _layer_policy(sink, window, topk, pool, Hkv, D, seed=0):
+    torch.manual_seed(seed)
+    cfg = kvpop.KVpopConfig(sink=sink, window=window, topk=topk, tova_pool=pool, tova_head_average=True, scorer_hidden=8)
+    return cfg, make_policy(cfg, Hkv, D).eval()
+
+
+@pytest.mark.parametrize("sink,window,topk,pool", [(0, 1, 8, 5), (0, 1, 7, 1), (2, 3, 8, 3), (1, 2, 6, 6),
+                                                   (0, 3, 5, 4), (3, 2, 9, 8), (0, 1, 6, 3)])
+@torch.no_grad()
+def test_layer_cascade_decode_step_matches_the_plain_reference(sink, window, topk, pool):
+    B, Hkv, G, S, D = 2, 3, 2, 36, 4
+    g = torch.Generator().manual_seed(topk + pool + 100)
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
+    cfg, policy = _layer_policy(sink, window, topk, pool, Hkv, D)
+    assert policy.dynamic and policy.score == "cascade_mean" and policy.tova_first and policy.pool == pool
+    pi = policy.priority(k, v, torch.arange(S).expand(B, S))
+    layer = KVpopLayerCache(sink, window, topk)
+    got, held = _feed(layer, policy, q, k, v, scale=D**-0.5)
+    want, pools = _reference_layer_cascade(q, k, v, pi, sink, window, topk, pool, D**-0.5)
+    assert_close(got, want, ATOL, "outputs")
+    lo, top = sink + window, sink + window + topk - pool
+    for b in range(B):
+        for h in range(Hkv):
+            slots = layer.pos[b, h].tolist()
+            assert sorted(p for p in slots if p >= 0) == sorted(pools[b][h]), (b, h)
+            assert sorted(p for p in slots[lo:top] if p >= 0) == sorted(t for t, c in pools[b][h].items() if c == "s")
+            assert sorted(p for p in slots[top:] if p >= 0) == sorted(t for t, c in pools[b][h].items() if c == "d")
+    # the TOVA pool, the sinks and the window hold the same tokens in the same slots in every KV head, at every step
+    for pos in held:
+        shared = torch.cat([pos[..., :lo], pos[..., top:]], -1)
+        assert torch.equal(shared, shared[:, :1].expand_as(shared))
+    # while the static pools differ between heads (their priorities do)
+    assert not torch.equal(layer.pos[..., lo:top], layer.pos[:, :1, lo:top].expand_as(layer.pos[..., lo:top])) or pool == topk
+
+
+def test_triton_walk_makes_the_torch_walks_layer_cascade_decisions():
+    pytest.importorskip("triton", reason="the Triton walk is optional (pip install triton)")
+    # (B, H, G, C, D, sink, window, topk, pool, score): TOVA's split with a split pool, all TOVA (topk), all static
+    # (0), KVpop's split, one KV head, GQA, padding
+    _run_triton_check([(1, 2, 2, 31, 16, 0, 1, 8, 5, "cascade_mean"), (2, 3, 2, 40, 12, 0, 1, 7, 7, "cascade_mean"),
+                       (2, 2, 3, 37, 16, 0, 1, 6, 0, "cascade_mean"), (1, 3, 1, 29, 8, 2, 3, 6, 2, "cascade_mean"),
+                       (2, 1, 4, 44, 8, 0, 2, 10, 4, "cascade_mean"), (1, 2, 2, 9, 8, 1, 2, 3, 2, "cascade_mean")])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_layer_cascade_walk_at_size_on_cuda():
+    pytest.importorskip("triton")
+    # SmolLM2's heads at B = 2048 and 1024 with TOVA's split (the GPU table's shapes), and the 8B shape's
+    _run_triton_check([(1, 3, 3, 2048, 64, 0, 1, 2047, 1535, "cascade_mean"),
+                       (2, 3, 3, 2048, 64, 0, 1, 1023, 767, "cascade_mean"),
+                       (1, 8, 4, 2048, 128, 0, 1, 1023, 511, "cascade_mean")])
+
+
+@pytest.mark.parametrize("sink,window", [(0, 1), (2, 3)])
+@torch.no_grad()
+def test_the_layer_cascade_joins_tova_and_the_static_rule(sink, window):
+    # tova_pool = topk: TOVA as its paper ranks (the layer's head average) at the same split, slot for slot and
+    # priority for priority; a pool of 0: the static rule's eviction times of the same priorities, in every head
+    B, Hkv, G, S, D, topk = 2, 3, 2, 40, 4, 7
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
+    _, cascade = _layer_policy(sink, window, topk, topk, Hkv, D)
+    tova = make_policy(kvpop.KVpopConfig(sink=sink, window=window, topk=topk, policy="tova", tova_head_average=True),
+                       Hkv, D)
+    runs = []
+    for policy in (cascade, tova):
+        layer = KVpopLayerCache(sink, window, topk)
+        runs.append((*_feed(layer, policy, q, k, v, scale=D**-0.5), layer))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert torch.equal(runs[0][2].pri, runs[1][2].pri)
+
+    cfg, _ = _layer_policy(sink, window, topk, 1, Hkv, D)
+    static = CascadePolicy(cfg, Hkv, D).eval()
+    pi = static.priority(k, v, torch.arange(S).expand(B, S))
+    position = torch.arange(S).expand(B, S)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    got = dynamic_eviction_positions(q, k, position, valid, pi, sink, window, topk, D**-0.5, "cascade_mean", pool=0)
+    want = eviction_times(pi, sink, window, topk)
+    eligible = torch.arange(S) >= sink
+    assert torch.equal(got.clamp(max=S)[..., eligible], want[..., eligible])
+
+
+@pytest.mark.parametrize("split", [(40,), (17, 30, 1, 1, 1, 13), (1, 5, 40, 1, 1, 15)], ids=str)
+@pytest.mark.parametrize("ties", [False, True])
+@torch.no_grad()
+def test_layer_cascade_chunked_prefill_equals_the_token_by_token_replay(split, ties):
+    B, Hkv, G, D = 3, 3, 2, 8
+    S = sum(split)
+    sink, window, topk, pool = 0, 1, 13, 8
+    q, k, v, _ = _inputs(B, Hkv, G, S, D, ties, seed=12)
+    valid = left_padded(B, S, seed=4)
+    _, policy = _layer_policy(sink, window, topk, pool, Hkv, D)
+    grid = 2.0 if ties else 1e6
+    # per-head priorities read off the key by indexing alone (see test_chunked_prefill_equals_the_token_by_token_replay)
+    policy.priority = lambda key, value, position: (key[..., 0].float() * grid).round() / grid
+    replay = KVpopLayerCache(sink, window, topk)
+    want, _ = _feed(replay, policy, q, k, v, valid, D**-0.5)
+    fast = KVpopLayerCache(sink, window, topk)
+    outs, start = [], 0
+    for n in split:
+        sl = slice(start, start + n)
+        outs.append(fast.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl], policy, D**-0.5))
+        start += n
+    for name in ("keys", "values", "pos", "pri", "prior", "seen"):
+        assert torch.equal(getattr(fast, name), getattr(replay, name)), name
+    got = torch.cat(outs, 2)
+    real = valid[:, None, :, None].expand_as(got)
+    assert_close(got[real], want[real], 2e-5, "outputs at real tokens")
+
+
+def test_layer_cascade_config():
+    cfg = kvpop.KVpopConfig.for_budget(32, tova_pool=20, tova_head_average=True, scorer_hidden=8)
+    assert (cfg.sink, cfg.window, cfg.topk) == (0, 1, 31)  # TOVA's split: it ranks like TOVA
+    policy = make_policy(cfg, 2, 4)
+    assert isinstance(policy, CascadePolicy) and policy.training and not policy.dynamic  # trains as KVpop-mlp
+    policy.eval()
+    assert policy.dynamic and policy.score == "cascade_mean" and policy.tova_first and policy.pool == 20
+    # a window given: TOVA's split around it (no sinks unless given)
+    c = kvpop.KVpopConfig.for_budget(32, window=8, tova_pool=4, tova_head_average=True)
+    assert (c.sink, c.window, c.topk) == (0, 8, 24)
+    with pytest.raises(ValueError, match="tova_head_average=True is invalid: applies to policy='tova' and to KVpop-cascade"):
+        kvpop.KVpopConfig.for_budget(32, tova_head_average=True)
+    with pytest.raises(ValueError, match="tova_head_average=1 is invalid: must be a bool"):
+        kvpop.KVpopConfig.for_budget(32, tova_pool=3, tova_head_average=1)

@@ -291,3 +291,46 @@ def test_eval_runs_a_kvpop_mlp_directory_as_kvpop_cascade(text_file, tmp_path, c
     assert "--tova-pool='x' must be comma-separated integers" in capsys.readouterr().err
     assert main([*base, "--policies", "tova", "--budgets", "32", "--tova-pool", "4"]) == 1
     assert "--tova-pool needs a --trained KVpop-mlp directory" in capsys.readouterr().err
+
+
+def test_eval_runs_a_kvpop_mlp_directory_as_the_layer_wide_cascade(text_file, tmp_path, capsys):
+    # --tova-pool-layer N: the same weights at TOVA's split of the budget, N slots ranked by TOVA's head average; the
+    # row must be what a directory saved with that config gives
+    model, tok = load_model("tiny-random-qwen3")
+    torch.manual_seed(0)
+    mlp = kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(32, scorer_hidden=16))
+    kvpop.save(mlp, tmp_path / "mlp", tokenizer=tok)
+    kvpop.detach(mlp)
+    cfg = kvpop.KVpopConfig.for_budget(32, scorer_hidden=16, tova_pool=24, tova_head_average=True)
+    kvpop.save(kvpop.load(tmp_path / "mlp", config=cfg), tmp_path / "layer", tokenizer=tok)
+    base = ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--split", "all", "--seq-len", "128",
+            "--sequences", "2", "--policies", "none", "--out", str(tmp_path / "o")]
+    assert main([*base, "--trained", f"mlp={tmp_path / 'mlp'}", "--tova-pool-layer", "24,31", "--tova-pool", "8",
+                 "--trained", f"saved={tmp_path / 'layer'}"]) == 0
+    rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
+    assert set(rows) == {"mlp", "mlp+pool8", "mlp+lpool24", "mlp+lpool31", "saved"}
+    for key in ("kl", "top1_agreement"):
+        assert rows["mlp+lpool24"][key] == pytest.approx(rows["saved"][key], rel=1e-6)
+    assert rows["mlp+lpool24"]["kl"] != pytest.approx(rows["mlp+pool8"]["kl"], rel=1e-6)
+    # every slot in the TOVA pool: TOVA as its paper defines it, on the same sequences
+    assert main([*base[:-4], "--policies", "tova", "--budgets", "32", "--out", str(tmp_path / "t")]) == 0
+    tova = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]
+    assert tova["policy"] == "tova" and tova["kl"] == pytest.approx(rows["mlp+lpool31"]["kl"], rel=1e-6)
+    assert main([*base, "--trained", str(tmp_path / "mlp"), "--tova-pool-layer", "32"]) == 1
+    assert "--tova-pool-layer 32 must lie in [1, budget - 1=31]" in capsys.readouterr().err
+
+
+def test_skip_sequences_gives_a_disjoint_development_set(text_file, tmp_path, capsys):
+    # --skip-sequences N: the rows after the first N, exactly the later rows of a longer run
+    base = ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--split", "all", "--seq-len", "128",
+            "--policies", "streaming_llm", "--budgets", "32", "--packing", "concat", "--out", str(tmp_path / "o")]
+    def per_sequence():
+        return json.loads((tmp_path / "o" / "results.json").read_text())["rows"][0]["kl_per_sequence"]
+
+    assert main([*base, "--sequences", "3"]) == 0
+    both = per_sequence()
+    assert main([*base, "--sequences", "2", "--skip-sequences", "1"]) == 0
+    later = per_sequence()
+    assert later == pytest.approx(both[1:], rel=1e-6) and len(later) == 2
+    assert main([*base, "--sequences", "2", "--skip-sequences", "1000"]) == 1
+    assert "no held-out sequence" in capsys.readouterr().err

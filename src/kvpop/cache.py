@@ -35,7 +35,7 @@ from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import attention_with_probs, decode_attention, sparse_attention
 from kvpop.ops.dynamic import candidate_index, dynamic_walk, eviction_from_steps
-from kvpop.ops.dynamic.reference import move_slot, weakest_slot
+from kvpop.ops.dynamic.reference import move_slot, tova_first_step, weakest_slot
 from kvpop.ops.topk import eviction_positions
 from kvpop.policy import LayerPolicy
 
@@ -92,7 +92,7 @@ class KVpopLayerCache(CacheLayerMixin):
             torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),
         )
         if with_prior:
-            # KVpop-TOVA (score "prior"), KVpop-cascade ("cascade"): each slot's static prior, moved with its token
+            # KVpop-TOVA (score "prior"), KVpop-cascade ("cascade", "cascade_mean"): each slot's static prior, moved with its token
             # like its priority
             self.buffers += (torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),)
         self._views()
@@ -198,7 +198,7 @@ class KVpopLayerCache(CacheLayerMixin):
         if policy.teacher_forced_only:
             raise ValueError(f"the {type(policy).__name__} ranks tokens by future attention: it cannot decode")
         if not self.is_initialized:
-            self.lazy_initialization(key, value, with_prior=policy.score in ("prior", "cascade"))
+            self.lazy_initialization(key, value, with_prior=policy.score in ("prior", "cascade", "cascade_mean"))
         position = self.seen[:, None] + torch.cumsum(valid.long(), dim=-1) - 1  # [B, C]
         B, H, C, _ = key.shape
         if policy.stateful or policy.evidence:
@@ -238,7 +238,7 @@ class KVpopLayerCache(CacheLayerMixin):
             cache_evidence.decode_readout(self, p, real, policy)
         step = self.fused or decode_step
         out, probs = step(self.buffers, query, key, value, p, real, pri_new, self.sink, self.window, self.topk,
-                          scale, policy.dynamic, policy.pool)
+                          scale, policy.dynamic, policy.pool, policy.tova_first)
         if policy.evidence:
             cache_evidence.decode_accumulate(self, query, key, p, real, scale, policy, rope)
         if policy.dynamic:
@@ -421,6 +421,7 @@ def decode_step(
     scale: float,
     with_probs: bool,
     pool: int | None = None,
+    tova_first: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """One decode step on a layer's slot buffers (keys, values, pos, pri, and KVpop-TOVA's prior; each with a
     scratch slot last).
@@ -432,7 +433,9 @@ def decode_step(
 
     KVpop-cascade (`pool` an int, score "cascade"): the last `pool` long-range slots are ranked by `pri`, the
     others by the static priority in the prior buffer; the leaving token meets the static pool first and
-    whichever loses meets the `pri` pool (`ops.dynamic.dynamic_walk`). None: one pool ranked by `pri`.
+    whichever loses meets the `pri` pool (`ops.dynamic.dynamic_walk`). None: one pool ranked by `pri`. With
+    `tova_first` (the layer-wide cascade, score "cascade_mean") the leaving token meets the `pri` pool first, and
+    whichever loses meets the static pool (`ops.dynamic.reference.tova_first_step`).
 
     Returns:
         the attention output [B, Hq, 1, D], and its probabilities over the slots if `with_probs`.
@@ -447,7 +450,10 @@ def decode_step(
     idx = slot[:, None, None].expand(B, H, 1)
     pool = k if pool is None else pool
     static = k - pool  # KVpop-cascade: the first `static` long-range slots are ranked by the carried prior
-    if k > 0:
+    if k > 0 and tova_first:
+        leaving = (real & (p >= s + w))[:, None, None]
+        tova_first_step(buffers, buffers[2], buffers[3], buffers[4], idx, leaving, s + w, static, pool)
+    elif k > 0:
         # the token leaving the window (position p - w) becomes eligible: keep it if it beats the weakest top-k slot
         leave_pos = pos.gather(2, idx)
         leaving = (real & (p >= s + w))[:, None, None]

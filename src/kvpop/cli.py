@@ -277,7 +277,9 @@ def info(args: argparse.Namespace) -> int:
                                     + (f", {c['evidence_mix']} features" if c.get("scorer") == "evidence" else "")
                                     + (f", KVpop-TOVA prior weight {c['tova_prior']}" if c.get("tova_prior") is not None
                                        else "")
-                                    + (f", KVpop-cascade with {c['tova_pool']} TOVA slots" if c.get("tova_pool") else ""))
+                                    + (f", KVpop-cascade with {c['tova_pool']} TOVA slots"
+                                       + (" (layer-wide: TOVA's head average, fed first)" if c.get("tova_head_average")
+                                          else "") if c.get("tova_pool") else ""))
         if c.get("scorer") == "mlstm":
             matched = c.get("extra", {}).get("match_mlp_memory")
             rows["retrofitted with"] += (f", delay {c['window'] if c.get('delay') is None else c['delay']}"
@@ -320,6 +322,11 @@ def info(args: argparse.Namespace) -> int:
         help="mlp: KVpop-cascade (an extension): N of the top-k slots form a pool ranked by TOVA (the latest query's "
              "attention, per KV head) that takes the static rule's rejects; the scorer trains as KVpop-mlp, decoding and "
              "evaluation are dynamic (default 0: the paper's static rule)"),
+    arg("--tova-head-average", action="store_true",
+        help="with --tova-pool: the layer-wide KVpop-cascade: the pool ranks by the latest query's attention averaged "
+             "over the layer's query heads (TOVA's paper score) and takes each token leaving the window first; the "
+             "static pool keeps the best of its evictions; TOVA's split (no sinks, window 1) unless --sink/--window "
+             "say otherwise"),
     arg("--evidence-mix", default="concat", choices=["concat", "additive"],
         help="evidence: one MLP over [k; v; features] (concat) or the MLP over [k; v] plus a linear term (default concat)"),
     arg("--delay", type=int, default=None,
@@ -395,6 +402,10 @@ def train(args: argparse.Namespace) -> int:
             scorer.update(tova_prior=args.tova_prior)
         if args.tova_pool:
             scorer.update(tova_pool=args.tova_pool)
+        if args.tova_head_average:
+            if not args.tova_pool:
+                raise ValueError("--tova-head-average needs --tova-pool N (the layer-wide KVpop-cascade)")
+            scorer.update(tova_head_average=True)
         if args.scorer == "mlstm":
             scorer.update(delay=args.delay, mlstm_dim=args.mlstm_dim, mlstm_hidden=args.mlstm_hidden,
                           match_mlp_memory=args.match_mlp_memory)
@@ -430,7 +441,7 @@ CONFIG_FLAGS = {"budget": "budget", "sink": "sink", "window": "window", "topk": 
                 "mlstm_hidden": "mlstm_hidden", "match_mlp_memory": "match_mlp_memory",
                 "dms_temperature": "dms_temperature", "dms_target_retention": "dms_target_retention",
                 "query_fraction": "loss_query_fraction", "scorer_keys": "scorer_keys", "evidence_mix": "evidence_mix",
-                "tova_prior": "tova_prior", "tova_pool": "tova_pool"}
+                "tova_prior": "tova_prior", "tova_pool": "tova_pool", "tova_head_average": "tova_head_average"}
 CONFIG_ARGS = {*CONFIG_FLAGS, "layer_budgets"}
 """train's flags that shape the KVpop config: a --resume given none of them resumes at the run's own."""
 
@@ -561,6 +572,9 @@ def selfgen(args: argparse.Namespace) -> int:
     arg("--split", default="eval", choices=["eval", "train", "all"], help="which split of --data (default eval)"),
     arg("--seq-len", type=int, default=2048, help="tokens per evaluated sequence (default 2048)"),
     arg("--sequences", type=int, default=4, help="number of sequences (default 4)"),
+    arg("--skip-sequences", type=int, default=0, metavar="N",
+        help="leave out the first N held-out sequences and evaluate the next --sequences: a development set "
+             "disjoint from the rows a table reports (default 0)"),
     arg("--packing", default="document", choices=["document", "concat"],
         help="document: each sequence begins at a document start, formatted as in real use (champ as a chat, "
              "a BOS where the tokenizer adds one) (default); concat: one stream cut every --seq-len tokens "
@@ -579,6 +593,11 @@ def selfgen(args: argparse.Namespace) -> int:
     arg("--tova-pool", default=None, metavar="N[,N]",
         help="also run each --trained KVpop-mlp directory as KVpop-cascade: N of its top-k slots form a pool ranked "
              "by TOVA that takes the static rule's rejects (rows NAME+poolN; the same weights, no training)"),
+    arg("--tova-pool-layer", default=None, metavar="N[,N]",
+        help="also run each --trained KVpop-mlp directory as the layer-wide KVpop-cascade at TOVA's split of its "
+             "budget (no sinks, window 1): N slots ranked by TOVA's paper score (the layer's head average), which "
+             "takes each token first, the other budget - 1 - N a per-head static pool that keeps the best of its "
+             "evictions (rows NAME+lpoolN; the same weights)"),
     arg("--layer-budgets", action="append", default=[], metavar="FILE",
         help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
              "(the same total memory as the uniform row); repeatable"),
@@ -656,11 +675,17 @@ def evaluate(args: argparse.Namespace) -> int:
     for e in entries:
         if e.budget >= args.seq_len:
             raise ValueError(f"budget {e.budget} ({e.name}) is not below --seq-len {args.seq_len}: nothing is evicted")
-    tokens = held_out_rows(args.data, tokenizer, args.seq_len, args.sequences, packing=args.packing, split=args.split,
-                           text_field=args.text_field, seed=args.seed)
+    if args.skip_sequences < 0:
+        raise ValueError(f"--skip-sequences {args.skip_sequences} must be >= 0")
+    tokens = held_out_rows(args.data, tokenizer, args.seq_len, args.skip_sequences + args.sequences,
+                           packing=args.packing, split=args.split, text_field=args.text_field,
+                           seed=args.seed)[args.skip_sequences :]
     if len(tokens) < args.sequences:
         print(f"kvpop eval: the documents of {args.data!r} fill only {len(tokens)} of the {args.sequences} sequences "
-              f"asked for ({args.packing} packing: no document is in two rows)", file=sys.stderr)
+              f"asked for after the {args.skip_sequences} skipped ({args.packing} packing: no document is in two "
+              "rows)", file=sys.stderr)
+    if not len(tokens):
+        raise ValueError(f"no held-out sequence of {args.data!r} is left after --skip-sequences {args.skip_sequences}")
     evaluator = Evaluator(base, entries, device=device)
     # one tick per pass (the dense reference, then each entry) of each sequence: a long pass shows as it ends
     with tqdm(total=len(tokens) * (len(entries) + 1), desc="kvpop eval", unit="pass", disable=args.no_progress) as bar:
@@ -727,25 +752,31 @@ def _training_free_entries(args: argparse.Namespace) -> list:
 
 
 def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
-    """`--tova-pool N[,N]`: each trained KVpop-mlp directory also as KVpop-cascade with N TOVA slots (`NAME+poolN`)."""
+    """`--tova-pool N[,N]`: each trained KVpop-mlp directory also as KVpop-cascade with N TOVA slots (`NAME+poolN`);
+    `--tova-pool-layer N[,N]`: as the layer-wide cascade at TOVA's split (`NAME+lpoolN`)."""
     from kvpop.eval.evaluate import with_tova_pool
 
-    if args.tova_pool is None:
-        return []
-    try:
-        pools = [int(n) for n in args.tova_pool.split(",") if n.strip()]
-    except ValueError:
-        raise ValueError(f"--tova-pool={args.tova_pool!r} must be comma-separated integers") from None
-    static = [e for e in entries if e.cfg.policy == "kvpop" and e.cfg.scorer == "mlp" and e.cfg.tova_prior is None
-              and not e.cfg.tova_pool]
-    if not static:
-        raise ValueError("--tova-pool needs a --trained KVpop-mlp directory (the static rule) to run as KVpop-cascade")
     out = []
-    for e in static:
-        for n in pools:
-            if not 1 <= n <= e.cfg.topk:
-                raise ValueError(f"--tova-pool {n} must lie in [1, topk={e.cfg.topk}] of --trained {e.trained}")
-            out.append(with_tova_pool(e, n))
+    for flag, value, layer in (("--tova-pool", args.tova_pool, False),
+                               ("--tova-pool-layer", getattr(args, "tova_pool_layer", None), True)):
+        if value is None:
+            continue
+        try:
+            pools = [int(n) for n in value.split(",") if n.strip()]
+        except ValueError:
+            raise ValueError(f"{flag}={value!r} must be comma-separated integers") from None
+        static = [e for e in entries if e.cfg.policy == "kvpop" and e.cfg.scorer == "mlp" and e.cfg.tova_prior is None
+                  and not e.cfg.tova_pool]
+        if not static:
+            raise ValueError(f"{flag} needs a --trained KVpop-mlp directory (the static rule) to run as KVpop-cascade")
+        for e in static:
+            for n in pools:
+                # the layer-wide cascade runs at TOVA's split: budget - 1 long-range slots
+                topk = e.cfg.budget - 1 if layer else e.cfg.topk
+                if not 1 <= n <= topk:
+                    raise ValueError(f"{flag} {n} must lie in [1, {'budget - 1' if layer else 'topk'}={topk}] of "
+                                     f"--trained {e.trained}")
+                out.append(with_tova_pool(e, n, layer=layer))
     return out
 
 

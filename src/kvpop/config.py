@@ -99,8 +99,11 @@ class KVpopConfig:
     loser of that is evicted. The scorer trains as KVpop-mlp; decoding and evaluation are dynamic, like TOVA's.
     In [0, topk] (each layer's top-k with `layer_topk`)."""
     tova_head_average: bool = False
-    """TOVA only: rank by the attention averaged over all query heads of the layer (the original)
-    instead of per KV head (max over its query heads)."""
+    """TOVA: rank by the attention averaged over all query heads of the layer (the original) instead of per KV
+    head (max over its query heads). KVpop-cascade (`tova_pool > 0`): the layer-wide cascade, whose TOVA pool
+    ranks so too (one ranking for every KV head) and therefore takes the token leaving the window first; the
+    per-head static pool keeps the best of what it evicts by the learned priority (`KVpopConfig.for_budget`
+    gives it TOVA's split)."""
     dms_temperature: float = 0.1
     """DMS only: temperature of the Gumbel-sigmoid relaxation of the eviction gates in training. > 0."""
     dms_target_retention: float | None = None
@@ -167,6 +170,9 @@ class KVpopConfig:
                "applies only to policy='kvpop' with scorer='mlp' (a static priority fixed at insertion)")
         _check(self.tova_pool == 0 or self.tova_prior is None, "tova_pool", self.tova_pool,
                f"and tova_prior={self.tova_prior!r} are two different extensions: give one of them")
+        _check(isinstance(self.tova_head_average, bool), "tova_head_average", self.tova_head_average, "must be a bool")
+        _check(not self.tova_head_average or self.policy == "tova" or self.tova_pool > 0, "tova_head_average",
+               self.tova_head_average, "applies to policy='tova' and to KVpop-cascade (tova_pool > 0) only")
         _check(self.policy not in RECENCY_POLICIES or self.topk == 0, "topk", self.topk,
                f"must be 0 for policy {self.policy!r}, which keeps only sinks and the window "
                f"(use window = budget - sink; KVpopConfig.for_budget does it)")
@@ -297,7 +303,8 @@ class KVpopConfig:
         the top-k is what the rest leaves. Unless given, `sink` and `window` are:
         - `tova`, as its paper defines it (Oren et al., 2024): no sinks and a window of 1 (only the current
           token is protected); every other slot is ranked by the current query's attention averaged over
-          the heads of the layer (`tova_head_average`, unless given); KVpop-TOVA (`tova_prior`) splits alike;
+          the heads of the layer (`tova_head_average`, unless given); KVpop-TOVA (`tova_prior`) and the
+          layer-wide KVpop-cascade (`tova_pool` with `tova_head_average`) split alike;
         - `h2o`, as its paper defines it (Zhang et al., 2023): no sinks; half the budget is the recent
           window, the other half the heavy hitters;
         - `streaming_llm(_plus)`: 4 sinks, the window everything beyond them (top-k 0);
@@ -308,8 +315,9 @@ class KVpopConfig:
         policy = kw.get("policy", "kvpop")
         if windowed and policy not in PAPER_SPLITS:
             raise ValueError(f"windowed=True applies to the policies {PAPER_SPLITS}, not {policy!r}")
-        # KVpop-TOVA ranks like TOVA, so it takes TOVA's paper split
-        paper = (policy in PAPER_SPLITS or kw.get("tova_prior") is not None) and not windowed
+        # KVpop-TOVA and the layer-wide KVpop-cascade rank like TOVA, so they take TOVA's paper split
+        like_tova = kw.get("tova_prior") is not None or (kw.get("tova_pool") and kw.get("tova_head_average"))
+        paper = (policy in PAPER_SPLITS or like_tova) and not windowed
         if topk is None and policy in RECENCY_POLICIES:
             topk = 0
         if sink is None:

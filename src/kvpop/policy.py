@@ -106,6 +106,9 @@ class LayerPolicy(nn.Module):
     pool: int | None = None
     """KVpop-cascade (score "cascade") only: how many long-range slots the pool ranked by `update` holds; the others
     form the static pool, ranked by the priority at insertion (`ops.dynamic.dynamic_walk`). None: one pool."""
+    tova_first = False
+    """The layer-wide KVpop-cascade (score "cascade_mean"): the pool ranked by `update` takes the token leaving the
+    window first, and the static pool keeps the best of what it evicts."""
     stateful = False
     evidence = False
     teacher_forced_only = False
@@ -258,15 +261,22 @@ class CascadePolicy(ScorerPolicy):
     repetition loop: the eighth session's sequence 1, docs/RESULTS.md). `tova_pool = 0` is KVpop-mlp, and
     `tova_pool = topk` is TOVA per KV head with the same sinks and window.
 
+    The layer-wide form (`tova_head_average`, score "cascade_mean") ranks the TOVA pool as TOVA's paper does, by the
+    latest query's attention averaged over every query head of the layer: one ranking for all KV heads, which TOVA
+    needs to be strong (docs/RESULTS.md, thirteenth session). So that the pool holds the same tokens in every head,
+    the order turns round: the token leaving the window meets the TOVA pool first, and whichever loses meets the
+    per-head static pool, which keeps the best of TOVA's evictions by the learned priority. `tova_pool = topk` is
+    then TOVA itself (with TOVA's split: no sinks, a window of 1), and `tova_pool = 0` KVpop-mlp at that split.
+
     In training (`self.training`) it is KVpop-mlp: the static rule, the boundary loss and the target. In evaluation
     and decoding it is dynamic, like TOVA; each slot carries its static priority (the cache's `prior`).
     """
 
-    score = "cascade"
-
     def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int, group: int = 1):
         super().__init__(cfg, num_kv_heads, head_dim, group)
         self.pool = int(cfg.tova_pool)
+        self.tova_first = bool(cfg.tova_head_average)
+        self.score = "cascade_mean" if self.tova_first else "cascade"
 
     @property
     def dynamic(self) -> bool:  # type: ignore[override]

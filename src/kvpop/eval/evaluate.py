@@ -151,14 +151,25 @@ def with_layer_budgets(entry: Entry, budgets: Sequence[int]) -> Entry:
     return Entry(f"{entry.name}+layers", entry.budget, entry.cfg.with_layer_budgets(list(budgets)), trained=entry.trained)
 
 
-def with_tova_pool(entry: Entry, pool: int) -> Entry:
+def with_tova_pool(entry: Entry, pool: int, layer: bool = False) -> Entry:
     """A trained KVpop-mlp directory run as KVpop-cascade (`KVpopConfig.tova_pool`): `pool` of its top-k slots
-    given to the TOVA-ranked pool. The cascade's scorer trains as KVpop-mlp's, so the same weights serve it."""
+    given to the TOVA-ranked pool. The cascade's scorer trains as KVpop-mlp's, so the same weights serve it.
+
+    `layer`: the layer-wide cascade (`tova_head_average`) at TOVA's split of the same budget (no sinks, a window of
+    1, so `budget - 1` long-range slots): `pool` of them ranked by TOVA's paper score, which takes the token leaving
+    the window first, the rest the per-head static pool that keeps the best of its evictions (`NAME+lpoolN`)."""
     c = entry.cfg
     if not entry.trained or c.policy != "kvpop" or c.scorer != "mlp" or c.tova_prior is not None or c.tova_pool:
         raise ValueError(f"{entry.name}: a TOVA pool applies to a trained KVpop-mlp directory (static rule), got "
                          f"policy {c.policy!r}, scorer {c.scorer!r}, tova_prior={c.tova_prior}, tova_pool={c.tova_pool}")
-    return Entry(f"{entry.name}+pool{pool}", entry.budget, dataclasses.replace(c, tova_pool=pool), trained=entry.trained)
+    if not layer:
+        return Entry(f"{entry.name}+pool{pool}", entry.budget, dataclasses.replace(c, tova_pool=pool),
+                     trained=entry.trained)
+    if c.layer_topk is not None:
+        raise ValueError(f"{entry.name}: the layer-wide cascade takes TOVA's split of one budget; this directory has "
+                         "per-layer budgets")
+    cfg = dataclasses.replace(c, sink=0, window=1, topk=c.budget - 1, tova_pool=pool, tova_head_average=True)
+    return Entry(f"{entry.name}+lpool{pool}", entry.budget, cfg, trained=entry.trained)
 
 
 class Evaluator:
@@ -179,7 +190,7 @@ class Evaluator:
             return retrofit(self.base, entry.cfg)
         if entry.cfg.tova_pool:
             # KVpop-cascade from a KVpop-mlp directory: other policy modules over the same weights (`with_tova_pool`)
-            key = f"{entry.trained}+pool{entry.cfg.tova_pool}"
+            key = f"{entry.trained}+{'l' if entry.cfg.tova_head_average else ''}pool{entry.cfg.tova_pool}"
             if key not in self._trained:
                 model = load(entry.trained, device=self.device, config=entry.cfg)
                 self._trained[key] = (model, model.kvpop.config)

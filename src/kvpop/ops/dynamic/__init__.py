@@ -27,6 +27,8 @@ from kvpop.ops.dynamic.score import SCORES, Score, score_update
 from kvpop.ops.topk import NEVER
 
 Backend = Literal["auto", "reference", "torch", "triton", "parallel"]
+CASCADES = ("cascade", "cascade_mean")
+"""KVpop-cascade's scores: two pools of long-range slots (`pool`), each slot carrying its static priority."""
 
 
 def dynamic_walk(
@@ -67,13 +69,16 @@ def dynamic_walk(
         backend: "auto" (on CUDA with Triton: "parallel" for "mean" and "prior", else "triton"; else torch),
             "reference", "torch", "triton" or "parallel" (the torch walk where `parallel.supported` refuses the
             slots). The Triton walk does not carry priors: it refuses "prior".
-        slot_prior: float32 [B, H, N], the slots' static priors ("prior" and "cascade" only; a new token's prior
+        slot_prior: float32 [B, H, N], the slots' static priors ("prior" and the cascades only; a new token's prior
             is its `priority`).
-        pool: "cascade" only (KVpop-cascade, `KVpopConfig.tova_pool`), in [0, topk]: the last `pool` long-range
-            slots form the pool ranked by the score (TOVA's per-KV-head max), the first `topk - pool` the static
-            pool ranked by `slot_prior`. The token leaving the window meets the static pool's weakest (by prior;
-            it wins ties, being the newest); whichever loses meets the score pool's weakest (by priority, ties to
-            the newer position), and the loser of that is evicted. None for every other score: one pool.
+        pool: the cascades only (KVpop-cascade, `KVpopConfig.tova_pool`), in [0, topk]: the last `pool` long-range
+            slots form the pool ranked by the score, the first `topk - pool` the static pool ranked by
+            `slot_prior`. "cascade" (TOVA's per-KV-head max): the token leaving the window meets the static pool's
+            weakest (by prior; it wins ties, being the newest); whichever loses meets the score pool's weakest (by
+            priority, ties to the newer position), and the loser of that is evicted. "cascade_mean" (the layer's
+            head average, one ranking for every KV head): the other way round, so that the score pool holds the
+            same tokens in every head: the leaving token meets the score pool's weakest first (it wins ties), and
+            whichever loses meets the static pool's weakest by (prior, position). None for every other score.
     Returns:
         evicted: int64 [B, H, C], the position of the token step `j` evicted (-1: none);
         pos, pri: the slots' positions and priorities after the chunk, [B, H, N];
@@ -95,20 +100,21 @@ def dynamic_walk(
         raise ValueError(f"sink={sink}, window={window}, topk={topk}: need sink >= 0, window >= 1, topk >= 0")
     if score not in SCORES:
         raise ValueError(f"score={score!r} must be one of {SCORES}")
-    if (score in ("prior", "cascade")) != (slot_prior is not None):
-        raise ValueError(f"score={score!r} and slot_prior: the slots' priors are given with scores 'prior' and "
-                         "'cascade' only")
+    if (score in ("prior", *CASCADES)) != (slot_prior is not None):
+        raise ValueError(f"score={score!r} and slot_prior: the slots' priors are given with scores 'prior', "
+                         "'cascade' and 'cascade_mean' only")
     if slot_prior is not None and slot_prior.shape != (B, H, N):
         raise ValueError(f"slot_prior {tuple(slot_prior.shape)} must be [B, H, N] = [{B}, {H}, {N}]")
-    if (score == "cascade") != (pool is not None):
-        raise ValueError(f"score={score!r} and pool={pool!r}: the pool size is given with score 'cascade' only")
+    if (score in CASCADES) != (pool is not None):
+        raise ValueError(f"score={score!r} and pool={pool!r}: the pool size is given with scores 'cascade' and "
+                         "'cascade_mean' only")
     if pool is not None and not (isinstance(pool, int) and 0 <= pool <= topk):
         raise ValueError(f"pool={pool!r} must be an integer in [0, topk={topk}]")
     args = (query, key, slot_keys, slot_pos, slot_pri, position, valid, priority, sink, window, topk, scale, score)
-    if score == "cascade":
+    if score in CASCADES:
         # two pools per step: the parallel walk does not implement it; the kernel does (the CUDA default)
         if backend == "parallel":
-            raise ValueError(f"backend={backend!r} does not run score 'cascade': use 'auto', 'triton', 'torch' or "
+            raise ValueError(f"backend={backend!r} does not run score {score!r}: use 'auto', 'triton', 'torch' or "
                              "'reference'")
         if backend == "auto":
             from kvpop.ops.dynamic.kernel import available
@@ -214,7 +220,7 @@ def dynamic_eviction_positions(
     empty = torch.full((B, H, N), float("-inf"), device=key.device)
     evicted = dynamic_walk(
         query, key, key.new_zeros(B, H, N, D), position.new_full((B, H, N), -1), empty, position, valid, priority,
-        sink, window, topk, scale, score, backend, slot_prior=empty if score in ("prior", "cascade") else None,
+        sink, window, topk, scale, score, backend, slot_prior=empty if score in ("prior", *CASCADES) else None,
         pool=pool,
     )[0]
     return eviction_from_steps(evicted, position, torch.where(valid, position, -1)[:, None, :].expand(B, H, S))

@@ -4,7 +4,10 @@ Same decisions as `walk.dynamic_walk_torch` (the reference of this kernel), for 
 (TOVA) and "sum" (H2O) with a program per (batch, KV head); "mean" (TOVA averaged over all query
 heads of the layer) with a program per batch row, since all KV heads of a row then hold the same
 slots (the program averages the heads' probabilities); "cascade" (KVpop-cascade) with a program per
-(batch, KV head), carrying each slot's static priority beside its score (two pools, `ops.dynamic.dynamic_walk`).
+(batch, KV head), carrying each slot's static priority beside its score (two pools, `ops.dynamic.dynamic_walk`);
+"cascade_mean" (the layer-wide KVpop-cascade) with a program per batch row that holds every KV head's slots as
+`[BH, BN]` blocks (`dynamic_walk_layer_fwd_kernel`): the score is the layer's head average, so the program needs
+every head's probabilities, while each head keeps its own static pool.
 
 The walk goes in blocks of `BLOCK_C` tokens. Per block, one batched GEMM (cuBLAS, float32) gives the
 logits of the block's queries against its candidates: the slots as they are at the block's start
@@ -35,8 +38,8 @@ try:
 except ImportError:  # CPU installs have no Triton; the torch walk serves them
     triton = tl = None
 
-SCORES = {"max": 0, "sum": 1, "mean": 2, "cascade": 3}
-"""The scores this kernel implements, as its `SCORE` constant."""
+SCORES = {"max": 0, "sum": 1, "mean": 2, "cascade": 3, "cascade_mean": 4}
+"""The scores this module implements: `dynamic_walk_fwd_kernel`'s `SCORE` constant (4: `dynamic_walk_layer_fwd_kernel`)."""
 
 
 def available(t: Tensor) -> bool:
@@ -194,6 +197,138 @@ if triton is not None:
         if SCORE == 3:
             tl.store(p_rank, b_rank, mask=m_n)
 
+    @triton.jit
+    def _leaving_and_weakest_carried(lpos_a, lpri_a, lcol_a, lrank_a, wpri_a, wpos_a, widx_a, wcol_a, wrank_a,
+                                     lpos_b, lpri_b, lcol_b, lrank_b, wpri_b, wpos_b, widx_b, wcol_b, wrank_b):
+        # as `_leaving_and_weakest`, with the static priority of both and the weakest slot's column: the layer-wide
+        # cascade moves the weakest on to the static pool when the leaving token displaces it
+        b_first = (wpri_b < wpri_a) | ((wpri_b == wpri_a) & ((wpos_b < wpos_a) | ((wpos_b == wpos_a) & (widx_b < widx_a))))
+        return (lpos_a + lpos_b, lpri_a + lpri_b, lcol_a + lcol_b, lrank_a + lrank_b, tl.where(b_first, wpri_b, wpri_a),
+                tl.where(b_first, wpos_b, wpos_a), tl.where(b_first, widx_b, widx_a), tl.where(b_first, wcol_b, wcol_a),
+                tl.where(b_first, wrank_b, wrank_a))
+
+    @triton.jit
+    def _weakest(rank_a, pos_a, idx_a, rank_b, pos_b, idx_b):
+        # the weakest slot by (rank, position, index)
+        b_first = (rank_b < rank_a) | ((rank_b == rank_a) & ((pos_b < pos_a) | ((pos_b == pos_a) & (idx_b < idx_a))))
+        return tl.where(b_first, rank_b, rank_a), tl.where(b_first, pos_b, pos_a), tl.where(b_first, idx_b, idx_a)
+
+    @triton.jit
+    def dynamic_walk_layer_fwd_kernel(
+        l_ptr,  # [B, H, G, CB, N + CB] float32: the block's logits over its candidates
+        pos_ptr,  # [B, H, N] int64, in and out
+        pri_ptr,  # [B, H, N] float32, in and out
+        col_ptr,  # [B, H, N] int64, out: each slot's candidate column after the block
+        rank_ptr,  # [B, H, N] float32, in and out: the slots' static priorities
+        position_ptr,  # [B, C] int64, the block's tokens
+        valid_ptr,  # [B, C] int8
+        new_pri_ptr,  # [B, H, C] float32
+        ev_ptr,  # [B, H, C] int64, out
+        C, CB, H, N, SINK, WINDOW, STATIC, POOL,
+        G: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    ):
+        # the layer-wide cascade ("cascade_mean"), a program per batch row: every step's priorities average the
+        # probabilities of all H * G query heads, so one program holds all the row's KV heads, a head per row of
+        # the [BH, BN] blocks. The sinks, the window and the TOVA pool hold the same tokens in every head, but the
+        # static pools do not (their priorities are per head), so every head walks its own slots: the per-head
+        # decisions are then the torch walk's without assuming the heads agree. Positions and columns are int32
+        # in registers (half the registers of int64; positions stay far below 2^31), and the loop needs no
+        # loop-long [BH, BN] masks: registers are what limits this kernel (a block has H times the slots of
+        # `dynamic_walk_fwd_kernel`'s)
+        i_b = tl.program_id(0)
+        o_h = tl.arange(0, BH)
+        o_n = tl.arange(0, BN)
+        m_h = o_h < H
+        m_n = o_n < N
+        M = N + CB
+        # rows past the last head (BH > H) walk a copy of the last head, unstored and left out of the head sum
+        o_bh = i_b.to(tl.int64) * H + tl.minimum(o_h, H - 1)
+        p_pos = pos_ptr + o_bh[:, None] * N + o_n[None, :]
+        p_pri = pri_ptr + o_bh[:, None] * N + o_n[None, :]
+        p_rank = rank_ptr + o_bh[:, None] * N + o_n[None, :]
+        # columns past the last slot stay empty: pos -1 keeps them out of the softmax
+        b_pos = tl.load(p_pos, mask=m_n[None, :], other=-1).to(tl.int32)  # [BH, BN]
+        b_pri = tl.load(p_pri, mask=m_n[None, :], other=float("-inf"))  # [BH, BN]
+        b_rank = tl.load(p_rank, mask=m_n[None, :], other=float("-inf"))  # [BH, BN]
+        b_col = tl.zeros([BH, BN], dtype=tl.int32) + o_n[None, :]  # [BH, BN]
+        # the static pool `[SINK + WINDOW, +STATIC)` ranked by `rank`, then the TOVA pool ranked by `pri`
+        stat = ((o_n >= SINK + WINDOW) & (o_n < SINK + WINDOW + STATIC))[None, :]
+        top = ((o_n >= SINK + WINDOW + STATIC) & m_n)[None, :]
+        LAST: tl.constexpr = 2147483647
+        p_position = position_ptr + i_b.to(tl.int64) * C
+        p_valid = valid_ptr + i_b.to(tl.int64) * C
+        p_new = new_pri_ptr + o_bh * C
+        p = tl.load(p_position).to(tl.int32)
+        real = tl.load(p_valid) != 0
+        new_pri = tl.load(p_new)  # [BH]
+        j = 0
+        while j < C:
+            more = j + 1 < C
+            p_next = tl.load(p_position + j + 1, mask=more, other=0).to(tl.int32)
+            real_next = tl.load(p_valid + j + 1, mask=more, other=0) != 0
+            new_pri_next = tl.load(p_new + j + 1, mask=more, other=0.0)
+            slot = tl.where(p < SINK, tl.maximum(p, 0), SINK + tl.maximum(p - SINK, 0) % WINDOW)
+            at = (o_n == slot)[None, :]
+            b_idx = tl.broadcast_to(o_n[None, :], (BH, BN))
+            # [BH] each: the leaving token (one lane per head holds it) and the TOVA pool's weakest slot
+            leave_pos, leave_pri, leave_col, leave_rank, w_pri, w_pos, w_idx, w_col, w_rank = tl.reduce(
+                (tl.where(at, b_pos, 0), tl.where(at, b_pri, 0.0), tl.where(at, b_col, 0), tl.where(at, b_rank, 0.0),
+                 tl.where(top, b_pri, float("inf")), tl.where(top, b_pos, LAST), tl.where(top, b_idx, BN),
+                 tl.where(top, b_col, 0), tl.where(top, b_rank, 0.0)),
+                1, _leaving_and_weakest_carried)
+            s_rank, s_pos, s_idx = tl.reduce(
+                (tl.where(stat, b_rank, float("inf")), tl.where(stat, b_pos, LAST), tl.where(stat, b_idx, BN)),
+                1, _weakest)
+            leaving = real & (p >= SINK + WINDOW)
+            # the leaving token meets the TOVA pool's weakest first (it is the newest: it wins ties); the loser
+            # meets the static pool's weakest by (static priority, position), since it may be the older
+            promote_t = leaving & (POOL > 0) & (leave_pri >= w_pri) & (leave_pri > float("-inf"))
+            c_pos = tl.where(promote_t, w_pos, leave_pos)
+            c_pri = tl.where(promote_t, w_pri, leave_pri)
+            c_col = tl.where(promote_t, w_col, leave_col)
+            c_rank = tl.where(promote_t, w_rank, leave_rank)
+            beats = (c_rank > s_rank) | ((c_rank == s_rank) & (c_pos > s_pos))
+            promote_s = leaving & (STATIC > 0) & beats & (c_rank > float("-inf"))
+            gone = tl.where(promote_s, s_pos, c_pos)
+            tl.store(ev_ptr + o_bh * C + j, tl.where(leaving, gone, -1).to(tl.int64), mask=m_h)
+            # the three moves touch disjoint slots (static pool, TOVA pool, sink or window), so their order is free
+            into_s = promote_s[:, None] & (o_n[None, :] == s_idx[:, None])
+            b_pos = tl.where(into_s, c_pos[:, None], b_pos)
+            b_pri = tl.where(into_s, c_pri[:, None], b_pri)
+            b_col = tl.where(into_s, c_col[:, None], b_col)
+            b_rank = tl.where(into_s, c_rank[:, None], b_rank)
+            into_t = promote_t[:, None] & (o_n[None, :] == w_idx[:, None])
+            b_pos = tl.where(into_t, leave_pos[:, None], b_pos)
+            b_pri = tl.where(into_t, leave_pri[:, None], b_pri)
+            b_col = tl.where(into_t, leave_col[:, None], b_col)
+            b_rank = tl.where(into_t, leave_rank[:, None], b_rank)
+            # a new token's static priority is its priority at insertion
+            here = real & at
+            b_pos = tl.where(here, p, b_pos)
+            b_pri = tl.where(here, new_pri[:, None], b_pri)
+            b_col = tl.where(here, N + j, b_col)
+            b_rank = tl.where(here, new_pri[:, None], b_rank)
+            occupied = b_pos >= 0
+            # each query head's softmax over its KV head's occupied slots (0 on the others: a real token occupies
+            # a slot in every head), summed over the heads per slot index (the same adds for every slot, so equal
+            # probabilities give equal priorities); without a real token the sums are unused
+            b_acc = tl.zeros([BN], dtype=tl.float32)
+            for g in tl.static_range(G):
+                p_l = l_ptr + ((o_bh[:, None] * G + g) * CB + j) * M + b_col
+                b_s = tl.load(p_l, mask=occupied, other=float("-inf"))  # [BH, BN]
+                b_m = tl.max(b_s, axis=1)
+                b_e = tl.exp(b_s - b_m[:, None])
+                b_p = b_e / tl.sum(b_e, axis=1)[:, None]
+                b_acc += tl.sum(tl.where(m_h[:, None], b_p, 0.0), axis=0)
+            b_pri = tl.where(real & occupied, (b_acc / (H * G))[None, :], b_pri)
+            p, real, new_pri = p_next, real_next, new_pri_next
+            j += 1
+        m_hn = m_h[:, None] & m_n[None, :]
+        tl.store(p_pos, b_pos.to(tl.int64), mask=m_hn)
+        tl.store(p_pri, b_pri, mask=m_hn)
+        tl.store(col_ptr + o_bh[:, None] * N + o_n[None, :], b_col.to(tl.int64), mask=m_hn)
+        tl.store(p_rank, b_rank, mask=m_hn)
+
 
 
 def dynamic_walk_triton(
@@ -212,20 +347,22 @@ def dynamic_walk_triton(
     score: str,
     block: int = BLOCK_C,
     num_warps: int | None = None,
-    slot_prior: Tensor | None = None,  # [B, H, N], "cascade" only
-    pool: int | None = None,  # "cascade" only
+    slot_prior: Tensor | None = None,  # [B, H, N], the cascades only
+    pool: int | None = None,  # the cascades only
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """See `ops.dynamic.dynamic_walk`; `num_warps` overrides the launch's (for `bench/bench_walk.py`).
 
-    "cascade" (KVpop-cascade) takes the slots' static priorities `slot_prior` and the score pool's size `pool`,
-    and returns the priors after the chunk as a fourth result (None for the other scores)."""
+    The cascades ("cascade", "cascade_mean": KVpop-cascade) take the slots' static priorities `slot_prior` and the
+    score pool's size `pool`, and return the priors after the chunk as a fourth result (None for the other scores)."""
     if triton is None:
         raise RuntimeError("the Triton walk needs `triton` (pip install triton)")
     if score not in SCORES:
         raise ValueError(f"score={score!r} must be one of {tuple(SCORES)}")
-    cascade = score == "cascade"
+    layer = score == "cascade_mean"
+    cascade = score == "cascade" or layer
     if cascade != (slot_prior is not None and pool is not None):
-        raise ValueError(f"score={score!r}: the slots' priors and the pool size go with score 'cascade' only")
+        raise ValueError(f"score={score!r}: the slots' priors and the pool size go with scores 'cascade' and "
+                         "'cascade_mean' only")
     mean = score == "mean"
     if mean and not (torch.equal(slot_pos, slot_pos[:, :1].expand_as(slot_pos))
                      and torch.equal(slot_pri, slot_pri[:, :1].expand_as(slot_pri))):
@@ -239,7 +376,7 @@ def dynamic_walk_triton(
     pos = slot_pos.to(torch.int64).contiguous().clone()
     pri = slot_pri.float().contiguous().clone()
     col = torch.empty_like(pos)
-    # the slots' static priorities (cascade), in and out; another score's kernel never reads it
+    # the slots' static priorities (the cascades), in and out; another score's kernel never reads it
     rank = slot_prior.float().contiguous().clone() if cascade else pri
     static = topk - pool if cascade else 0
     ev = torch.full((B, H, C), -1, dtype=torch.int64, device=key.device)
@@ -248,6 +385,11 @@ def dynamic_walk_triton(
     priority = priority.float()
     BN = triton.next_power_of_2(max(N, 1))
     warps = num_warps or (4 if BN <= 512 else (8 if BN <= 1024 else 16))
+    BH = triton.next_power_of_2(H)
+    if layer:
+        # a program holds BH x BN slots, 16 of each state block per thread (measured on an H200: 16 warps the
+        # fastest at 8192 slots, SmolLM2's 3 heads at N = 2048 and the 8B shape's 8 at 1024; 32 at 8 x 2048)
+        warps = num_warps or min(32, max(4, BH * BN // 512))
     NH = H if mean else 1
     for c0 in range(0, C, block):
         cb = min(block, C - c0)
@@ -255,10 +397,16 @@ def dynamic_walk_triton(
         # [B, H, G, cb, N + cb]
         logits = torch.matmul(q[:, :, :, c0 : c0 + cb], cand[:, :, None].transpose(-1, -2)).contiguous()
         evb = torch.empty(B, H, cb, dtype=torch.int64, device=key.device)
-        args = (logits, pos, pri, col, position[:, c0 : c0 + cb].contiguous(), valid[:, c0 : c0 + cb].contiguous(),
-                priority[:, :, c0 : c0 + cb].contiguous(), evb, rank, cb, cb, H, N, sink, window, topk, static)
-        dynamic_walk_fwd_kernel[(B,) if mean else (B * H,)](
-            *args, G=G, BG=triton.next_power_of_2(G), BN=BN, SCORE=SCORES[score], NH=NH, num_warps=warps)
+        tokens = (position[:, c0 : c0 + cb].contiguous(), valid[:, c0 : c0 + cb].contiguous(),
+                  priority[:, :, c0 : c0 + cb].contiguous())
+        if layer:
+            dynamic_walk_layer_fwd_kernel[(B,)](
+                logits, pos, pri, col, rank, *tokens, evb, cb, cb, H, N, sink, window, static, pool,
+                G=G, BH=BH, BN=BN, num_warps=warps)
+        else:
+            dynamic_walk_fwd_kernel[(B,) if mean else (B * H,)](
+                logits, pos, pri, col, *tokens, evb, rank, cb, cb, H, N, sink, window, topk, static,
+                G=G, BG=triton.next_power_of_2(G), BN=BN, SCORE=SCORES[score], NH=NH, num_warps=warps)
         if mean:
             # the program walked each row's first head; the others hold the same slots
             for t in (pos, pri, col, evb):

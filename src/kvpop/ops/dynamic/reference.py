@@ -57,6 +57,7 @@ def dynamic_walk_reference(
     s, w, k = sink, window, topk
     pool = k if pool is None else pool
     static = k - pool  # KVpop-cascade's static pool, ranked by `slot_prior`: the long-range slots before the rest
+    tova_first = score == "cascade_mean"  # the layer-wide cascade: the pool ranked by `pri` takes the token first
     B, H, C, D = key.shape
     N = slot_pos.shape[-1]
     # the decode step's buffers: the slots plus a scratch slot that masked writes target
@@ -75,7 +76,9 @@ def dynamic_walk_reference(
         leaving = (real & (p >= s + w))[:, None, None]
         leave_pos, leave_pri = pos.gather(2, idx), pri.gather(2, idx)
         out = leave_pos
-        if k > 0:
+        if k > 0 and tova_first:
+            out = tova_first_step((keys, pos, *bufs), pos, pri, bufs[1], idx, leaving, s + w, static, pool)
+        elif k > 0:
             # the static pool (KVpop-cascade only) ranks by the carried static priority; the token leaving the
             # window is the newest, so it wins ties there. Whichever loses (it or the static pool's weakest)
             # then meets the pool ranked by `pri`: every long-range slot unless the cascade splits them
@@ -115,3 +118,36 @@ def dynamic_walk_reference(
         updated = score_update(score, pri[:, :, :N], probs, occupied, prior)
         pri[:, :, :N] = torch.where(real[:, None, None], updated, pri[:, :, :N])
     return evicted, pos[:, :, :N], pri[:, :, :N], (None if slot_prior is None else bufs[1][:, :, :N])
+
+
+def tova_first_step(buffers, pos: Tensor, pri: Tensor, rank: Tensor, idx: Tensor, leaving: Tensor, lo: int,
+                    static: int, pool: int) -> Tensor:
+    """The layer-wide cascade's decision (score "cascade_mean"), with its moves; returns the evicted position [B, H, 1].
+
+    The token leaving the window (slot `idx`) meets the weakest of the pool ranked by `pri` (the last `pool`
+    long-range slots; it is the newest, so it wins ties); whichever loses meets the static pool's weakest (the
+    `static` slots from `lo`) by (static priority `rank`, position): that loser may be older than the static
+    pool's tokens, so the position breaks ties. The loser of that is evicted. `pos`, `pri` and `rank` are among
+    `buffers`, every buffer whose slots move with their tokens ([B, H, N + 1] or [B, H, N + 1, D], a scratch
+    slot last that absorbs the moves not made). The decode step and the walks share it.
+    """
+    N = pos.shape[-1] - 1
+    leave_pos, leave_pri = pos.gather(2, idx), pri.gather(2, idx)
+    src, promote_t = idx, torch.zeros_like(leaving)
+    if pool:
+        top = lo + static
+        widx, weakest_pri, _ = weakest_slot(pri[:, :, top:N], pos[:, :, top:N])
+        promote_t = leaving & (leave_pri >= weakest_pri) & (leave_pri > float("-inf"))
+        src = torch.where(promote_t, widx + top, idx)
+    cand_pos = pos.gather(2, src)
+    out = cand_pos
+    if static:
+        cand_rank = rank.gather(2, src)
+        sidx, weakest_rank, weakest_pos = weakest_slot(rank[:, :, lo : lo + static], pos[:, :, lo : lo + static])
+        beats = (cand_rank > weakest_rank) | ((cand_rank == weakest_rank) & (cand_pos > weakest_pos))
+        promote_s = leaving & beats & (cand_rank > float("-inf"))
+        out = torch.where(promote_s, weakest_pos, cand_pos)
+        move_slot(buffers, src, torch.where(promote_s, sidx + lo, N))
+    if pool:  # after the move above, which may have read the slot this overwrites
+        move_slot(buffers, idx, torch.where(promote_t, widx + lo + static, N))
+    return out

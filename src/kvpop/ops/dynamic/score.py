@@ -10,15 +10,18 @@ from typing import Literal
 
 from torch import Tensor
 
-Score = Literal["max", "mean", "sum", "prior", "cascade"]
-SCORES = ("max", "mean", "sum", "prior", "cascade")
+Score = Literal["max", "mean", "sum", "prior", "cascade", "cascade_mean"]
+SCORES = ("max", "mean", "sum", "prior", "cascade", "cascade_mean")
 """`max`: TOVA, the largest probability over a KV head's query heads; `mean`: TOVA averaged over every
 query head of the layer (all KV heads then rank alike); `sum`: H2O, probabilities summed over the
 query heads and accumulated over steps; `prior`: KVpop-TOVA (`KVpopConfig.tova_prior`, an extension),
 `mean` plus the slot's own static prior (the learned scorer's prediction of its future attention, fixed
 at insertion and equal in every KV head of the layer); `cascade`: KVpop-cascade (`KVpopConfig.tova_pool`, an
 extension), `max` for the slots' TOVA score, while each slot also carries its static priority (the walks'
-`slot_prior`), which ranks the static pool (`ops.dynamic.dynamic_walk`'s `pool`)."""
+`slot_prior`), which ranks the static pool (`ops.dynamic.dynamic_walk`'s `pool`); `cascade_mean`: the layer-wide
+KVpop-cascade (`tova_pool` with `tova_head_average`), `mean` for the TOVA score, which is then one ranking for the
+layer: the TOVA pool takes the token leaving the window first and holds the same tokens in every KV head, and
+the per-head static pool keeps the best of what it evicts."""
 
 
 def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor | None,
@@ -42,7 +45,7 @@ def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor
     if score in ("max", "cascade"):
         # cascade: the pool that TOVA ranks is ranked per KV head, since the static pool's tokens differ by head
         new = probs.amax(dim=2)
-    elif score in ("mean", "prior"):
+    elif score in ("mean", "prior", "cascade_mean"):
         per_slot = probs.permute(0, 3, 1, 2).contiguous().view(B, N, H * G)
         new = (per_slot.sum(-1) / (H * G))[:, None].expand_as(priority)
         if score == "prior":

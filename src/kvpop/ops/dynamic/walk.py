@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kvpop.ops.attention.reference import slot_probs
-from kvpop.ops.dynamic.reference import move_slot
+from kvpop.ops.dynamic.reference import move_slot, tova_first_step
 from kvpop.ops.dynamic.score import Score, score_update
 
 _LAST = torch.iinfo(torch.long).max
@@ -100,7 +100,11 @@ def dynamic_walk_torch(
     full = False
 
     for j in range(C):
-        if decide[j]:
+        if decide[j] and score == "cascade_mean":
+            # the layer-wide cascade: its decision is comparisons only, so the decode step's own code serves
+            out = tova_first_step((keys, pos, pri, prior), pos, pri, prior, idx[j], leave[j], s + w, static, pool)
+            ev[j].copy_(out.masked_fill(~leave[j], -1))
+        elif decide[j]:
             leave_pos, leave_pri = pos.gather(2, idx[j]), pri.gather(2, idx[j])
             if static:
                 # KVpop-cascade: the static pool first (the leaving token is the newest: it wins ties), then
