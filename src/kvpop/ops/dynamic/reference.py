@@ -132,7 +132,7 @@ def tova_first_step(buffers, pos: Tensor, pri: Tensor, rank: Tensor, idx: Tensor
     slot last that absorbs the moves not made). The decode step and the walks share it.
     """
     N = pos.shape[-1] - 1
-    leave_pos, leave_pri = pos.gather(2, idx), pri.gather(2, idx)
+    leave_pri = pri.gather(2, idx)
     src, promote_t = idx, torch.zeros_like(leaving)
     if pool:
         top = lo + static
