@@ -19,6 +19,10 @@
 # Lessons: four MLP scorer-only runs under MPS train at ~0.85 s/step (ninth); the suite and the fidelity take final
 # weights only; the 4096-token fidelity of one trained row needs its own process (twelfth); a call that stops the MPS
 # daemon unsets its environment before the next CUDA process (eleventh). DMS and the mLSTM did not fit this lease.
+# The fidelity scores pass@1 with math-verify, which the device lacks: put its wheels into .stage_b (bench/README.md);
+# the thirteenth session's call 3 generated the B = 1024 texts and then stopped at that import (they were scored on
+# the CPU, docs/RESULTS.md). Its table processes ran out of their 420 s beside six others without MPS; the table
+# was then made by one more call, quoted in docs/RESULTS.md (TOVA and the cascade rows in four processes, 120 s).
 # Knobs: STEPS (120), TRAIN_S (call 2's training seconds, 270), DEV_S (150), SIDE_S (call 3's processes, 420),
 # LENGTHS (4k,8000), FID_P (8 problems).
 set -uo pipefail
@@ -61,11 +65,13 @@ suite() {  # suite NAME ARGS...
   keep "$name"
 }
 
+mps_probe() { python -c "import torch; print(float(torch.ones(8, device='cuda').sum()))" 2>/dev/null | grep -q '^8.0$'; }
 mps_on() {  # NVIDIA's MPS daemon, so launch-bound side processes run their kernels at once; off if a probe fails
   export CUDA_MPS_PIPE_DIRECTORY=$HOME/mps/pipe CUDA_MPS_LOG_DIRECTORY=$HOME/mps/log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d && python -c "import torch; print(float(torch.ones(8, device='cuda').sum()))" \
-      | grep -q '^8.0$'; then
+  # a daemon outlives its call (`-d`): an earlier call's is reused (starting a second one fails, and the
+  # thirteenth session's call 3 then ran every process time-sliced)
+  if mps_probe || { nvidia-cuda-mps-control -d && mps_probe; }; then
     echo "MPS on"
   else  # without a daemon to connect to, CUDA would fail in every process: run time-sliced instead
     echo quit | timeout 5 nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY

@@ -184,3 +184,28 @@ def test_a_store_reuses_greedy_texts_but_not_texts_of_another_sampler(tiny, tmp_
                         or real(m, prompts, *a, **k))
     run_fidelity(model, tok, entries, problems, 8, samples=1, store=store, tag="m", ignore_eos=True)
     assert calls == [0.7, 0.7]  # dense and tova sampled again; both greedy texts reused
+
+
+def test_bench_score_generations_scores_a_store_as_eval_does(tmp_path, capsys):
+    # bench/score_generations.py: a store made on one machine, scored on another, gives eval's own rows
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "fid"
+    assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "40", "--problems", "2", "--samples", "0",
+                 "--budgets", "16", "--policies", "streaming_llm,tova", "--ignore-eos", "--out", str(out)]) == 0
+    want = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
+    path = Path(__file__).resolve().parents[1] / "bench" / "score_generations.py"
+    spec = importlib.util.spec_from_file_location("score_generations", path)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script
+    spec.loader.exec_module(script)
+    assert script.main([str(out / "generations.jsonl"), "--budget", "16", "--model", "tiny-random-qwen3",
+                        "--problems", "2", "--out", str(tmp_path / "scored")]) == 0
+    got = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
+    assert set(got) == set(want) == {"dense", "streaming_llm", "tova"}
+    for name, row in want.items():
+        assert got[name]["nll"] == pytest.approx(row["nll"], rel=1e-6)
+        assert got[name]["agreement"] == pytest.approx(row["agreement"], rel=1e-9)
+    assert (tmp_path / "scored" / "fidelity.png").exists()

@@ -9,8 +9,8 @@ same call the static policies make (`ops/attention`).
 
 `dynamic_walk` picks the backend: `reference` (the decode step, token by token), `torch` (the same
 loop with a fraction of its operations, vectorised over batch and heads; the CPU default), `triton`
-(one program per (batch, KV head) that walks all positions with the slot state on chip; the CUDA
-default for "max", "sum" and "cascade") or `parallel` (a block of decisions speculated at once, verified at once,
+(one program per (batch, KV head), or per batch row for the layer-wide scores, that walks all positions with the
+slot state on chip; the CUDA default for "max", "sum", "cascade" and "cascade_mean") or `parallel` (a block of decisions speculated at once, verified at once,
 redone from the first mismatch; `parallel.py`; the CUDA default for "mean"). Every backend makes the decode step's decisions; the torch walk computes the very same
 floats as the decode step (`step_probs`, `score_update`), so its slots equal a token-by-token replay
 bit for bit. The derivation is in `README.md` beside this file.
@@ -66,7 +66,8 @@ def dynamic_walk(
         scale: the attention logit scale.
         score: how probabilities become priorities, one of `SCORES` ("max", "mean": TOVA; "sum": H2O;
             "prior": KVpop-TOVA, which needs `slot_prior`).
-        backend: "auto" (on CUDA with Triton: "parallel" for "mean" and "prior", else "triton"; else torch),
+        backend: "auto" (on CUDA with Triton: "parallel" for "mean" and "prior", else "triton", the cascades
+            included; else torch),
             "reference", "torch", "triton" or "parallel" (the torch walk where `parallel.supported` refuses the
             slots). The Triton walk does not carry priors: it refuses "prior".
         slot_prior: float32 [B, H, N], the slots' static priors ("prior" and the cascades only; a new token's prior
