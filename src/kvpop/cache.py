@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import attention_with_probs, decode_attention, sparse_attention
-from kvpop.ops.dynamic import candidate_index, dynamic_walk, eviction_from_steps
+from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
 from kvpop.ops.dynamic.reference import move_slot, tova_first_step, weakest_slot
 from kvpop.ops.topk import eviction_positions
 from kvpop.policy import LayerPolicy
@@ -92,8 +92,8 @@ class KVpopLayerCache(CacheLayerMixin):
             torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),
         )
         if with_prior:
-            # KVpop-TOVA (score "prior"), KVpop-cascade ("cascade", "cascade_mean"): each slot's static prior, moved with its token
-            # like its priority
+            # KVpop-TOVA (score "prior"), KVpop-cascade (`ops.dynamic.CASCADES`): each slot's static prior, moved
+            # with its token like its priority
             self.buffers += (torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),)
         self._views()
         self.seen = torch.zeros(B, dtype=torch.long, **kw)
@@ -198,7 +198,7 @@ class KVpopLayerCache(CacheLayerMixin):
         if policy.teacher_forced_only:
             raise ValueError(f"the {type(policy).__name__} ranks tokens by future attention: it cannot decode")
         if not self.is_initialized:
-            self.lazy_initialization(key, value, with_prior=policy.score in ("prior", "cascade", "cascade_mean"))
+            self.lazy_initialization(key, value, with_prior=policy.score in ("prior", *CASCADES))
         position = self.seen[:, None] + torch.cumsum(valid.long(), dim=-1) - 1  # [B, C]
         B, H, C, _ = key.shape
         if policy.stateful or policy.evidence:

@@ -242,6 +242,7 @@ def candidate_index(slot_pos: Tensor, cand_pos: Tensor) -> Tensor:
 
 
 __all__ = [
+    "CASCADES",
     "NEVER",
     "SCORES",
     "Score",
