@@ -530,3 +530,16 @@ def test_layer_cascade_config():
         kvpop.KVpopConfig.for_budget(32, tova_head_average=True)
     with pytest.raises(ValueError, match="tova_head_average=1 is invalid: must be a bool"):
         kvpop.KVpopConfig.for_budget(32, tova_pool=3, tova_head_average=1)
+
+
+def test_a_kvpop_mlp_config_as_either_cascade():
+    mlp = kvpop.KVpopConfig.for_budget(32, scorer_hidden=8)
+    c = mlp.with_tova_pool(6)
+    assert (c.sink, c.window, c.topk, c.tova_pool, c.tova_head_average) == (4, 8, 20, 6, False)
+    c = mlp.with_tova_pool(24, layer=True)
+    assert (c.sink, c.window, c.topk, c.tova_pool, c.tova_head_average) == (0, 1, 31, 24, True)
+    assert c.budget == mlp.budget and c.scorer_hidden == 8
+    with pytest.raises(ValueError, match="applies to a KVpop-mlp config"):
+        kvpop.KVpopConfig.for_budget(32, policy="tova").with_tova_pool(4)
+    with pytest.raises(ValueError, match="TOVA's split of one budget"):
+        mlp.with_layer_budgets([30, 34]).with_tova_pool(4, layer=True)

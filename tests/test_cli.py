@@ -139,6 +139,31 @@ def test_generate_from_kvpop_directory(capsys, tmp_path):
     assert used == budget == 8
 
 
+def test_generate_runs_a_kvpop_mlp_directory_as_the_cascades(capsys, tmp_path):
+    # --tova-pool / --tova-pool-layer: the directory's weights as KVpop-cascade; the layer-wide one at TOVA's split
+    # of the same budget (no sinks, window 1), its slots never above the budget
+    from kvpop.models import load_model
+
+    model, tok = load_model("tiny-random-qwen3")
+    kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig(sink=1, window=4, topk=7, scorer_hidden=8)), tmp_path,
+               tokenizer=tok)
+    for flag in ("--tova-pool", "--tova-pool-layer"):
+        rc, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", PROMPT, flag, "5",
+                           "--max-new-tokens", "20")
+        assert rc == 0, err
+        n_new, used, budget, seen = summary(err)
+        assert n_new == 20 and used == budget == 12 and seen > budget
+    for flag, n, expected in (("--tova-pool", "8", "--tova-pool 8 must lie in [1, topk=7]"),
+                              ("--tova-pool-layer", "12", "--tova-pool-layer 12 must lie in [1, budget - 1=11]")):
+        rc, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "x", flag, n)
+        assert rc == 1 and expected in err
+    rc, _, err = run(capsys, "generate", "--model", "tiny-random-qwen3", "--prompt", "x", "--tova-pool-layer", "3")
+    assert rc == 1 and "is not one" in err
+    rc, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "x", "--tova-pool", "2",
+                     "--tova-pool-layer", "3")
+    assert rc == 1 and "not both" in err
+
+
 @pytest.mark.parametrize("argv,expected", [
     (["--prompt", ""], "--prompt is empty"),
     (["--prompt", "x", "--window", "0"], "KVpopConfig.window=0"),

@@ -123,6 +123,11 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
     arg("--seed", type=int, default=0, help="random seed (default 0)"),
     arg("--compile", action="store_true",
         help="greedy decoding with a compiled one-token step (torch.compile; CUDA graphs on CUDA), no streaming"),
+    arg("--tova-pool", type=int, default=None, metavar="N",
+        help="a trained KVpop-mlp directory as KVpop-cascade: N of its top-k slots ranked by TOVA per KV head"),
+    arg("--tova-pool-layer", type=int, default=None, metavar="N",
+        help="a trained KVpop-mlp directory as the layer-wide KVpop-cascade at TOVA's split of its budget: N slots "
+             "ranked by TOVA's head average, the rest a per-head static pool (the thirteenth session's best row)"),
     DEVICE,
     DTYPE,
     NO_PROGRESS,
@@ -148,7 +153,8 @@ def generate(args: argparse.Namespace) -> int:
     # seeds the scorers of a fresh retrofit as well as sampling, so a run repeats exactly
     torch.manual_seed(args.seed)
     cfg = None if is_kvpop_dir(args.model) else _rule(args)  # bad flags fail before the model loads
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device))
+    cascade = _cascade_config(args)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device), config=cascade)
     if cfg is None:
         _ignored_rule_flags(args)
     else:
@@ -187,6 +193,28 @@ def generate(args: argparse.Namespace) -> int:
           f"cache: {used} of {cache.config.budget} slots per layer and KV head used for "
           f"{int(cache.get_seq_length())} tokens seen", file=sys.stderr)
     return 0
+
+
+def _cascade_config(args: argparse.Namespace):
+    """`generate --tova-pool N` / `--tova-pool-layer N`: the directory's config as KVpop-cascade, checked before loading."""
+    from kvpop.models import is_kvpop_dir
+    from kvpop.retrofit import read_config
+
+    asked = [(flag, n, layer) for flag, n, layer in (("--tova-pool", args.tova_pool, False),
+                                                     ("--tova-pool-layer", args.tova_pool_layer, True)) if n is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ValueError("give --tova-pool or --tova-pool-layer, not both")
+    flag, n, layer = asked[0]
+    if not is_kvpop_dir(args.model):
+        raise ValueError(f"{flag} runs a trained KVpop-mlp directory (kvpop train's OUT/final) as KVpop-cascade; "
+                         f"--model {args.model} is not one")
+    saved = read_config(args.model)
+    top = saved.budget - 1 if layer else saved.topk
+    if not 1 <= n <= top:
+        raise ValueError(f"{flag} {n} must lie in [1, {'budget - 1' if layer else 'topk'}={top}] of {args.model}")
+    return saved.with_tova_pool(n, layer=layer)
 
 
 def _fit_new_tokens(args: argparse.Namespace, model, n_prompt: int) -> int:

@@ -267,6 +267,21 @@ class KVpopConfig:
                f"per-layer budgets must be integers >= sink + window = {low}")
         return dataclasses.replace(self, layer_topk=tuple(b - low for b in budgets))
 
+    def with_tova_pool(self, pool: int, layer: bool = False) -> KVpopConfig:
+        """This KVpop-mlp config run as KVpop-cascade with `pool` TOVA slots (the same scorer weights serve it).
+
+        `layer`: the layer-wide cascade (`tova_head_average`) at TOVA's split of the same budget (no sinks, a window
+        of 1, `budget - 1` long-range slots), `pool` of them in the pool TOVA's paper ranking fills first.
+        """
+        _check(self.policy == "kvpop" and self.scorer == "mlp" and self.tova_prior is None and not self.tova_pool,
+               "tova_pool", pool, f"applies to a KVpop-mlp config with the static rule (this one: policy "
+               f"{self.policy!r}, scorer {self.scorer!r}, tova_prior={self.tova_prior}, tova_pool={self.tova_pool})")
+        if not layer:
+            return dataclasses.replace(self, tova_pool=pool)
+        _check(self.layer_topk is None, "layer_topk", self.layer_topk,
+               "the layer-wide cascade takes TOVA's split of one budget; drop the per-layer budgets")
+        return dataclasses.replace(self, sink=0, window=1, topk=self.budget - 1, tova_pool=pool, tova_head_average=True)
+
     def check_layers(self, num_layers: int) -> None:
         """Raise unless `layer_topk` (if given) has one entry per layer of a model with `num_layers` layers."""
         _check(self.layer_topk is None or len(self.layer_topk) == num_layers, "layer_topk", self.layer_topk,

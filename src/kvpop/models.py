@@ -207,7 +207,8 @@ def is_kvpop_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, KVPOP_CONFIG_FILE))
 
 
-def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None):
+def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
+               config=None):
     """Load `(model, tokenizer)` by preset name or local directory, never from the hub.
 
     Args:
@@ -216,6 +217,8 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, dev
         dtype: e.g. `torch.float32` or `"bfloat16"`; None keeps the preset's float32 or the
             checkpoint's own dtype.
         device: where to put the model; None leaves it on the CPU.
+        config: a `kvpop.save` directory only: its weights under this `KVpopConfig` instead of the saved one
+            (`kvpop.load`'s `config`, e.g. a KVpop-mlp run as KVpop-cascade).
     """
     dtype = _as_dtype(dtype)
     if device is not None:
@@ -226,7 +229,7 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, dev
         from kvpop.retrofit import load
 
         tokenizer = _load_tokenizer(name_or_path)
-        model = load(name_or_path, device=device, dtype=dtype)
+        model = load(name_or_path, device=device, dtype=dtype, config=config)
         return model, tokenizer
     elif os.path.isdir(name_or_path):
         _check_not_partial_save(name_or_path)
@@ -236,6 +239,8 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, dev
         model.eval()
     else:
         raise _unknown(name_or_path)
+    if config is not None:
+        raise ValueError(f"config= runs a kvpop.save directory's weights under another config; {name_or_path} is not one")
     if dtype is not None or device is not None:
         model = model.to(device=device, dtype=dtype)
     return model, tokenizer

@@ -20,7 +20,6 @@ Because the training mask equals the decoding cache, these are the numbers a use
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -152,24 +151,16 @@ def with_layer_budgets(entry: Entry, budgets: Sequence[int]) -> Entry:
 
 
 def with_tova_pool(entry: Entry, pool: int, layer: bool = False) -> Entry:
-    """A trained KVpop-mlp directory run as KVpop-cascade (`KVpopConfig.tova_pool`): `pool` of its top-k slots
-    given to the TOVA-ranked pool. The cascade's scorer trains as KVpop-mlp's, so the same weights serve it.
-
-    `layer`: the layer-wide cascade (`tova_head_average`) at TOVA's split of the same budget (no sinks, a window of
-    1, so `budget - 1` long-range slots): `pool` of them ranked by TOVA's paper score, which takes the token leaving
-    the window first, the rest the per-head static pool that keeps the best of its evictions (`NAME+lpoolN`)."""
-    c = entry.cfg
-    if not entry.trained or c.policy != "kvpop" or c.scorer != "mlp" or c.tova_prior is not None or c.tova_pool:
-        raise ValueError(f"{entry.name}: a TOVA pool applies to a trained KVpop-mlp directory (static rule), got "
-                         f"policy {c.policy!r}, scorer {c.scorer!r}, tova_prior={c.tova_prior}, tova_pool={c.tova_pool}")
-    if not layer:
-        return Entry(f"{entry.name}+pool{pool}", entry.budget, dataclasses.replace(c, tova_pool=pool),
-                     trained=entry.trained)
-    if c.layer_topk is not None:
-        raise ValueError(f"{entry.name}: the layer-wide cascade takes TOVA's split of one budget; this directory has "
-                         "per-layer budgets")
-    cfg = dataclasses.replace(c, sink=0, window=1, topk=c.budget - 1, tova_pool=pool, tova_head_average=True)
-    return Entry(f"{entry.name}+lpool{pool}", entry.budget, cfg, trained=entry.trained)
+    """A trained KVpop-mlp directory run as KVpop-cascade with `pool` TOVA slots (`KVpopConfig.with_tova_pool`):
+    `NAME+poolN`, or with `layer` the layer-wide cascade at TOVA's split of its budget, `NAME+lpoolN`. The cascade's
+    scorer trains as KVpop-mlp's, so the same weights serve it."""
+    if not entry.trained:
+        raise ValueError(f"{entry.name}: a TOVA pool applies to a trained KVpop-mlp directory, not a training-free row")
+    try:
+        cfg = entry.cfg.with_tova_pool(pool, layer=layer)
+    except ValueError as err:
+        raise ValueError(f"{entry.name}: {err}") from None
+    return Entry(f"{entry.name}+{'l' if layer else ''}pool{pool}", entry.budget, cfg, trained=entry.trained)
 
 
 class Evaluator:
