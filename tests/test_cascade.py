@@ -41,6 +41,12 @@ def _policy(sink, window, topk, pool, Hkv, D, seed=0, **kw):
     return cfg, policy
 
 
+def _layer_policy(sink, window, topk, pool, Hkv, D, seed=0):
+    torch.manual_seed(seed)
+    cfg = kvpop.KVpopConfig(sink=sink, window=window, topk=topk, tova_pool=pool, tova_head_average=True, scorer_hidden=8)
+    return cfg, make_policy(cfg, Hkv, D).eval()
+
+
 def _reference_cascade(q, k, v, pi, sink, window, topk, pool, scale):
     """The step semantics in plain Python, per (batch row, KV head).
 
@@ -125,35 +131,38 @@ def test_decode_step_matches_the_plain_reference(sink, window, topk, pool):
                 t for t, c in pools[b][h].items() if c == "d")
 
 
+@pytest.mark.parametrize("layer,sink,window,Hkv", [(False, 2, 3, 2), (True, 0, 1, 3), (True, 2, 3, 3)],
+                         ids=["per-head", "layer-wide", "layer-wide-windowed"])
 @torch.no_grad()
-def test_the_pool_joins_the_rules_it_is_made_of():
-    # tova_pool = topk: TOVA per KV head (the max over its query heads) with the same sinks and window, slot
-    # for slot; a pool of 0: the static rule's eviction times of the same priorities
-    B, Hkv, G, S, D = 2, 2, 2, 40, 4
-    sink, window, topk = 2, 3, 7
-    g = torch.Generator().manual_seed(5)
+def test_the_pool_joins_the_rules_it_is_made_of(layer, sink, window, Hkv):
+    # tova_pool = topk: TOVA with the same sinks and window, slot for slot and priority for priority: per KV head
+    # (the max over its query heads), or for the layer-wide cascade as its paper ranks (the layer's head average);
+    # a pool of 0: the static rule's eviction times of the same priorities, in every head
+    B, G, S, D, topk = 2, 2, 40, 4, 7
+    g = torch.Generator().manual_seed(9 if layer else 5)
     q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
-    _, cascade = _policy(sink, window, topk, topk, Hkv, D)
-    tova = make_policy(kvpop.KVpopConfig(sink=sink, window=window, topk=topk, policy="tova"), Hkv, D)
+    make = _layer_policy if layer else _policy
+    _, cascade = make(sink, window, topk, topk, Hkv, D)
+    tova = make_policy(kvpop.KVpopConfig(sink=sink, window=window, topk=topk, policy="tova", tova_head_average=layer),
+                       Hkv, D)
     runs = []
     for policy in (cascade, tova):
-        layer = KVpopLayerCache(sink, window, topk)
-        runs.append((*_feed(layer, policy, q, k, v, scale=D**-0.5), layer))
+        cache = KVpopLayerCache(sink, window, topk)
+        runs.append((*_feed(cache, policy, q, k, v, scale=D**-0.5), cache))
     assert torch.equal(runs[0][0], runs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
     assert torch.equal(runs[0][2].pri, runs[1][2].pri)
 
-    cfg, _ = _policy(sink, window, topk, 1, Hkv, D)
+    cfg, _ = make(sink, window, topk, 1, Hkv, D)
     static = CascadePolicy(cfg, Hkv, D).eval()
-    static.pool = 0
     pi = static.priority(k, v, torch.arange(S).expand(B, S))
     position = torch.arange(S).expand(B, S)
     valid = torch.ones(B, S, dtype=torch.bool)
-    got = dynamic_eviction_positions(q, k, position, valid, pi, sink, window, topk, D**-0.5, "cascade", pool=0)
+    got = dynamic_eviction_positions(q, k, position, valid, pi, sink, window, topk, D**-0.5,
+                                     "cascade_mean" if layer else "cascade", pool=0)
     want = eviction_times(pi, sink, window, topk)  # S for a token never evicted, where the walk says NEVER
-    got = got.clamp(max=S)
     eligible = torch.arange(S) >= sink
-    assert torch.equal(got[..., eligible], want[..., eligible])
+    assert torch.equal(got.clamp(max=S)[..., eligible], want[..., eligible])
 
 
 def _inputs(B, Hkv, G, S, D, ties, seed):
@@ -209,15 +218,17 @@ def test_torch_walk_equals_the_reference_walk(B, Hkv, G, S, D, sink, window, top
 
 @pytest.mark.parametrize("split", [(40,), (17, 30, 1, 1, 1, 13), (1, 5, 40, 1, 1, 15)], ids=str)
 @pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("layer", [False, True], ids=["per-head", "layer-wide"])
 @torch.no_grad()
-def test_chunked_prefill_equals_the_token_by_token_replay(split, ties):
-    # the cache's prefill (the walk, then one attention) leaves the slots bit for bit as decoding does
-    B, Hkv, G, D = 3, 2, 2, 8
+def test_chunked_prefill_equals_the_token_by_token_replay(split, ties, layer):
+    # the cache's prefill (the walk, then one attention) leaves the slots bit for bit as decoding does; the
+    # layer-wide cascade at TOVA's split, with three KV heads whose static pools differ
+    B, G, D = 3, 2, 8
     S = sum(split)
-    sink, window, topk, pool = 2, 3, 10, 4
-    q, k, v, _ = _inputs(B, Hkv, G, S, D, ties, seed=11)
-    valid = left_padded(B, S, seed=2)
-    _, policy = _policy(sink, window, topk, pool, Hkv, D)
+    Hkv, sink, window, topk, pool = (3, 0, 1, 13, 8) if layer else (2, 2, 3, 10, 4)
+    q, k, v, _ = _inputs(B, Hkv, G, S, D, ties, seed=11 + layer)
+    valid = left_padded(B, S, seed=2 + 2 * layer)
+    _, policy = (_layer_policy if layer else _policy)(sink, window, topk, pool, Hkv, D)
     # priorities read off the key by indexing alone: the same bits whatever the chunk's shape (the MLP's einsum
     # may round a chunk of 40 tokens otherwise than one token); with ties, on a coarse grid
     grid = 2.0 if ties else 1e6
@@ -404,12 +415,6 @@ def _reference_layer_cascade(q, k, v, pi, sink, window, topk, pool, scale):
     return out, pools
 
 
-def _layer_policy(sink, window, topk, pool, Hkv, D, seed=0):
-    torch.manual_seed(seed)
-    cfg = kvpop.KVpopConfig(sink=sink, window=window, topk=topk, tova_pool=pool, tova_head_average=True, scorer_hidden=8)
-    return cfg, make_policy(cfg, Hkv, D).eval()
-
-
 @pytest.mark.parametrize("sink,window,topk,pool", [(0, 1, 8, 5), (0, 1, 7, 1), (2, 3, 8, 3), (1, 2, 6, 6),
                                                    (0, 3, 5, 4), (3, 2, 9, 8), (0, 1, 6, 3)])
 @torch.no_grad()
@@ -456,64 +461,6 @@ def test_triton_layer_cascade_walk_at_size_on_cuda():
     _run_triton_check([(1, 3, 3, 2048, 64, 0, 1, 2047, 1535, "cascade_mean"),
                        (2, 3, 3, 2048, 64, 0, 1, 1023, 767, "cascade_mean"),
                        (1, 8, 4, 2048, 128, 0, 1, 1023, 511, "cascade_mean")])
-
-
-@pytest.mark.parametrize("sink,window", [(0, 1), (2, 3)])
-@torch.no_grad()
-def test_the_layer_cascade_joins_tova_and_the_static_rule(sink, window):
-    # tova_pool = topk: TOVA as its paper ranks (the layer's head average) at the same split, slot for slot and
-    # priority for priority; a pool of 0: the static rule's eviction times of the same priorities, in every head
-    B, Hkv, G, S, D, topk = 2, 3, 2, 40, 4, 7
-    g = torch.Generator().manual_seed(9)
-    q, k, v = (torch.randn(B, h, S, D, generator=g) for h in (Hkv * G, Hkv, Hkv))
-    _, cascade = _layer_policy(sink, window, topk, topk, Hkv, D)
-    tova = make_policy(kvpop.KVpopConfig(sink=sink, window=window, topk=topk, policy="tova", tova_head_average=True),
-                       Hkv, D)
-    runs = []
-    for policy in (cascade, tova):
-        layer = KVpopLayerCache(sink, window, topk)
-        runs.append((*_feed(layer, policy, q, k, v, scale=D**-0.5), layer))
-    assert torch.equal(runs[0][0], runs[1][0])
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
-    assert torch.equal(runs[0][2].pri, runs[1][2].pri)
-
-    cfg, _ = _layer_policy(sink, window, topk, 1, Hkv, D)
-    static = CascadePolicy(cfg, Hkv, D).eval()
-    pi = static.priority(k, v, torch.arange(S).expand(B, S))
-    position = torch.arange(S).expand(B, S)
-    valid = torch.ones(B, S, dtype=torch.bool)
-    got = dynamic_eviction_positions(q, k, position, valid, pi, sink, window, topk, D**-0.5, "cascade_mean", pool=0)
-    want = eviction_times(pi, sink, window, topk)
-    eligible = torch.arange(S) >= sink
-    assert torch.equal(got.clamp(max=S)[..., eligible], want[..., eligible])
-
-
-@pytest.mark.parametrize("split", [(40,), (17, 30, 1, 1, 1, 13), (1, 5, 40, 1, 1, 15)], ids=str)
-@pytest.mark.parametrize("ties", [False, True])
-@torch.no_grad()
-def test_layer_cascade_chunked_prefill_equals_the_token_by_token_replay(split, ties):
-    B, Hkv, G, D = 3, 3, 2, 8
-    S = sum(split)
-    sink, window, topk, pool = 0, 1, 13, 8
-    q, k, v, _ = _inputs(B, Hkv, G, S, D, ties, seed=12)
-    valid = left_padded(B, S, seed=4)
-    _, policy = _layer_policy(sink, window, topk, pool, Hkv, D)
-    grid = 2.0 if ties else 1e6
-    # per-head priorities read off the key by indexing alone (see test_chunked_prefill_equals_the_token_by_token_replay)
-    policy.priority = lambda key, value, position: (key[..., 0].float() * grid).round() / grid
-    replay = KVpopLayerCache(sink, window, topk)
-    want, _ = _feed(replay, policy, q, k, v, valid, D**-0.5)
-    fast = KVpopLayerCache(sink, window, topk)
-    outs, start = [], 0
-    for n in split:
-        sl = slice(start, start + n)
-        outs.append(fast.attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], valid[:, sl], policy, D**-0.5))
-        start += n
-    for name in ("keys", "values", "pos", "pri", "prior", "seen"):
-        assert torch.equal(getattr(fast, name), getattr(replay, name)), name
-    got = torch.cat(outs, 2)
-    real = valid[:, None, :, None].expand_as(got)
-    assert_close(got[real], want[real], 2e-5, "outputs at real tokens")
 
 
 def test_layer_cascade_config():
