@@ -331,3 +331,11 @@ def test_info_names_the_rule_of_a_kvpop_directory(capsys, tmp_path):
     line = next(x for x in out.splitlines() if x.startswith("retrofitted with"))
     assert "sink=4 window=8 topk=20 (budget 32), policy kvpop, scorer mlp" in line
     assert "KVpop-cascade with 5 TOVA slots" in line
+    assert "layer-wide" not in line
+    kvpop.detach(model)
+    cfg = kvpop.KVpopConfig.for_budget(32, scorer_hidden=8).with_tova_pool(24, layer=True)
+    kvpop.save(kvpop.retrofit(model, cfg), tmp_path / "l", tokenizer=tok)
+    rc, out, _ = run(capsys, "info", "--model", str(tmp_path / "l"))
+    line = next(x for x in out.splitlines() if x.startswith("retrofitted with"))
+    assert rc == 0 and "sink=0 window=1 topk=31" in line
+    assert "KVpop-cascade with 24 TOVA slots (layer-wide: TOVA's head average, fed first)" in line
