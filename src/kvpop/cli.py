@@ -211,10 +211,16 @@ def _cascade_config(args: argparse.Namespace):
         raise ValueError(f"{flag} runs a trained KVpop-mlp directory (kvpop train's OUT/final) as KVpop-cascade; "
                          f"--model {args.model} is not one")
     saved = read_config(args.model)
-    top = saved.budget - 1 if layer else saved.topk
-    if not 1 <= n <= top:
-        raise ValueError(f"{flag} {n} must lie in [1, {'budget - 1' if layer else 'topk'}={top}] of {args.model}")
+    _check_pool(flag, n, saved, layer, args.model)
     return saved.with_tova_pool(n, layer=layer)
+
+
+def _check_pool(flag: str, n: int, cfg, layer: bool, where: str) -> None:
+    """A TOVA pool of `n` slots for a KVpop-mlp config: at most its top-k, or the layer-wide cascade's `budget - 1`
+    (TOVA's split of the same budget)."""
+    top = cfg.budget - 1 if layer else cfg.topk
+    if not 1 <= n <= top:
+        raise ValueError(f"{flag} {n} must lie in [1, {'budget - 1' if layer else 'topk'}={top}] of {where}")
 
 
 def _fit_new_tokens(args: argparse.Namespace, model, n_prompt: int) -> int:
@@ -786,7 +792,7 @@ def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
 
     out = []
     for flag, value, layer in (("--tova-pool", args.tova_pool, False),
-                               ("--tova-pool-layer", getattr(args, "tova_pool_layer", None), True)):
+                               ("--tova-pool-layer", args.tova_pool_layer, True)):
         if value is None:
             continue
         try:
@@ -799,11 +805,7 @@ def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
             raise ValueError(f"{flag} needs a --trained KVpop-mlp directory (the static rule) to run as KVpop-cascade")
         for e in static:
             for n in pools:
-                # the layer-wide cascade runs at TOVA's split: budget - 1 long-range slots
-                topk = e.cfg.budget - 1 if layer else e.cfg.topk
-                if not 1 <= n <= topk:
-                    raise ValueError(f"{flag} {n} must lie in [1, {'budget - 1' if layer else 'topk'}={topk}] of "
-                                     f"--trained {e.trained}")
+                _check_pool(flag, n, e.cfg, layer, f"--trained {e.trained}")
                 out.append(with_tova_pool(e, n, layer=layer))
     return out
 
