@@ -239,3 +239,36 @@ def test_a_trained_directory_runs_at_its_entrys_config(tiny, samples, tmp_path, 
         records = run_suite(model, tok, entries, samples[:1], dense=False, progress=False)
     assert [c.tova_pool for c in seen] == [3, 0] and seen[1].layer_topk == entries[1].cfg.layer_topk
     assert {r["policy"].split("[")[0] for r in records} == {e.name for e in entries}  # labelled NAME[its directory]
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(policy="dms"),
+    dict(scorer="mlstm", match_mlp_memory=True),
+    dict(scorer="mlstm", match_mlp_memory=True, delay=0),
+], ids=["dms", "mlstm", "mlstm-delay0"])
+def test_stateful_and_dms_directories_run_the_suite_and_the_fidelity(tiny, tmp_path, capsys, cfg):
+    # issue 16 item 7 asks both of every trained row of the quality study: a DMS or mLSTM directory must decode
+    # through the suite's prompts and a long generation with its slots within the budget, as the MLP's does
+    model, tok = tiny
+    trained = tmp_path / "run" / "final"
+    config = kvpop.KVpopConfig.for_budget(40, scorer_hidden=16, mlstm_hidden=16, **cfg)
+    kvpop.save(kvpop.retrofit(model, config), trained, tokenizer=tok)
+    kvpop.detach(model)
+    with quiet():
+        assert main(["eval", "--model", "tiny-random-qwen3", "--suite", "passkey", "--lengths", "256",
+                     "--depths", "0.5", "--samples", "1", "--policies", "none", "--trained", f"row={trained}",
+                     "--out", str(tmp_path / "suite")]) == 0
+    capsys.readouterr()
+    records = json.loads((tmp_path / "suite" / "suite.json").read_text())["records"]
+    row = [r for r in records if r["budget"]]
+    # the mLSTM pays for its state in slots (`match_mlp_memory`): its budget is below 40
+    assert len(row) == 1 and row[0]["policy"].startswith("row") and row[0]["slots_max"] == row[0]["budget"] <= 40
+    with quiet():
+        assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "48", "--problems", "1", "--samples", "0",
+                     "--policies", "none", "--trained", f"row={trained}", "--ignore-eos",
+                     "--out", str(tmp_path / "fid")]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert [r["policy"].split("[")[0] for r in rows] == ["dense", "row"]
+    assert rows[1]["nll"] > 0 and 0 <= rows[1]["agreement"] <= 1
+    gens = json.loads((tmp_path / "fid" / "fidelity.json").read_text())["generations"]
+    assert sorted(len(g["tokens"]) for g in gens) == [48, 48]
