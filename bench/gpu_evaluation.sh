@@ -12,8 +12,16 @@
 #                                        # cascade's pool chosen on development rows, then the teacher-forced table
 #                                        # (DMS, mLSTM, the windowed cascade); the task suite of DMS and the mLSTM;
 #                                        # the thirteenth session's cascade on held-out Python code
-#   bash bench/gpu_evaluation.sh 4 OUT   # long-generation fidelity, one process per row: DMS, mLSTM, the windowed
-#                                        # cascade at both budgets, the thirteenth session's cascade at B = 2048
+#   bash bench/gpu_evaluation.sh 4 OUT   # long-generation fidelity: the dense rows once per length, then one
+#                                        # process per row, four at a time, each from a copy of the dense store: DMS,
+#                                        # mLSTM, the windowed cascade at both budgets, the thirteenth session's
+#                                        # cascade at B = 2048
+#
+# As run at commit d99dc01, call 4 started its seven processes at once, each generating its own dense row; none
+# finished in 440 s, and an inline call continued four of them (docs/RESULTS.md). The file now runs call 4 as above,
+# keeps the generation stores, and call 3 returns the runs' trained parameters (OUT/weights.tgz; bench/README.md
+# says how to rebuild a run from them), which this session could not: its DMS and mLSTM runs were lost with the
+# lease before their B = 2048 fidelity.
 #
 # The windowed layer-wide cascade: the thirteenth session's layer-wide cascade (`tova_pool` with `tova_head_average`)
 # at KVpop's own split (sink 4, window 256) instead of TOVA's (no sinks, window 1). The twelfth session's cascade kept
@@ -47,8 +55,19 @@ step() {  # step NAME SECONDS COMMAND...: a time limit, the log in OUT/NAME.log,
   local rc=$?
   echo "=== $name exit $rc ($(date -u +%H:%M:%S))"; tail -n 25 "$out/$name.log"
 }
-keep() {  # keep NAME: a result folder under $HOME into the call's output (json, txt, png)
-  mkdir -p "$out/$1" && cp "$HOME/$1"/*.json "$HOME/$1"/*.txt "$HOME/$1"/*.png "$out/$1/" 2>/dev/null
+keep() {  # keep NAME: a result folder under $HOME into the call's output (json, txt, png, generation stores)
+  mkdir -p "$out/$1" && cp "$HOME/$1"/*.json "$HOME/$1"/*.txt "$HOME/$1"/*.png "$HOME/$1"/*.jsonl "$out/$1/" 2>/dev/null
+}
+keep_weights() {  # the final runs' trained parameters into OUT/weights.tgz, apart from the results (size)
+  # a scorer-only run changes only kvpop_scorers.safetensors: with the local SmolLM2 files copied beside these three,
+  # `kvpop.load` rebuilds the run on any machine (the fourteenth session lost its DMS and mLSTM runs with the lease)
+  local w=$HOME/weights; rm -rf "$w" && mkdir -p "$w"
+  for d in "$HOME"/study/runs/*/final; do
+    [ -f "$d/kvpop_scorers.safetensors" ] || continue
+    local r; r=$(basename "$(dirname "$d")"); mkdir -p "$w/$r"
+    cp "$d"/kvpop_config.json "$d"/kvpop_base.json "$d"/kvpop_scorers.safetensors "$w/$r/"
+  done
+  tar czf "$dest/weights.tgz" -C "$w" . && ls -la "$dest/weights.tgz"
 }
 
 fidelity() {  # fidelity NAME ARGS...: long-generation fidelity into $HOME/NAME (finished generations kept)
@@ -163,19 +182,33 @@ PY
       keep "code_b$b" ) &
   done
   wait
+  keep_weights
   ;;
 4)
   mps_on
+  # every fidelity process generates its own dense row unless its store has it: seven processes at once, each with
+  # its dense row, finished none in 440 s (this session). So the dense rows first, once per length (StreamingLLM
+  # beside them repeats earlier sessions' rows), then each bounded row from a copy of that store, four at a time.
+  FID_N=4096 fidelity fid_dense_4096 --policies streaming_llm --budgets 2048 &
+  FID_N=2048 fidelity fid_dense_2048 --policies streaming_llm --budgets 1024 &
+  wait
+  rows4=()
   for b in 2048 1024; do
-    n=$([ "$b" = 2048 ] && echo 4096 || echo 2048)  # B = 2048 needs 4096 tokens to fill its cache for long
     for r in dms+frozen kvpop-mlstm+frozen; do
-      FID_N=$n fidelity "fid_b${b}_${r%%+*}" --policies none --budgets "$b" --trained "${r%%+*}=$(run_dir "$r" "$b")" &
+      rows4+=("$b fid_b${b}_${r%%+*} --trained ${r%%+*}=$(run_dir "$r" "$b")")
     done
-    p=$(selected "$b")
-    FID_N=$n fidelity "fid_b${b}_lwin" --policies none --budgets "$b" --trained "lwin$p=$(win_dir "$b" "$p")" &
+    p=$(selected "$b"); rows4+=("$b fid_b${b}_lwin --trained lwin$p=$(win_dir "$b" "$p")")
   done
-  FID_N=4096 fidelity fid_b2048_lpool --policies none --budgets 2048 --trained "mlp=$(run_dir "$mlp" 2048)" \
-    --tova-pool-layer "$(s13_pool 2048)" &
+  rows4+=("2048 fid_b2048_lpool --trained mlp=$(run_dir "$mlp" 2048) --tova-pool-layer $(s13_pool 2048)")
+  i=0
+  for spec in "${rows4[@]}"; do
+    read -r b name args <<< "$spec"
+    n=$([ "$b" = 2048 ] && echo 4096 || echo 2048)  # B = 2048 needs 4096 tokens to fill its cache for long
+    mkdir -p "$HOME/$name" && cp "$HOME/fid_dense_$n/generations.jsonl" "$HOME/$name/" 2>/dev/null
+    # shellcheck disable=SC2086  # args are words
+    FID_N=$n fidelity "$name" --policies none --budgets "$b" $args &
+    i=$((i + 1)); [ $((i % 4)) = 0 ] && wait
+  done
   wait
   ;;
 *)
