@@ -35,7 +35,7 @@ from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import attention_with_probs, decode_attention, sparse_attention
 from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
-from kvpop.ops.dynamic.reference import move_slot, tova_first_step, weakest_slot
+from kvpop.ops.dynamic.reference import static_first_step, tova_first_step
 from kvpop.ops.topk import eviction_positions
 from kvpop.policy import LayerPolicy
 
@@ -450,36 +450,11 @@ def decode_step(
     idx = slot[:, None, None].expand(B, H, 1)
     pool = k if pool is None else pool
     static = k - pool  # KVpop-cascade: the first `static` long-range slots are ranked by the carried prior
-    if k > 0 and tova_first:
+    if k > 0:
         leaving = (real & (p >= s + w))[:, None, None]
-        tova_first_step(buffers, buffers[2], buffers[3], buffers[4], idx, leaving, s + w, static, pool)
-    elif k > 0:
-        # the token leaving the window (position p - w) becomes eligible: keep it if it beats the weakest top-k slot
-        leave_pos = pos.gather(2, idx)
-        leaving = (real & (p >= s + w))[:, None, None]
-        src = idx
-        if static:
-            # KVpop-cascade: first the static pool, by the static priority carried in the prior buffer; whichever
-            # loses (the leaving token or the static pool's weakest) meets the pool ranked by `pri` below
-            lo = s + w
-            rank = buffers[4][:, :, :slots]
-            sidx, weakest_rank, weakest_pos = weakest_slot(rank[..., lo : lo + static], pos[..., lo : lo + static])
-            leave_rank = rank.gather(2, idx)
-            beats = (leave_rank > weakest_rank) | ((leave_rank == weakest_rank) & (leave_pos > weakest_pos))
-            promote_s = leaving & beats & (leave_rank > float("-inf"))
-            src = torch.where(promote_s, sidx + lo, idx)
-        if pool:
-            lo = s + w + static
-            # one pool: the candidate is the leaving token, whose position is at hand
-            cand_pos = pos.gather(2, src) if static else leave_pos
-            cand_pri = pri.gather(2, src)
-            widx, weakest_pri, weakest_pos = weakest_slot(pri[..., lo:], pos[..., lo:])
-            beats = (cand_pri > weakest_pri) | ((cand_pri == weakest_pri) & (cand_pos > weakest_pos))
-            # a -inf token (DMS's "evict") never takes a long-range slot, not even an empty one
-            promote = leaving & beats & (cand_pri > float("-inf"))
-            move_slot(buffers, src, torch.where(promote, widx + lo, slots))  # the scratch slot unless promoted
-        if static:  # after the move above, which may have read the slot this overwrites
-            move_slot(buffers, idx, torch.where(promote_s, sidx + s + w, slots))
+        step = tova_first_step if tova_first else static_first_step
+        step(buffers, buffers[2], buffers[3], buffers[4] if len(buffers) > 4 else None, idx, leaving, s + w, static,
+             pool)
     dst = torch.where(real[:, None, None], idx, slots)
     new_pos = p[:, None, None].expand(B, H, 1)
     # a prior buffer (KVpop-TOVA, KVpop-cascade) takes the new token's priority too: its prior is its priority at

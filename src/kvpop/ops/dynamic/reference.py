@@ -74,38 +74,12 @@ def dynamic_walk_reference(
         slot = torch.where(p < s, p.clamp(min=0), s + (p - s).clamp(min=0) % w)
         idx = slot[:, None, None].expand(B, H, 1)
         leaving = (real & (p >= s + w))[:, None, None]
-        leave_pos, leave_pri = pos.gather(2, idx), pri.gather(2, idx)
-        out = leave_pos
+        out = pos.gather(2, idx)  # nothing long-range (topk 0): the leaving token itself
         if k > 0 and tova_first:
             out = tova_first_step((keys, pos, *bufs), pos, pri, bufs[1], idx, leaving, s + w, static, pool)
         elif k > 0:
-            # the static pool (KVpop-cascade only) ranks by the carried static priority; the token leaving the
-            # window is the newest, so it wins ties there. Whichever loses (it or the static pool's weakest)
-            # then meets the pool ranked by `pri`: every long-range slot unless the cascade splits them
-            rank = bufs[1] if static else None
-            src, cand_pos, cand_pri = idx, leave_pos, leave_pri
-            if static:
-                lo, hi = s + w, s + w + static
-                st_rank, st_pos = rank[:, :, lo:hi], pos[:, :, lo:hi]
-                sidx, weakest_rank, weakest_pos = weakest_slot(st_rank, st_pos)
-                leave_rank = rank.gather(2, idx)
-                beats = (leave_rank > weakest_rank) | ((leave_rank == weakest_rank) & (leave_pos > weakest_pos))
-                promote_s = leaving & beats & (leave_rank > float("-inf"))
-                src = torch.where(promote_s, sidx + lo, idx)
-                cand_pos, cand_pri = pos.gather(2, src), pri.gather(2, src)
-            if pool:
-                lo = s + w + static
-                top_pos, top_pri = pos[:, :, lo:N], pri[:, :, lo:N]
-                widx, weakest_pri, weakest_pos = weakest_slot(top_pri, top_pos)
-                beats = (cand_pri > weakest_pri) | ((cand_pri == weakest_pri) & (cand_pos > weakest_pos))
-                # a -inf token (DMS's "evict") never takes a long-range slot, not even an empty one
-                promote = leaving & beats & (cand_pri > float("-inf"))
-                out = torch.where(promote, weakest_pos, cand_pos)
-                move_slot((keys, pos, *bufs), src, torch.where(promote, widx + lo, N))
-            else:
-                out = cand_pos
-            if static:  # after the move above, which may have read the slot this overwrites
-                move_slot((keys, pos, *bufs), idx, torch.where(promote_s, sidx + s + w, N))
+            out = static_first_step((keys, pos, *bufs), pos, pri, bufs[1] if static else None, idx, leaving, s + w,
+                                    static, pool)
         evicted[:, :, j] = torch.where(leaving, out, -1)[..., 0]
         dst = torch.where(real[:, None, None], idx, N)
         keys.scatter_(2, dst[..., None].expand(-1, -1, -1, D), key[:, :, j : j + 1].to(keys.dtype))
@@ -150,4 +124,40 @@ def tova_first_step(buffers, pos: Tensor, pri: Tensor, rank: Tensor, idx: Tensor
         move_slot(buffers, src, torch.where(promote_s, sidx + lo, N))
     if pool:  # after the move above, which may have read the slot this overwrites
         move_slot(buffers, idx, torch.where(promote_t, widx + lo + static, N))
+    return out
+
+
+def static_first_step(buffers, pos: Tensor, pri: Tensor, rank: Tensor | None, idx: Tensor, leaving: Tensor, lo: int,
+                      static: int, pool: int) -> Tensor:
+    """The decision of every rule but the layer-wide cascade, with its moves; returns the evicted position [B, H, 1].
+
+    One pool (`static == 0`, every policy but KVpop-cascade): the token leaving the window (slot `idx`) replaces the
+    weakest of the `pool` long-range slots from `lo` if it beats it by `pri` (it is the newest, so it wins ties).
+    KVpop-cascade (score "cascade"): it first meets the static pool's weakest (the `static` slots from `lo`) by the
+    static priority `rank` (it wins ties); whichever loses meets the weakest of the pool ranked by `pri` (the last
+    `pool` slots) by (priority, position), since a token demoted from the static pool may be the older one. A -inf
+    token (DMS's "evict") never takes a long-range slot, not even an empty one. `pos`, `pri` and `rank` are among
+    `buffers`, as in `tova_first_step`. The decode step and the reference walk share it.
+    """
+    N = pos.shape[-1] - 1
+    leave_pos = pos.gather(2, idx)
+    src, cand_pos = idx, leave_pos
+    if static:
+        sidx, weakest_rank, weakest_pos = weakest_slot(rank[:, :, lo : lo + static], pos[:, :, lo : lo + static])
+        leave_rank = rank.gather(2, idx)
+        beats = (leave_rank > weakest_rank) | ((leave_rank == weakest_rank) & (leave_pos > weakest_pos))
+        promote_s = leaving & beats & (leave_rank > float("-inf"))
+        src = torch.where(promote_s, sidx + lo, idx)
+        cand_pos = pos.gather(2, src)
+    out = cand_pos
+    if pool:
+        top = lo + static
+        cand_pri = pri.gather(2, src)
+        widx, weakest_pri, weakest_pos = weakest_slot(pri[:, :, top:N], pos[:, :, top:N])
+        beats = (cand_pri > weakest_pri) | ((cand_pri == weakest_pri) & (cand_pos > weakest_pos))
+        promote = leaving & beats & (cand_pri > float("-inf"))
+        out = torch.where(promote, weakest_pos, cand_pos)
+        move_slot(buffers, src, torch.where(promote, widx + top, N))  # the scratch slot unless promoted
+    if static:  # after the move above, which may have read the slot this overwrites
+        move_slot(buffers, idx, torch.where(promote_s, sidx + lo, N))
     return out
