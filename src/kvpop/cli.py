@@ -799,8 +799,7 @@ def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
             pools = [int(n) for n in value.split(",") if n.strip()]
         except ValueError:
             raise ValueError(f"{flag}={value!r} must be comma-separated integers") from None
-        static = [e for e in entries if e.cfg.policy == "kvpop" and e.cfg.scorer == "mlp" and e.cfg.tova_prior is None
-                  and not e.cfg.tova_pool]
+        static = [e for e in entries if e.cfg.static_mlp]
         if not static:
             raise ValueError(f"{flag} needs a --trained KVpop-mlp directory (the static rule) to run as KVpop-cascade")
         for e in static:

@@ -267,15 +267,20 @@ class KVpopConfig:
                f"per-layer budgets must be integers >= sink + window = {low}")
         return dataclasses.replace(self, layer_topk=tuple(b - low for b in budgets))
 
+    @property
+    def static_mlp(self) -> bool:
+        """KVpop-mlp with the paper's static rule (no KVpop-TOVA prior, no cascade): the configs a TOVA pool extends."""
+        return self.policy == "kvpop" and self.scorer == "mlp" and self.tova_prior is None and not self.tova_pool
+
     def with_tova_pool(self, pool: int, layer: bool = False) -> KVpopConfig:
         """This KVpop-mlp config run as KVpop-cascade with `pool` TOVA slots (the same scorer weights serve it).
 
         `layer`: the layer-wide cascade (`tova_head_average`) at TOVA's split of the same budget (no sinks, a window
         of 1, `budget - 1` long-range slots), `pool` of them in the pool TOVA's paper ranking fills first.
         """
-        _check(self.policy == "kvpop" and self.scorer == "mlp" and self.tova_prior is None and not self.tova_pool,
-               "tova_pool", pool, f"applies to a KVpop-mlp config with the static rule (this one: policy "
-               f"{self.policy!r}, scorer {self.scorer!r}, tova_prior={self.tova_prior}, tova_pool={self.tova_pool})")
+        _check(self.static_mlp, "tova_pool", pool,
+               f"applies to a KVpop-mlp config with the static rule (this one: policy {self.policy!r}, scorer "
+               f"{self.scorer!r}, tova_prior={self.tova_prior}, tova_pool={self.tova_pool})")
         if not layer:
             return dataclasses.replace(self, tova_pool=pool)
         _check(self.layer_topk is None, "layer_topk", self.layer_topk,
