@@ -1,40 +1,33 @@
 #!/usr/bin/env bash
-# The fourteenth session's device calls (issues 16, 17), back to back in one warm lease of one H200 (`nvidia-h200`);
-# the thirteenth session's calls are this file at commit 6dd81e3, the twelfth's at 31e61c0. bench/README.md has the
-# runbook.
+# The fifteenth session's device calls (issues 16, 17), back to back in one warm lease of one H200 (`nvidia-h200`);
+# the fourteenth session's calls are this file at commit a76f1b3, the thirteenth's at 6dd81e3, the twelfth's at
+# 31e61c0. bench/README.md has the runbook.
 #
 #   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half
-#   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; train (seed 0, scorer-only, 120 steps,
-#                                        # both budgets, under MPS) DMS, KVpop-mLSTM and KVpop-mlp (pre-RoPE keys,
-#                                        # the domain mixture): the rows issue 16 item 7 still lacks, and the MLP
-#                                        # weights the cascades run
-#   bash bench/gpu_evaluation.sh 3 OUT   # side by side under MPS: training finished; the windowed layer-wide
-#                                        # cascade's pool chosen on development rows, then the teacher-forced table
-#                                        # (DMS, mLSTM, the windowed cascade); the task suite of DMS and the mLSTM;
-#                                        # the thirteenth session's cascade on held-out Python code
-#   bash bench/gpu_evaluation.sh 4 OUT   # long-generation fidelity: the dense rows once per length, then one
-#                                        # process per row, four at a time, each from a copy of the dense store: DMS,
-#                                        # mLSTM, the windowed cascade at both budgets, the thirteenth session's
-#                                        # cascade at B = 2048
+#   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; under MPS, train (seed 0, scorer-only,
+#                                        # 120 steps) DMS and KVpop-mLSTM at B = 2048, KVpop-mLSTM and KVpop-mlp
+#                                        # (pre-RoPE keys, the domain mixture) at B = 1024; beside them the dense
+#                                        # rows of long generation: 2048 tokens for all 27 held-out champ problems,
+#                                        # 4096 tokens for 8
+#   bash bench/gpu_evaluation.sh 3 OUT   # training finished; the cascades saved from the KVpop-mlp weights; long
+#                                        # generation at B = 1024 on the 27 problems, four rows at a time, each from
+#                                        # a copy of the dense store: TOVA, H2O, the twelfth session's per-head
+#                                        # cascade, the thirteenth's layer-wide cascade
+#   bash bench/gpu_evaluation.sh 4 OUT   # the rest, four at a time: DMS and the mLSTM at B = 2048 (4096 tokens,
+#                                        # issue 16 item 7), the mLSTM and the windowed layer-wide cascade at
+#                                        # B = 1024 on the 27 problems
 #
-# As run at commit d99dc01, call 4 started its seven processes at once, each generating its own dense row; none
-# finished in 440 s, and an inline call continued four of them (docs/RESULTS.md). The file now runs call 4 as above,
-# keeps the generation stores, and call 3 returns the runs' trained parameters (OUT/weights.tgz; bench/README.md
-# says how to rebuild a run from them), which this session could not: its DMS and mLSTM runs were lost with the
-# lease before their B = 2048 fidelity.
-#
-# The windowed layer-wide cascade: the thirteenth session's layer-wide cascade (`tova_pool` with `tova_head_average`)
-# at KVpop's own split (sink 4, window 256) instead of TOVA's (no sinks, window 1). The twelfth session's cascade kept
-# the window and matched the dense model in long generation; the thirteenth's dropped it and lost there. Its pool is
-# fixed before the table by the rule the thirteenth session wrote: among 1/2, 3/4 and 7/8 of the top-k (B = 2048:
-# 894, 1341, 1564; B = 1024: 382, 573, 668), the lowest mean KL on the development rows (held-out rows 8-15); if that
-# step leaves no result, 3/4. The table's rows never enter the choice.
-# Lessons: DMS scorer-only needs ~330 s alone for 120 steps (twelfth), so call 2 trains it first with the longest
-# deadline and call 3 resumes what is left; the suite and the fidelity take final weights only; one 4096-token
-# fidelity row per process (twelfth); math-verify's wheels travel in .stage_b (the thirteenth's fidelity stopped at
-# its import); a call that stops the MPS daemon unsets its environment before the next CUDA process (eleventh).
-# Knobs: STEPS (120), TRAIN_S (call 2's training seconds, 520), TRAIN3_S (call 3's, 120), DEV_S (200), SIDE_S (call 3
-# and 4's processes, 420), LENGTHS (4k,8000), FID_P (8 problems).
+# Why 27 problems: the fourteenth session's long-generation rows at B = 1024 were decided by 3-4 departures of 8
+# texts (RESULTS, "what the long-generation rows measure"); 27 is every held-out champ problem
+# (`champ_problems("eval")`), decoded together in one batch, which costs about what 8 do on the H200.
+# The cascades' pools are the ones earlier sessions fixed before their tables, none chosen on these rows: per-head
+# 191 (twelfth), layer-wide at TOVA's split 767 (thirteenth), layer-wide at KVpop's split 573 (fourteenth).
+# Lessons: DMS scorer-only needs ~330 s alone for 120 steps (twelfth), so call 3 resumes what call 2 left; the
+# fidelity takes final weights only; each bounded row starts from a copy of the dense store (seven processes that
+# each generated their own dense row finished none in 440 s, fourteenth); math-verify's wheels travel in .stage_b;
+# a call that stops the MPS daemon unsets its environment before the next CUDA process (eleventh).
+# Knobs: STEPS (120), TRAIN_S (call 2's training seconds, 500), TRAIN3_S (call 3's, 150), SIDE_S (a fidelity
+# process's seconds, 420), FID_P (27).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
 dest=${2:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
@@ -62,7 +55,7 @@ keep_weights() {  # the final runs' trained parameters into OUT/weights.tgz, apa
   # a scorer-only run changes only kvpop_scorers.safetensors: with the local SmolLM2 files copied beside these three,
   # `kvpop.load` rebuilds the run on any machine (the fourteenth session lost its DMS and mLSTM runs with the lease)
   local w=$HOME/weights; rm -rf "$w" && mkdir -p "$w"
-  for d in "$HOME"/study/runs/*/final; do
+  for d in "$HOME"/study_b*/runs/*/final; do
     [ -f "$d/kvpop_scorers.safetensors" ] || continue
     local r; r=$(basename "$(dirname "$d")"); mkdir -p "$w/$r"
     cp "$d"/kvpop_config.json "$d"/kvpop_base.json "$d"/kvpop_scorers.safetensors "$w/$r/"
@@ -74,14 +67,6 @@ fidelity() {  # fidelity NAME ARGS...: long-generation fidelity into $HOME/NAME 
   local name=$1; shift
   step "$name" "${SIDE_S:-420}" "${kvpop[@]}" eval --model smollm2-135m --generate "${FID_N:-2048}" \
     --problems "${FID_P:-8}" --samples 0 --gen-batch "${FID_BATCH:-16}" --ignore-eos --no-progress \
-    --out "$HOME/$name" "$@"
-  keep "$name"
-}
-
-suite() {  # suite NAME ARGS...
-  local name=$1; shift
-  step "$name" "${SIDE_S:-420}" "${kvpop[@]}" eval --model smollm2-135m --suite "${SUITE_TASKS:-all}" \
-    --lengths "${LENGTHS:-4k,8000}" --depths 0,0.5,1 --samples 1 --suite-batch 8 --no-progress \
     --out "$HOME/$name" "$@"
   keep "$name"
 }
@@ -102,20 +87,34 @@ mps_on() {  # NVIDIA's MPS daemon, so launch-bound side processes run their kern
 
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
 mlp=kvpop-mlp+prerope+mix+frozen
-rows=${ROWS:-dms+frozen,kvpop-mlstm+frozen,$mlp}
-run_dir() {  # run_dir ROW BUDGET: the seed-0 run's final weights
-  echo "$HOME/study/runs/$1_b$2/final"
+problems=${FID_P:-27}
+study() {  # study BUDGET ROWS ARGS...: the quality study's training phase for one budget, seed 0
+  local b=$1 rows=$2; shift 2
+  python bench/quality_study.py --out "$HOME/study_b$b" --budgets "$b" --steps "${STEPS:-120}" --seeds 0 \
+    --rows "$rows" --mix champ,pystdlib,prose --phase train --concurrency 2 "$@" > "$out/study_train_b$b.log" 2>&1
+  tail -n 12 "$out/study_train_b$b.log"; cp "$HOME/study_b$b/train_status.json" "$out/train_status_b$b.json" 2>/dev/null
 }
-s13_pool() { [ "$1" = 2048 ] && echo 1791 || echo 767; }  # the thirteenth session's chosen pools (TOVA's split)
-candidates() {  # candidates BUDGET: 1/2, 3/4 and 7/8 of the top-k at sink 4, window 256
-  local k=$(($1 - 260)); echo "$((k / 2)) $((3 * k / 4)) $((7 * k / 8))"
+rows2048=dms+frozen,kvpop-mlstm+frozen
+rows1024=kvpop-mlstm+frozen,$mlp
+run_dir() { echo "$HOME/study_b$2/runs/$1_b$2/final"; }  # run_dir ROW BUDGET: the seed-0 run's final weights
+cascade_dir() { echo "$HOME/cascade_$1"; }
+dense() {  # the dense rows (StreamingLLM beside them repeats earlier sessions' rows); a later call continues them
+  FID_N=2048 FID_P=$problems FID_BATCH=$problems fidelity fid_dense_2048 --policies streaming_llm --budgets 1024 &
+  FID_N=4096 FID_P=8 FID_BATCH=8 fidelity fid_dense_4096 --policies streaming_llm --budgets 2048 &
+  wait
 }
-selected() {  # selected BUDGET: the pool the development rows chose, else 3/4 of the top-k
-  cat "$HOME/selected_b$1" 2>/dev/null || echo $((3 * ($1 - 260) / 4))
+rows() {  # rows "BUDGET NAME ARGS"...: one fidelity process per row, four at a time, each from a copy of the store
+  local i=0 spec b name args n p
+  for spec in "$@"; do
+    read -r b name args <<< "$spec"
+    if [ "$b" = 2048 ]; then n=4096 p=8; else n=2048 p=$problems; fi  # B = 2048 needs 4096 tokens to fill for long
+    mkdir -p "$HOME/$name" && cp "$HOME/fid_dense_$n/generations.jsonl" "$HOME/$name/" 2>/dev/null
+    # shellcheck disable=SC2086  # args are words
+    FID_N=$n FID_P=$p FID_BATCH=$p fidelity "$name" --budgets "$b" $args &
+    i=$((i + 1)); [ $((i % 4)) = 0 ] && wait
+  done
+  wait
 }
-win_dir() { echo "$HOME/lwin_b$1_p$2"; }  # the windowed layer-wide cascade at budget $1, pool $2
-study=(python bench/quality_study.py --out "$HOME/study" --steps "${STEPS:-120}" --seeds 0 --rows "$rows"
-       --mix champ,pystdlib,prose --free-rows oracle)
 case $phase in
 1)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
@@ -126,90 +125,42 @@ case $phase in
     || { echo "staging failed"; ls -la "$stage"; exit 1; }
   (cd "$stage" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf; cat SHA256 2>/dev/null)
   python -c "import math_verify; print('math_verify', math_verify.__file__)"
-  "${study[@]}" --mps --phase train --deadline-s "${TRAIN_S:-520}" --concurrency 6 > "$out/study_train.log" 2>&1
-  tail -n 30 "$out/study_train.log"
-  cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
+  python -c "from kvpop.train.data import champ_problems; print(len(champ_problems('eval')), 'held-out problems')"
+  mps_on
+  study 2048 "$rows2048" --deadline-s "${TRAIN_S:-500}" &
+  study 1024 "$rows1024" --deadline-s "${TRAIN_S:-500}" &
+  SIDE_S=${DENSE_S:-520} dense &
+  wait
   ;;
 3)
   mps_on
-  "${study[@]}" --phase train --deadline-s "${TRAIN3_S:-120}" --min-start-s 20 --stop-grace-s 15 --concurrency 6 \
-    > "$out/study_train.log" 2>&1
-  tail -n 12 "$out/study_train.log"
-  cp "$HOME/study/train_status.json" "$out/" 2>/dev/null
-  for b in 2048 1024; do
-    (
-      # the windowed layer-wide cascade: the KVpop-mlp weights at their own split, one directory per candidate pool
-      for p in $(candidates "$b"); do
-        python - "$(run_dir "$mlp" "$b")" "$p" "$(win_dir "$b" "$p")" <<'PY'
+  study 2048 "$rows2048" --deadline-s "${TRAIN3_S:-150}" --min-start-s 20 --stop-grace-s 15 &
+  study 1024 "$rows1024" --deadline-s "${TRAIN3_S:-150}" --min-start-s 20 --stop-grace-s 15 &
+  SIDE_S=150 dense &  # continues whatever call 2 left of the dense rows, else returns at once
+  wait
+  # the cascades: the KVpop-mlp weights (B = 1024) under the pools earlier sessions fixed before their tables
+  python - "$(run_dir "$mlp" 1024)" "$HOME" <<'PY'
 import dataclasses, sys
 import kvpop
 from kvpop.retrofit import read_config
-src, pool, dst = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-cfg = dataclasses.replace(read_config(src), tova_pool=pool, tova_head_average=True)
-kvpop.save(kvpop.load(src, config=cfg), dst)
-print("saved", dst, cfg.sink, cfg.window, cfg.topk, cfg.tova_pool)
+src, home = sys.argv[1], sys.argv[2]
+cfg = read_config(src)
+for name, c in (("perhead191", cfg.with_tova_pool(191)), ("layer767", cfg.with_tova_pool(767, layer=True)),
+                ("lwin573", dataclasses.replace(cfg, tova_pool=573, tova_head_average=True))):
+    kvpop.save(kvpop.load(src, config=c), f"{home}/cascade_{name}")
+    print("saved", name, c.sink, c.window, c.topk, c.tova_pool, c.tova_head_average)
 PY
-      done
-      dev=(); for p in $(candidates "$b"); do dev+=(--trained "lwin$p=$(win_dir "$b" "$p")"); done
-      step "dev_b$b" "${DEV_S:-200}" "${kvpop[@]}" eval --model smollm2-135m --data champ --seq-len 8192 \
-        --sequences 8 --skip-sequences 8 --budgets "$b" --policies none "${dev[@]}" --no-progress --out "$HOME/dev_b$b"
-      keep "dev_b$b"
-      python - "$HOME/dev_b$b/results.json" "$HOME/selected_b$b" <<'PY'
-import json, sys
-rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["policy"].startswith("lwin") and r["sequences"] == 8]
-best = min(rows, key=lambda r: r["kl"])
-open(sys.argv[2], "w").write(best["policy"][4:].split("[")[0])
-print("development rows:", [(r["policy"], round(r["kl"], 5)) for r in rows], "-> chosen", best["policy"])
-PY
-      p=$(selected "$b"); echo "budget $b: pool $p" | tee -a "$out/selected.txt"
-      # the table on the reported rows (the seventh session's 8): StreamingLLM checks the sequences (it must repeat
-      # its digits); TOVA and the thirteenth session's rows stand from that session
-      step "table_b$b" "${SIDE_S:-420}" "${kvpop[@]}" eval --model smollm2-135m --data champ --seq-len 8192 \
-        --sequences 8 --budgets "$b" --policies streaming_llm --trained "dms=$(run_dir dms+frozen "$b")" \
-        --trained "mlstm=$(run_dir kvpop-mlstm+frozen "$b")" --trained "lwin$p=$(win_dir "$b" "$p")" --no-progress \
-        --out "$HOME/table_b$b"
-      keep "table_b$b"
-    ) &
-    for r in dms+frozen kvpop-mlstm+frozen; do
-      ( suite "suite_b${b}_${r%%+*}" --policies none --budgets "$b" --trained "${r%%+*}=$(run_dir "$r" "$b")"
-        cp "$HOME/suite_b${b}_${r%%+*}"/*.png "$out/suite_b${b}_${r%%+*}/" 2>/dev/null ) &
-    done
-    # held-out Python code (issue 17's out-of-domain row) for the thirteenth session's cascade; TOVA's rows on the
-    # same 8 sequences stand from the eleventh session
-    ( step "code_b$b" "${SIDE_S:-420}" "${kvpop[@]}" eval --model smollm2-135m --data pystdlib --seq-len 8192 \
-        --sequences 8 --budgets "$b" --policies none --trained "mlp=$(run_dir "$mlp" "$b")" \
-        --tova-pool-layer "$(s13_pool "$b")" --no-progress --out "$HOME/code_b$b"
-      keep "code_b$b" ) &
-  done
-  wait
+  rows "1024 fid_b1024_tova --policies tova" "1024 fid_b1024_h2o --policies h2o" \
+       "1024 fid_b1024_perhead191 --policies none --trained perhead191=$(cascade_dir perhead191)" \
+       "1024 fid_b1024_layer767 --policies none --trained layer767=$(cascade_dir layer767)"
   keep_weights
   ;;
 4)
   mps_on
-  # every fidelity process generates its own dense row unless its store has it: seven processes at once, each with
-  # its dense row, finished none in 440 s (this session). So the dense rows first, once per length (StreamingLLM
-  # beside them repeats earlier sessions' rows), then each bounded row from a copy of that store, four at a time.
-  FID_N=4096 fidelity fid_dense_4096 --policies streaming_llm --budgets 2048 &
-  FID_N=2048 fidelity fid_dense_2048 --policies streaming_llm --budgets 1024 &
-  wait
-  rows4=()
-  for b in 2048 1024; do
-    for r in dms+frozen kvpop-mlstm+frozen; do
-      rows4+=("$b fid_b${b}_${r%%+*} --trained ${r%%+*}=$(run_dir "$r" "$b")")
-    done
-    p=$(selected "$b"); rows4+=("$b fid_b${b}_lwin --trained lwin$p=$(win_dir "$b" "$p")")
-  done
-  rows4+=("2048 fid_b2048_lpool --trained mlp=$(run_dir "$mlp" 2048) --tova-pool-layer $(s13_pool 2048)")
-  i=0
-  for spec in "${rows4[@]}"; do
-    read -r b name args <<< "$spec"
-    n=$([ "$b" = 2048 ] && echo 4096 || echo 2048)  # B = 2048 needs 4096 tokens to fill its cache for long
-    mkdir -p "$HOME/$name" && cp "$HOME/fid_dense_$n/generations.jsonl" "$HOME/$name/" 2>/dev/null
-    # shellcheck disable=SC2086  # args are words
-    FID_N=$n fidelity "$name" --policies none --budgets "$b" $args &
-    i=$((i + 1)); [ $((i % 4)) = 0 ] && wait
-  done
-  wait
+  rows "2048 fid_b2048_dms --policies none --trained dms=$(run_dir dms+frozen 2048)" \
+       "2048 fid_b2048_mlstm --policies none --trained mlstm=$(run_dir kvpop-mlstm+frozen 2048)" \
+       "1024 fid_b1024_mlstm --policies none --trained mlstm=$(run_dir kvpop-mlstm+frozen 1024)" \
+       "1024 fid_b1024_lwin573 --policies none --trained lwin573=$(cascade_dir lwin573)"
   ;;
 *)
   echo "unknown phase $phase (1 to 4)"; exit 2
