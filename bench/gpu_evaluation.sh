@@ -26,7 +26,7 @@
 # fidelity takes final weights only; each bounded row starts from a copy of the dense store (seven processes that
 # each generated their own dense row finished none in 440 s, fourteenth); math-verify's wheels travel in .stage_b;
 # a call that stops the MPS daemon unsets its environment before the next CUDA process (eleventh).
-# Knobs: STEPS (120), TRAIN_S (call 2's training seconds, 500), TRAIN3_S (call 3's, 150), SIDE_S (a fidelity
+# Knobs: STEPS (120), TRAIN_S (call 2's training seconds, 500), TRAIN3_S (call 3's, 420), SIDE_S (a fidelity
 # process's seconds, 420), FID_P (27).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
@@ -134,10 +134,8 @@ case $phase in
   ;;
 3)
   mps_on
-  study 2048 "$rows2048" --deadline-s "${TRAIN3_S:-150}" --min-start-s 20 --stop-grace-s 15 &
-  study 1024 "$rows1024" --deadline-s "${TRAIN3_S:-150}" --min-start-s 20 --stop-grace-s 15 &
-  SIDE_S=150 dense &  # continues whatever call 2 left of the dense rows, else returns at once
-  wait
+  # DMS (44 of 120 steps in call 2, this session) trains on beside the rows; the finished runs return at once
+  study 2048 "$rows2048" --deadline-s "${TRAIN3_S:-420}" --min-start-s 20 --stop-grace-s 15 &
   # the cascades: the KVpop-mlp weights (B = 1024) under the pools earlier sessions fixed before their tables
   python - "$(run_dir "$mlp" 1024)" "$HOME" <<'PY'
 import dataclasses, sys

@@ -9,6 +9,7 @@ and `sparse_attention` falls back to the reference when it is missing.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 _OP = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -51,8 +52,10 @@ def cpu_masked_attention(
 
 _MIN = torch.iinfo(torch.int64).min
 _MAX = torch.iinfo(torch.int64).max
-BLOCK = 256
+BLOCK = 64
 """Queries per block of `cpu_block_sparse_attention`."""
+_PAD = 1 / 8
+"""Padding to one key count that a batch of blocks may add to their work before it is split."""
 
 
 def cpu_block_sparse_attention(
@@ -74,35 +77,87 @@ def cpu_block_sparse_attention(
 
     Key `t` is visible to query `q` on `pos_t <= pos_q < alive_t` (`block_mask.alive_until`), so a block
     of queries sees at most the `budget` keys retained at its first query plus the block's own tokens.
-    Each block gathers those keys per (batch, KV head) - padded to the largest count, the padding
-    masked - and runs the fused kernel over them: `O(Q * (budget + block))` work and mask instead of
-    `O(Q * N)`, and no causal half computed in vain. Same contract as `cpu_masked_attention` over
-    `mask_from_eviction`'s mask (rows with no key give zeros and `lse = -inf`); one host sync per block.
+    Each block gathers those keys per (batch, KV head), the ones every query of the block sees first
+    (their mask is a constant 0, not evaluated), then the ones only some see, padded to the largest
+    count and the padding masked. Blocks of similar counts go through the fused kernel as one batch
+    (`README.md`): `O(Q * (budget + block))` work, a mask evaluated only where it varies, and no causal
+    half computed in vain. Same contract as `cpu_masked_attention` over `mask_from_eviction`'s mask
+    (rows with no key give zeros and `lse = -inf`); one host sync.
     """
     B, Hq, Q, D = query.shape
-    Hkv, N = key.shape[1], key.shape[2]
+    Hkv, N, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    G = Hq // Hkv
+    dev = query.device
     if k_pos.dim() == 2:
         k_pos, k_valid = k_pos[:, None], k_valid[:, None]
     kp = k_pos.expand(B, Hkv, N)
+    valid = k_valid.expand(B, Hkv, N)
     alive = torch.where(kp < sink, _MAX, torch.maximum(evict, kp + window))
-    alive = torch.where(k_valid.expand(B, Hkv, N), alive, _MIN)  # [B, Hkv, N]; invalid keys: never visible
+    alive = torch.where(valid, alive, _MIN)  # [B, Hkv, N]; invalid keys: never visible
+    nb = -(-Q // block)
+    Qp = nb * block
     q_eff = torch.where(q_valid, q_pos, _MIN)  # [B, Q]; invalid queries see nothing
-    outs, lses = [], []
-    for i in range(0, Q, block):
-        qb = q_eff[:, i : i + block]  # [B, bq]
-        q_hi = qb.amax(-1)[:, None, None]
-        q_lo = torch.where(qb > _MIN, qb, _MAX).amin(-1)[:, None, None]
-        needed = (kp <= q_hi) & (alive > q_lo)  # [B, Hkv, N]: visible to some query of the block
-        M = max(int(needed.sum(-1).amax()), 1)
-        # the needed keys first, in their order; the padding after them stays masked
-        idx = torch.sort(needed.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :M]
-        kb = key.gather(2, idx[..., None].expand(-1, -1, -1, D))
-        vb = value.gather(2, idx[..., None].expand(-1, -1, -1, value.shape[-1]))
-        kpb, ab, nb = kp.gather(2, idx), alive.gather(2, idx), needed.gather(2, idx)
-        qv = qb[:, None, :, None]
-        mask = (kpb[:, :, None, :] <= qv) & (qv < ab[:, :, None, :]) & nb[:, :, None, :]  # [B, Hkv, bq, M]
-        out, lse = cpu_masked_attention(query[:, :, i : i + block], kb, vb, mask, scale, return_lse)
-        outs.append(out)
-        lses.append(lse)
-    out = torch.cat(outs, dim=2)
-    return out, (torch.cat(lses, dim=2) if return_lse else None)
+    q_eff = F.pad(q_eff, (0, Qp - Q), value=_MIN).view(B, nb, block).transpose(0, 1)  # [nb, B, bq]
+    q_hi = q_eff.amax(-1)[..., None, None]  # [nb, B, 1, 1]
+    q_lo = torch.where(q_eff > _MIN, q_eff, _MAX).amin(-1)[..., None, None]
+    # per (block, batch, KV head, key): 2 seen by every valid query of the block, 1 by some, 0 by none
+    some = (kp <= q_hi) & (alive > q_lo)  # [nb, B, Hkv, N]
+    every = some & (kp <= q_lo) & (alive > q_hi)
+    n_some, n_every = some.sum(-1), every.sum(-1)  # [nb, B, Hkv]
+    counts = torch.stack([n_some.flatten(1).amax(-1), n_every.flatten(1).amin(-1)]).tolist()
+    # keys of each class in their order (a stable sort): the constant-mask ones first, the padding last
+    order = torch.sort(some.to(torch.int8) + every.to(torch.int8), dim=-1, descending=True, stable=True).indices
+
+    # a key with nothing alive is seen by no query: its row is counted from the sorted bounds, since a
+    # valid key has `alive_t > pos_t` (or `-inf`), `#{pos_t <= q} - #{alive_t <= q}` keys are visible to q
+    k_lo = torch.sort(torch.where(valid, kp, _MAX), dim=-1).values
+    k_hi = torch.sort(torch.where(valid, alive, _MAX), dim=-1).values
+    qq = q_eff.permute(1, 0, 2).reshape(B, 1, Qp).expand(B, Hkv, Qp).contiguous()
+    seen = torch.searchsorted(k_lo, qq, right=True) - torch.searchsorted(k_hi, qq, right=True)
+    empty = (seen == 0).view(B, Hkv, nb, block).permute(2, 0, 1, 3)  # [nb, B, Hkv, bq]
+
+    # queries and outputs as [nb, B, Hkv, G, bq, D]: a batch of blocks is one leading dimension
+    qb = F.pad(query, (0, 0, 0, Qp - Q)).view(B, Hkv, G, nb, block, D).permute(3, 0, 1, 2, 4, 5)
+    out = query.new_empty(B, Qp, Hq, Dv)  # the caller's [B, Q, Hq, D] layout: its reshape copies nothing
+    out_b = out.view(B, nb, block, Hkv, G, Dv).permute(1, 0, 3, 4, 2, 5)
+    lse = torch.empty(B, Hq, Qp, dtype=torch.float32, device=dev) if return_lse else None
+    b_i = torch.arange(B, device=dev)[None, :, None, None]
+    h_i = torch.arange(Hkv, device=dev)[None, None, :, None]
+    zero, ninf = query.new_zeros(()), query.new_full((), float("-inf"))
+    for b0, b1 in _batches(counts[0]):
+        M = max(max(counts[0][b0:b1]), 1)
+        full = min(counts[1][b0:b1])
+        n = b1 - b0
+        idx = order[b0:b1, ..., :M]  # [n, B, Hkv, M]
+        kb, vb = key[b_i, h_i, idx], value[b_i, h_i, idx]  # [n, B, Hkv, M, D]
+        kpb = kp[b_i, h_i, idx]
+        ab = torch.where(some[b0:b1].gather(-1, idx), alive[b_i, h_i, idx], _MIN)
+        qv = q_eff[b0:b1, :, None, :, None]  # [n, B, 1, bq, 1]
+        bias = torch.empty(n, B, Hkv, block, M, dtype=query.dtype, device=dev)
+        bias[..., :full] = 0.0
+        torch.where((kpb[..., None, full:] <= qv) & (qv < ab[..., None, full:]), zero, ninf, out=bias[..., full:])
+        # an empty row (a padding query) gets one key so the kernel stays finite; its output is zeroed below
+        e = empty[b0:b1]
+        bias[..., 0].masked_fill_(e, 0.0)
+        o, l = _OP(
+            qb[b0:b1].reshape(n * B * Hkv, G, block, D),
+            kb.view(n * B * Hkv, 1, M, D).expand(-1, G, M, D),
+            vb.view(n * B * Hkv, 1, M, Dv).expand(-1, G, M, Dv),
+            0.0, False, attn_mask=bias.view(n * B * Hkv, 1, block, M), scale=scale,
+        )
+        e = e[:, :, :, None, :]  # [n, B, Hkv, 1, bq]
+        out_b[b0:b1] = o.view(n, B, Hkv, G, block, Dv).masked_fill(e[..., None], 0.0)
+        if return_lse:
+            lse_b = lse.view(B, Hkv, G, nb, block).permute(3, 0, 1, 2, 4)
+            lse_b[b0:b1] = l.view(n, B, Hkv, G, block).float().masked_fill(e, float("-inf"))
+    return out[:, :Q].transpose(1, 2), (lse[..., :Q] if return_lse else None)
+
+
+def _batches(counts: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive blocks `[b0, b1)` whose padding to the run's largest key count adds at most `_PAD`."""
+    runs, b0 = [], 0
+    for b in range(1, len(counts) + 1):
+        if b == len(counts) or max(counts[b0 : b + 1]) * (b + 1 - b0) > (1 + _PAD) * sum(counts[b0 : b + 1]):
+            runs.append((b0, b))
+            b0 = b
+    return runs
