@@ -15,7 +15,7 @@
 #                                        # cascade, the thirteenth's layer-wide cascade
 #   bash bench/gpu_evaluation.sh 4 OUT   # the rest, four at a time: DMS and the mLSTM at B = 2048 (4096 tokens,
 #                                        # issue 16 item 7), the mLSTM and the windowed layer-wide cascade at
-#                                        # B = 1024 on the 27 problems
+#                                        # B = 1024 on the 27 problems, then the static rule of the cascades' weights
 #
 # Why 27 problems: the fourteenth session's long-generation rows at B = 1024 were decided by 3-4 departures of 8
 # texts (RESULTS, "what the long-generation rows measure"); 27 is every held-out champ problem
@@ -158,7 +158,8 @@ PY
   rows "2048 fid_b2048_dms --policies none --trained dms=$(run_dir dms+frozen 2048)" \
        "2048 fid_b2048_mlstm --policies none --trained mlstm=$(run_dir kvpop-mlstm+frozen 2048)" \
        "1024 fid_b1024_mlstm --policies none --trained mlstm=$(run_dir kvpop-mlstm+frozen 1024)" \
-       "1024 fid_b1024_lwin573 --policies none --trained lwin573=$(cascade_dir lwin573)"
+       "1024 fid_b1024_lwin573 --policies none --trained lwin573=$(cascade_dir lwin573)" \
+       "1024 fid_b1024_mlp --policies none --trained mlp=$(run_dir "$mlp" 1024)"
   ;;
 *)
   echo "unknown phase $phase (1 to 4)"; exit 2

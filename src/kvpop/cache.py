@@ -366,11 +366,18 @@ class KVpopLayerCache(CacheLayerMixin):
         s, w, n_slots = self.sink, self.window, self.slots
         B, H, C, _ = key.shape
         new_pos = torch.where(valid, position, -1)[:, None, :].expand(B, H, C)
-        cand_pos = torch.cat([self.pos, new_pos], dim=2)  # [B, H, slots + C]
+        # into a fresh cache the slots are all empty and the rule over the chunk alone gives the same answers,
+        # unless the policy's memory reads the candidates by slot (stateful, evidence)
+        alone = self.fresh and not (policy.stateful or policy.evidence)
+        if alone:
+            cand_pos, cand_pri = new_pos, priority
+            cand_k, cand_v = key.to(self.keys.dtype), value.to(self.values.dtype)
+        else:
+            cand_pos = torch.cat([self.pos, new_pos], dim=2)  # [B, H, slots + C]
+            cand_pri = torch.cat([self.pri, priority], dim=2)
+            cand_k = torch.cat([self.keys, key.to(self.keys.dtype)], dim=2)
+            cand_v = torch.cat([self.values, value.to(self.values.dtype)], dim=2)
         cand_valid = cand_pos >= 0
-        cand_pri = torch.cat([self.pri, priority], dim=2)
-        cand_k = torch.cat([self.keys, key.to(self.keys.dtype)], dim=2)
-        cand_v = torch.cat([self.values, value.to(self.values.dtype)], dim=2)
         if policy.stateful:
             # tokens whose readout is not due yet (t + delay > last) keep the placeholder -inf. It cannot
             # sway a decision of this chunk: a token acts on the others only once eligible (at query
@@ -382,8 +389,11 @@ class KVpopLayerCache(CacheLayerMixin):
             cand_pri = cache_evidence.chunk_readout(self, query, key, value, position, valid, cand_pri, scale, policy,
                                                     rope)
         evict = eviction_positions(cand_pri, cand_pos, cand_valid, s, w, self.topk)
-        out = self._chunk_attention(query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict,
-                                    scale)
+        if alone:
+            out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict, s, w, scale)
+        else:
+            out = self._chunk_attention(query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid,
+                                        evict, scale)
 
         # what the rule retains after the chunk's last real token goes back into the slot layout
         last = (self.seen + valid.sum(-1) - 1)[:, None, None]  # [B, 1, 1]
@@ -396,14 +406,19 @@ class KVpopLayerCache(CacheLayerMixin):
             cand_pos,
             torch.where(in_window, s + (cand_pos - s) % w, torch.where(top_kept, top_slot, n_slots)),
         )
-        # slot `n_slots` is a scratch column for everything dropped
-        for name, cand, fill in (("keys", cand_k, 0.0), ("values", cand_v, 0.0), ("pos", cand_pos, -1),
-                                 ("pri", cand_pri, float("-inf"))):
-            buf = getattr(self, name)
-            shape = (*buf.shape[:2], n_slots + 1, *buf.shape[3:])
-            d = dest if buf.dim() == 3 else dest[..., None].expand(-1, -1, -1, buf.shape[-1])
-            fresh = torch.full(shape, fill, dtype=buf.dtype, device=buf.device).scatter_(2, d, cand)
-            buf.copy_(fresh[:, :, :n_slots])
+        # each slot's candidate (-1: none, the slot is emptied); slot `n_slots` is a scratch column for
+        # everything dropped. Then one gather per buffer, of `slots` rows rather than a scatter of every candidate
+        n_cand = cand_pos.shape[-1]
+        src = torch.full((B, H, n_slots + 1), -1, dtype=torch.long, device=key.device)
+        src = src.scatter_(2, dest, torch.arange(n_cand, device=key.device).expand(B, H, n_cand))[..., :n_slots]
+        held, src = src >= 0, src.clamp(min=0)
+        for buf, cand, fill in ((self.keys, cand_k, 0.0), (self.values, cand_v, 0.0), (self.pos, cand_pos, -1),
+                                (self.pri, cand_pri, float("-inf"))):
+            if buf.dim() == 3:
+                buf.copy_(torch.where(held, cand.gather(2, src), fill))
+            else:
+                rows = cand.gather(2, src[..., None].expand(-1, -1, -1, buf.shape[-1]))
+                buf.copy_(torch.where(held[..., None], rows, fill))
         return out
 
 

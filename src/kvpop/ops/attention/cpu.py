@@ -104,52 +104,62 @@ def cpu_block_sparse_attention(
     some = (kp <= q_hi) & (alive > q_lo)  # [nb, B, Hkv, N]
     every = some & (kp <= q_lo) & (alive > q_hi)
     n_some, n_every = some.sum(-1), every.sum(-1)  # [nb, B, Hkv]
-    counts = torch.stack([n_some.flatten(1).amax(-1), n_every.flatten(1).amin(-1)]).tolist()
-    # keys of each class in their order (a stable sort): the constant-mask ones first, the padding last
-    order = torch.sort(some.to(torch.int8) + every.to(torch.int8), dim=-1, descending=True, stable=True).indices
 
-    # a key with nothing alive is seen by no query: its row is counted from the sorted bounds, since a
-    # valid key has `alive_t > pos_t` (or `-inf`), `#{pos_t <= q} - #{alive_t <= q}` keys are visible to q
+    # queries that see no key (padding): as a valid key has `alive_t > pos_t`, query `q` sees
+    # `#{pos_t <= q} - #{alive_t <= q}` keys, two searches in the sorted bounds
     k_lo = torch.sort(torch.where(valid, kp, _MAX), dim=-1).values
     k_hi = torch.sort(torch.where(valid, alive, _MAX), dim=-1).values
     qq = q_eff.permute(1, 0, 2).reshape(B, 1, Qp).expand(B, Hkv, Qp).contiguous()
     seen = torch.searchsorted(k_lo, qq, right=True) - torch.searchsorted(k_hi, qq, right=True)
     empty = (seen == 0).view(B, Hkv, nb, block).permute(2, 0, 1, 3)  # [nb, B, Hkv, bq]
 
+    # the one host sync: per block the largest count, the smallest constant-mask count, any empty row
+    counts = torch.stack([n_some.flatten(1).amax(-1), n_every.flatten(1).amin(-1), empty.flatten(1).any(-1).long()])
+    n_max, n_full, has_empty = counts.tolist()
+    # keys of each class in their order (a stable sort): the constant-mask ones first, the padding last;
+    # as rows of the flattened keys, which `index_select` copies whole
+    order = torch.sort(some.to(torch.int8) + every.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    order = order + torch.arange(0, B * Hkv * N, N, device=dev).view(1, B, Hkv, 1)
+    k_rows, v_rows = key.reshape(B * Hkv * N, D), value.reshape(B * Hkv * N, Dv)
+    kp_rows, alive_rows = kp.reshape(-1), alive.reshape(-1)
+
     # queries and outputs as [nb, B, Hkv, G, bq, D]: a batch of blocks is one leading dimension
-    qb = F.pad(query, (0, 0, 0, Qp - Q)).view(B, Hkv, G, nb, block, D).permute(3, 0, 1, 2, 4, 5)
+    qb = query if Qp == Q else F.pad(query, (0, 0, 0, Qp - Q))
+    qb = qb.view(B, Hkv, G, nb, block, D).permute(3, 0, 1, 2, 4, 5)
     out = query.new_empty(B, Qp, Hq, Dv)  # the caller's [B, Q, Hq, D] layout: its reshape copies nothing
     out_b = out.view(B, nb, block, Hkv, G, Dv).permute(1, 0, 3, 4, 2, 5)
     lse = torch.empty(B, Hq, Qp, dtype=torch.float32, device=dev) if return_lse else None
-    b_i = torch.arange(B, device=dev)[None, :, None, None]
-    h_i = torch.arange(Hkv, device=dev)[None, None, :, None]
     zero, ninf = query.new_zeros(()), query.new_full((), float("-inf"))
-    for b0, b1 in _batches(counts[0]):
-        M = max(max(counts[0][b0:b1]), 1)
-        full = min(counts[1][b0:b1])
-        n = b1 - b0
-        idx = order[b0:b1, ..., :M]  # [n, B, Hkv, M]
-        kb, vb = key[b_i, h_i, idx], value[b_i, h_i, idx]  # [n, B, Hkv, M, D]
-        kpb = kp[b_i, h_i, idx]
-        ab = torch.where(some[b0:b1].gather(-1, idx), alive[b_i, h_i, idx], _MIN)
+    for b0, b1 in _batches(n_max):
+        n, M, full = b1 - b0, max(max(n_max[b0:b1]), 1), min(n_full[b0:b1])
+        idx = order[b0:b1, ..., :M].reshape(-1)
+        kb, vb = k_rows.index_select(0, idx), v_rows.index_select(0, idx)
+        shape = (n, B, Hkv, 1, M)
+        kpb = kp_rows.index_select(0, idx).view(shape)[..., full:]
+        # past each row's count the padding, seen by nobody
+        pad = torch.arange(full, M, device=dev) >= n_some[b0:b1, ..., None, None]
+        ab = alive_rows.index_select(0, idx).view(shape)[..., full:].masked_fill(pad, _MIN)
         qv = q_eff[b0:b1, :, None, :, None]  # [n, B, 1, bq, 1]
         bias = torch.empty(n, B, Hkv, block, M, dtype=query.dtype, device=dev)
         bias[..., :full] = 0.0
-        torch.where((kpb[..., None, full:] <= qv) & (qv < ab[..., None, full:]), zero, ninf, out=bias[..., full:])
-        # an empty row (a padding query) gets one key so the kernel stays finite; its output is zeroed below
-        e = empty[b0:b1]
-        bias[..., 0].masked_fill_(e, 0.0)
+        torch.where((kpb <= qv) & (qv < ab), zero, ninf, out=bias[..., full:])
+        e = empty[b0:b1] if any(has_empty[b0:b1]) else None
+        if e is not None:
+            # an empty row (a padding query) gets one key so the kernel stays finite; its output is zeroed below
+            bias[..., 0].masked_fill_(e, 0.0)
         o, l = _OP(
             qb[b0:b1].reshape(n * B * Hkv, G, block, D),
             kb.view(n * B * Hkv, 1, M, D).expand(-1, G, M, D),
             vb.view(n * B * Hkv, 1, M, Dv).expand(-1, G, M, Dv),
             0.0, False, attn_mask=bias.view(n * B * Hkv, 1, block, M), scale=scale,
         )
-        e = e[:, :, :, None, :]  # [n, B, Hkv, 1, bq]
-        out_b[b0:b1] = o.view(n, B, Hkv, G, block, Dv).masked_fill(e[..., None], 0.0)
+        o, l = o.view(n, B, Hkv, G, block, Dv), l.view(n, B, Hkv, G, block).float()
+        if e is not None:
+            e = e[:, :, :, None, :]  # [n, B, Hkv, 1, bq]
+            o, l = o.masked_fill(e[..., None], 0.0), l.masked_fill(e, float("-inf"))
+        out_b[b0:b1] = o
         if return_lse:
-            lse_b = lse.view(B, Hkv, G, nb, block).permute(3, 0, 1, 2, 4)
-            lse_b[b0:b1] = l.view(n, B, Hkv, G, block).float().masked_fill(e, float("-inf"))
+            lse.view(B, Hkv, G, nb, block).permute(3, 0, 1, 2, 4)[b0:b1] = l
     return out[:, :Q].transpose(1, 2), (lse[..., :Q] if return_lse else None)
 
 
