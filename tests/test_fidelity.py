@@ -134,6 +134,10 @@ def test_eval_generate_writes_fidelity(tmp_path, capsys):
     assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "4", "--gen-batch", "0", "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert "--gen-batch 0" in err and "Traceback" not in err
+    # more problems than champ's held-out split holds: refused with the count, not silently fewer rows
+    assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "4", "--problems", "1000", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "--problems 1000" in err and "held-out split has" in err and "Traceback" not in err
 
 
 def test_a_store_keeps_generations_for_a_rerun(tiny, tmp_path, monkeypatch):

@@ -706,6 +706,8 @@ def evaluate(args: argparse.Namespace) -> int:
         raise ValueError("nothing to evaluate: give --policies and --budgets, or --trained")
     if args.generate:
         return _fidelity(args, base, tokenizer, entries, device)
+    if args.rollouts:
+        _held_out_problems(args)  # refused before the teacher-forced passes, not after them
     for e in entries:
         if e.budget >= args.seq_len:
             raise ValueError(f"budget {e.budget} ({e.name}) is not below --seq-len {args.seq_len}: nothing is evicted")
@@ -730,9 +732,8 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.rollouts:
         from kvpop.eval.evaluate import rollouts_pass_at_1
         from kvpop.retrofit import detach, load, retrofit
-        from kvpop.train.data import champ_problems
 
-        problems = champ_problems("eval", seed=args.seed)[: args.problems]
+        problems = _held_out_problems(args)
         for entry, row in zip(evaluator.entries, rows):
             if entry.cfg.policy == "oracle":
                 continue
@@ -783,6 +784,18 @@ def _training_free_entries(args: argparse.Namespace) -> list:
         _note(args, f"--policies {p}: its {'scorers' if p == 'kvpop' else 'gates'} are untrained (random) here; "
                     "pass a trained directory with --trained")
     return entries
+
+
+def _held_out_problems(args: argparse.Namespace) -> list[dict]:
+    """`--problems N` of champ's held-out split, refused when the split has fewer: a user asking for 32 must not
+    get 27 rows silently."""
+    from kvpop.train.data import champ_problems
+
+    problems = champ_problems("eval", seed=args.seed)
+    if args.problems > len(problems):
+        raise ValueError(f"--problems {args.problems}: champ's held-out split has {len(problems)} problems; "
+                         f"give 1 to {len(problems)}")
+    return problems[: args.problems]
 
 
 def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
@@ -928,7 +941,6 @@ def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -
     from pathlib import Path
 
     from kvpop.eval.fidelity import format_fidelity_table, plot_nll_by_position, run_fidelity
-    from kvpop.train.data import champ_problems
 
     if args.data != "champ":
         raise ValueError("--generate answers held-out champ problems: use --data champ")
@@ -942,7 +954,7 @@ def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -
     entries = [e for e in entries if e.cfg.policy != "oracle"]
     if not entries:
         raise ValueError("--generate needs a policy that can decode (the oracle cannot)")
-    problems = champ_problems("eval", seed=args.seed)[: args.problems]
+    problems = _held_out_problems(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # finished generations are kept there and reused by a rerun with the same settings
