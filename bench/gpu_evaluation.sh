@@ -51,7 +51,7 @@ step() {  # step NAME SECONDS COMMAND...: a time limit, the log in OUT/NAME.log,
 keep() {  # keep NAME: a result folder under $HOME into the call's output (json, txt, png, generation stores)
   mkdir -p "$out/$1" && cp "$HOME/$1"/*.json "$HOME/$1"/*.txt "$HOME/$1"/*.png "$HOME/$1"/*.jsonl "$out/$1/" 2>/dev/null
 }
-keep_weights() {  # the final runs' trained parameters into OUT/weights.tgz, apart from the results (size)
+keep_weights() {  # the final runs' trained parameters into OUT/weights.tgz.part_*, apart from the results
   # a scorer-only run changes only kvpop_scorers.safetensors: with the local SmolLM2 files copied beside these three,
   # `kvpop.load` rebuilds the run on any machine (the fourteenth session lost its DMS and mLSTM runs with the lease)
   local w=$HOME/weights; rm -rf "$w" && mkdir -p "$w"
@@ -60,7 +60,9 @@ keep_weights() {  # the final runs' trained parameters into OUT/weights.tgz, apa
     local r; r=$(basename "$(dirname "$d")"); mkdir -p "$w/$r"
     cp "$d"/kvpop_config.json "$d"/kvpop_base.json "$d"/kvpop_scorers.safetensors "$w/$r/"
   done
-  tar czf "$dest/weights.tgz" -C "$w" . && ls -la "$dest/weights.tgz"
+  # at most 16 MiB per file comes back (four runs are 41 MB packed): parts, joined here with `cat weights.tgz.part_*`
+  tar czf "$HOME/weights.tgz" -C "$w" . && split -b 15m "$HOME/weights.tgz" "$dest/weights.tgz.part_" \
+    && ls -la "$dest"/weights.tgz.part_*
 }
 
 fidelity() {  # fidelity NAME ARGS...: long-generation fidelity into $HOME/NAME (finished generations kept)
