@@ -90,6 +90,40 @@ def test_cpu_block_kernel_matches_reference(B, Hq, Hkv, S, D, sink, window, topk
 
 
 @pytest.mark.skipif(not available(torch.zeros(1)), reason="no fused CPU attention op in this torch")
+@pytest.mark.parametrize("batch", [1, 48, 10_000])
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,sink,window,topk,pad,block", [
+    # left padding longer than a block (whole blocks of padding queries), a ramp of key counts, a block > S
+    (2, 4, 2, 300, 16, 2, 8, 30, 70, 32), (1, 6, 3, 500, 8, 0, 1, 40, 0, 16), (2, 2, 1, 45, 8, 1, 3, 4, 5, 64),
+])
+def test_cpu_block_kernel_batches_of_blocks(monkeypatch, batch, B, Hq, Hkv, S, D, sink, window, topk, pad, block):
+    # blocks go through the kernel in batches of at most `_BATCH` queries, split where counts differ: every split
+    # (one block per call, a few, all at once) gives the reference's answer
+    from kvpop.ops.attention import cpu
+
+    monkeypatch.setattr(cpu, "_BATCH", batch)
+    q, k, v, pos, valid, evict = _inputs(B, Hq, Hkv, S, D, sink, window, topk, pad, seed=1)
+    args = (pos, valid, pos, valid, evict, sink, window, D**-0.5)
+    o1, l1 = sparse_attention(q, k, v, *args, return_lse=True, backend="reference")
+    o2, l2 = cpu.cpu_block_sparse_attention(q, k, v, *args, return_lse=True, block=block)
+    assert (o1 - o2).abs().max() < ATOL, ((o1 - o2).abs().max(), (o1 - o2).abs().mean())
+    assert torch.equal(torch.isinf(l1), torch.isinf(l2)) and (o2[0, :, :pad] == 0).all()
+    fin = torch.isfinite(l1)
+    assert (l1[fin] - l2[fin]).abs().max() < ATOL
+
+
+def test_cpu_block_batches_cover_every_block_once():
+    from kvpop.ops.attention.cpu import _PAD, _batches
+
+    counts = [16, 32, 48, 64, 80, 80, 80, 79, 80, 3, 80]
+    for most in (1, 3, 100):
+        runs = _batches(counts, most)
+        assert [b for r in runs for b in range(*r)] == list(range(len(counts)))
+        for b0, b1 in runs:
+            assert b1 - b0 <= most
+            assert b1 - b0 == 1 or max(counts[b0:b1]) * (b1 - b0) <= (1 + _PAD) * sum(counts[b0:b1])
+
+
+@pytest.mark.skipif(not available(torch.zeros(1)), reason="no fused CPU attention op in this torch")
 @pytest.mark.parametrize("backend", ["cpu", "cpu_blocks", "sdpa"])
 @pytest.mark.parametrize("B,Hq,Hkv,slots,C,D,sink,window,topk", [(2, 4, 2, 14, 33, 16, 2, 5, 7), (1, 6, 3, 9, 300, 8, 0, 1, 8)])
 def test_per_head_key_positions(backend, B, Hq, Hkv, slots, C, D, sink, window, topk):

@@ -56,6 +56,8 @@ BLOCK = 64
 """Queries per block of `cpu_block_sparse_attention`."""
 _PAD = 1 / 8
 """Padding to one key count that a batch of blocks may add to their work before it is split."""
+_BATCH = 512
+"""Queries per batch of blocks at most: its gathered keys and mask stay in cache and their memory is reused."""
 
 
 def cpu_block_sparse_attention(
@@ -105,7 +107,7 @@ def cpu_block_sparse_attention(
     every = some & (kp <= q_lo) & (alive > q_hi)
     n_some, n_every = some.sum(-1), every.sum(-1)  # [nb, B, Hkv]
 
-    # queries that see no key (padding): as a valid key has `alive_t > pos_t`, query `q` sees
+    # queries that see no key (padding): as a valid key has `alive_t >= pos_t`, query `q` sees
     # `#{pos_t <= q} - #{alive_t <= q}` keys, two searches in the sorted bounds
     k_lo = torch.sort(torch.where(valid, kp, _MAX), dim=-1).values
     k_hi = torch.sort(torch.where(valid, alive, _MAX), dim=-1).values
@@ -130,7 +132,7 @@ def cpu_block_sparse_attention(
     out_b = out.view(B, nb, block, Hkv, G, Dv).permute(1, 0, 3, 4, 2, 5)
     lse = torch.empty(B, Hq, Qp, dtype=torch.float32, device=dev) if return_lse else None
     zero, ninf = query.new_zeros(()), query.new_full((), float("-inf"))
-    for b0, b1 in _batches(n_max):
+    for b0, b1 in _batches(n_max, max(_BATCH // block, 1)):
         n, M, full = b1 - b0, max(max(n_max[b0:b1]), 1), min(n_full[b0:b1])
         idx = order[b0:b1, ..., :M].reshape(-1)
         kb, vb = k_rows.index_select(0, idx), v_rows.index_select(0, idx)
@@ -140,8 +142,7 @@ def cpu_block_sparse_attention(
         pad = torch.arange(full, M, device=dev) >= n_some[b0:b1, ..., None, None]
         ab = alive_rows.index_select(0, idx).view(shape)[..., full:].masked_fill(pad, _MIN)
         qv = q_eff[b0:b1, :, None, :, None]  # [n, B, 1, bq, 1]
-        bias = torch.empty(n, B, Hkv, block, M, dtype=query.dtype, device=dev)
-        bias[..., :full] = 0.0
+        bias = torch.zeros(n, B, Hkv, block, M, dtype=query.dtype, device=dev)
         torch.where((kpb <= qv) & (qv < ab), zero, ninf, out=bias[..., full:])
         e = empty[b0:b1] if any(has_empty[b0:b1]) else None
         if e is not None:
@@ -163,11 +164,12 @@ def cpu_block_sparse_attention(
     return out[:, :Q].transpose(1, 2), (lse[..., :Q] if return_lse else None)
 
 
-def _batches(counts: list[int]) -> list[tuple[int, int]]:
-    """Runs of consecutive blocks `[b0, b1)` whose padding to the run's largest key count adds at most `_PAD`."""
+def _batches(counts: list[int], most: int) -> list[tuple[int, int]]:
+    """Runs of at most `most` consecutive blocks `[b0, b1)`, split where padding to the largest count would add `_PAD`."""
     runs, b0 = [], 0
     for b in range(1, len(counts) + 1):
-        if b == len(counts) or max(counts[b0 : b + 1]) * (b + 1 - b0) > (1 + _PAD) * sum(counts[b0 : b + 1]):
+        if (b == len(counts) or b - b0 == most
+                or max(counts[b0 : b + 1]) * (b + 1 - b0) > (1 + _PAD) * sum(counts[b0 : b + 1])):
             runs.append((b0, b))
             b0 = b
     return runs
