@@ -115,6 +115,28 @@ def test_cache_holds_exactly_what_the_rule_retains(models, arch, cfg_name):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg_name", ["base", "no-sink", "window-1", "topk-0", "budget>S", "streaming_llm", "dms",
+                                      "layers", "tova", "kvpop-cascade"])
+@pytest.mark.parametrize("n", [1, 13, 40], ids=str)
+@torch.no_grad()
+def test_fresh_prefill_equals_the_general_chunk_path(models, arch, cfg_name, n):
+    # a fresh cache runs the rule over the chunk alone (no empty slots among the candidates) and writes the survivors
+    # by one gather: the slots must hold exactly what the general path (slots + chunk) leaves, bit for bit
+    model = models[(arch, cfg_name)]
+    a, b = _ids(6, 40)[0][:n], _ids(7, 40)[0]
+    ids, mask, pos = padded_batch([a, b])  # left padding: invalid tokens in the chunk too
+    caches = [kvpop.KVpopCache(model), kvpop.KVpopCache(model)]
+    for layer in caches[1].layers:
+        layer.fresh = False  # empty slots, but the general path
+    with quiet():
+        outs = [model(ids, attention_mask=mask, position_ids=pos, **cache_kwargs(c)).logits for c in caches]
+    assert_close(outs[0], outs[1], LOGIT_ATOL, f"{arch}/{cfg_name}/{n}")
+    for fast, general in zip(*(c.layers for c in caches)):
+        for name in ("pos", "pri", "keys", "values"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg_name", ["base", "streaming_llm", "tova", "h2o", "mlstm", "mlstm-delay0", "dms", "evidence",
                                       "evidence-pre-rope", "kvpop-tova", "kvpop-cascade", "kvpop-cascade-mean"])
 @torch.no_grad()
