@@ -114,6 +114,13 @@ def test_generate_compiled_equals_eager(capsys, monkeypatch):
     assert out_c.strip() == out.strip()
     rc, _, err = run(capsys, *argv, "--compile", "--do-sample")
     assert rc != 0 and "--do-sample" in err
+    # the backend by name gives the same text; without --compile it is refused, not ignored
+    rc, out_b, err_b = run(capsys, *argv, "--compile", "--compile-backend", "aot_eager")
+    assert rc == 0 and out_b.strip() == out.strip(), err_b
+    rc, _, err = run(capsys, *argv, "--compile-backend", "aot_eager")
+    assert rc != 0 and "add --compile" in err and "Traceback" not in err
+    rc, _, err = run(capsys, *argv, "--compile", "--compile-backend", "cudagraph")
+    assert rc != 0 and "needs a CUDA model" in err and "Traceback" not in err
 
 
 def test_generate_chat_sampling_llama(capsys):

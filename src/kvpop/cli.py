@@ -123,6 +123,11 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
     arg("--seed", type=int, default=0, help="random seed (default 0)"),
     arg("--compile", action="store_true",
         help="greedy decoding with a compiled one-token step (torch.compile; CUDA graphs on CUDA), no streaming"),
+    arg("--compile-backend", choices=("cudagraph", "inductor", "aot_eager"), default=None,
+        help="with --compile: cudagraph (the eager step captured once, its per-layer pieces compiled; the CUDA "
+             "default) or a torch.compile backend for the whole step (inductor, the CPU default; on CUDA about 15 "
+             "%% faster per token at the Qwen3-8B shape, and tens of seconds to compile the first time: "
+             "TORCHINDUCTOR_CACHE_DIR keeps the result for the next run)"),
     arg("--tova-pool", type=int, default=None, metavar="N",
         help="a trained KVpop-mlp directory as KVpop-cascade: N of its top-k slots ranked by TOVA per KV head"),
     arg("--tova-pool-layer", type=int, default=None, metavar="N",
@@ -142,6 +147,8 @@ def generate(args: argparse.Namespace) -> int:
     from kvpop.cache import cache_kwargs
     from kvpop.models import is_kvpop_dir, load_model
 
+    if args.compile_backend and not args.compile:
+        raise ValueError(f"--compile-backend {args.compile_backend} chooses how --compile compiles: add --compile")
     if not args.prompt:
         raise ValueError("--prompt is empty")
     if args.max_new_tokens < 1:
@@ -252,7 +259,7 @@ def _generate_compiled(args: argparse.Namespace, model, tokenizer, input_ids, ca
         raise ValueError("--compile decodes greedily: drop --do-sample")
     if input_ids.shape[0] != 1:
         raise ValueError(f"--compile takes one prompt, got a batch of {input_ids.shape[0]}")
-    decoder = Decoder(model, cache, compile=True)
+    decoder = Decoder(model, cache, compile=True, backend=args.compile_backend)
     start = time.perf_counter()
     new = decoder.generate(input_ids, args.max_new_tokens, eos_token_id=tokenizer.eos_token_id)
     elapsed = time.perf_counter() - start
