@@ -90,17 +90,20 @@ def test_cpu_block_kernel_matches_reference(B, Hq, Hkv, S, D, sink, window, topk
 
 
 @pytest.mark.skipif(not available(torch.zeros(1)), reason="no fused CPU attention op in this torch")
-@pytest.mark.parametrize("batch", [1, 48, 10_000])
+@pytest.mark.parametrize("batch,index", [(1, 1 << 24), (48, 1 << 24), (10_000, 1 << 24), (48, 1), (10_000, 3000)])
 @pytest.mark.parametrize("B,Hq,Hkv,S,D,sink,window,topk,pad,block", [
     # left padding longer than a block (whole blocks of padding queries), a ramp of key counts, a block > S
     (2, 4, 2, 300, 16, 2, 8, 30, 70, 32), (1, 6, 3, 500, 8, 0, 1, 40, 0, 16), (2, 2, 1, 45, 8, 1, 3, 4, 5, 64),
 ])
-def test_cpu_block_kernel_batches_of_blocks(monkeypatch, batch, B, Hq, Hkv, S, D, sink, window, topk, pad, block):
-    # blocks go through the kernel in batches of at most `_BATCH` queries, split where counts differ: every split
-    # (one block per call, a few, all at once) gives the reference's answer
+def test_cpu_block_kernel_batches_of_blocks(monkeypatch, batch, index, B, Hq, Hkv, S, D, sink, window, topk, pad,
+                                            block):
+    # blocks go through the kernel in batches of at most `_BATCH` queries, split where counts differ, and their
+    # index work in groups of at most `_INDEX` elements: every split (one block per call or group, a few, all at
+    # once) gives the reference's answer
     from kvpop.ops.attention import cpu
 
     monkeypatch.setattr(cpu, "_BATCH", batch)
+    monkeypatch.setattr(cpu, "_INDEX", index)
     q, k, v, pos, valid, evict = _inputs(B, Hq, Hkv, S, D, sink, window, topk, pad, seed=1)
     args = (pos, valid, pos, valid, evict, sink, window, D**-0.5)
     o1, l1 = sparse_attention(q, k, v, *args, return_lse=True, backend="reference")
