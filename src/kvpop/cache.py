@@ -350,12 +350,13 @@ class KVpopLayerCache(CacheLayerMixin):
         """A chunk's attention over its candidates (the slots, then its tokens) under their eviction positions.
 
         Into a fresh cache the slots are all empty: the chunk attends its own tokens, whose positions every
-        head shares (FlexAttention on CUDA rather than a dense `[chunk, slots + chunk]` mask).
+        head shares (FlexAttention on CUDA rather than a dense `[chunk, slots + chunk]` mask); their eviction
+        positions are the last `chunk` columns, whether the candidates held the empty slots or not.
         """
-        s, w, n_slots = self.sink, self.window, self.slots
+        s, w = self.sink, self.window
         if self.fresh:
-            out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict[..., n_slots:], s, w,
-                                      scale)
+            out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict[..., -key.shape[2]:],
+                                      s, w, scale)
         else:
             out, _ = sparse_attention(query, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict, s, w, scale)
         return out
@@ -389,11 +390,8 @@ class KVpopLayerCache(CacheLayerMixin):
             cand_pri = cache_evidence.chunk_readout(self, query, key, value, position, valid, cand_pri, scale, policy,
                                                     rope)
         evict = eviction_positions(cand_pri, cand_pos, cand_valid, s, w, self.topk)
-        if alone:
-            out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict, s, w, scale)
-        else:
-            out = self._chunk_attention(query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid,
-                                        evict, scale)
+        out = self._chunk_attention(query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict,
+                                    scale)
 
         # what the rule retains after the chunk's last real token goes back into the slot layout
         last = (self.seen + valid.sum(-1) - 1)[:, None, None]  # [B, 1, 1]
