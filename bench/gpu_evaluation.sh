@@ -1,36 +1,41 @@
 #!/usr/bin/env bash
-# The fifteenth session's device calls (issues 16, 17), back to back in one warm lease of one H200 (`nvidia-h200`);
-# the fourteenth session's calls are this file at commit a76f1b3, the thirteenth's at 6dd81e3, the twelfth's at
-# 31e61c0. bench/README.md has the runbook.
+# The sixteenth session's device calls (issues 16, 17), back to back in one warm lease of one H200 (`nvidia-h200`);
+# the fifteenth session's calls are this file at commit 63cd01b, the fourteenth's at a76f1b3, the thirteenth's at
+# 6dd81e3. bench/README.md has the runbook.
 #
-#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half
-#   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; under MPS, train (seed 0, scorer-only,
-#                                        # 120 steps) DMS and KVpop-mLSTM at B = 2048, KVpop-mLSTM and KVpop-mlp
-#                                        # (pre-RoPE keys, the domain mixture) at B = 1024; beside them the dense
-#                                        # rows of long generation: 2048 tokens for all 27 held-out champ problems,
-#                                        # 4096 tokens for 8
-#   bash bench/gpu_evaluation.sh 3 OUT   # training finished; the cascades saved from the KVpop-mlp weights; long
-#                                        # generation at B = 1024 on the 27 problems, four rows at a time, each from
-#                                        # a copy of the dense store: TOVA, H2O, the twelfth session's per-head
-#                                        # cascade, the thirteenth's layer-wide cascade
-#   bash bench/gpu_evaluation.sh 4 OUT   # the rest, four at a time: DMS and the mLSTM at B = 2048 (4096 tokens,
-#                                        # issue 16 item 7), the mLSTM and the windowed layer-wide cascade at
-#                                        # B = 1024 on the 27 problems, then the static rule of the cascades' weights
+#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a and .stage_c: stage the model's first half, and the dense
+#                                        # long-generation stores of the fifteenth session (.stage_c/fid_dense_*:
+#                                        # the same 27 + 8 problems, model and decoding; the bounded rows start from
+#                                        # a copy, so no call spends 224 s re-generating the dense text)
+#   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; under MPS, train (seed 0, scorer-only)
+#                                        # the mLSTM-delay-0 row at both budgets (120 steps, the quality study's), and
+#                                        # the recall-vs-steps runs at B = 1024 (issue 17 item 2): the mLSTM, its
+#                                        # delay-0 twin and the MLP, 1000 steps each, every 100th step kept
+#   bash bench/gpu_evaluation.sh 3 OUT   # the long runs go on; once the delay-0 rows are final: their task suite
+#                                        # (4k, 8000) and long generation (B = 2048: 4096 tokens, 8 problems; B = 1024:
+#                                        # 2048 tokens, 27 problems) (issue 16 item 7); their weights in parts
+#   bash bench/gpu_evaluation.sh 4 OUT   # the long runs go on to CURVE_AT seconds; held-out recall at every kept
+#                                        # checkpoint (bench/recall_curve.py); the newest checkpoint of each unfinished
+#                                        # mLSTM run comes back in parts (OUT/resume.tar.part_*), so a later session
+#                                        # resumes it exactly (`kvpop train --resume` on any CUDA machine)
 #
-# Why 27 problems: the fourteenth session's long-generation rows at B = 1024 were decided by 3-4 departures of 8
-# texts (RESULTS, "what the long-generation rows measure"); 27 is every held-out champ problem
-# (`champ_problems("eval")`), decoded together in one batch, which costs about what 8 do on the H200.
-# The cascades' pools are the ones earlier sessions fixed before their tables, none chosen on these rows: per-head
-# 191 (twelfth), layer-wide at TOVA's split 767 (thirteenth), layer-wide at KVpop's split 573 (fourteenth).
-# Lessons: DMS scorer-only needs ~330 s alone for 120 steps (twelfth), so call 3 resumes what call 2 left; the
-# fidelity takes final weights only; each bounded row starts from a copy of the dense store (seven processes that
-# each generated their own dense row finished none in 440 s, fourteenth); math-verify's wheels travel in .stage_b;
-# a call that stops the MPS daemon unsets its environment before the next CUDA process (eleventh).
-# Knobs: STEPS (120), TRAIN_S (call 2's training seconds, 500), TRAIN3_S (call 3's, 420), SIDE_S (a fidelity
-# process's seconds, 420), FID_P (27).
+# A later session goes on with the two mLSTM runs (issue 17 item 2; the MLP has plateaued): put their directories
+# (`cat resume.tar.part_* | tar x`: config.json, train_log.jsonl, checkpoints/step-N) into .stage_d/ (64.2 MB,
+# under the 64 MiB a call carries), then, back to back:
+#   bash bench/gpu_evaluation.sh 1 OUT; bash bench/gpu_evaluation.sh 2s OUT   # carry .stage_a, then .stage_b:
+#                                        # stage and assemble only (2s trains nothing)
+#   bash bench/gpu_evaluation.sh resume OUT                                  # carry .stage_d: the runs into the study
+#   ROWS=long bash bench/gpu_evaluation.sh 4 OUT                             # they resume from their checkpoints
+#
+# Lessons: DMS scorer-only needs ~330 s alone for 120 steps (twelfth); the fidelity and suite take final weights only;
+# each bounded row starts from a copy of the dense store (seven processes that each generated their own dense row
+# finished none in 440 s, fourteenth); math-verify's wheels travel in .stage_b; a call that stops the MPS daemon
+# unsets its environment before the next CUDA process (eleventh); at most 8 files of 16 MiB come back (fifteenth).
+# Knobs: TRAIN_S (call 2's training seconds, 540), TRAIN3_S (call 3's, 520), CURVE_AT (call 4's training seconds
+# before the curve, 330), CURVE_S (the curve's seconds, 120), SIDE_S (a suite or fidelity process's, 420), LONG (1000).
 set -uo pipefail
-phase=${1:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
-dest=${2:?usage: bench/gpu_evaluation.sh 1|2|3|4 OUT_DIR}
+phase=${1:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume OUT_DIR}
+dest=${2:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume OUT_DIR}
 # the device returns at most 8 files: everything goes to a work folder, packed into OUT/callN.tgz at the end
 # a machine can keep $HOME from an earlier session (the tenth found the ninth's files): the call's folder starts empty
 out=$HOME/call$phase
@@ -55,7 +60,7 @@ keep_weights() {  # the final runs' trained parameters into OUT/weights.tgz.part
   # a scorer-only run changes only kvpop_scorers.safetensors: with the local SmolLM2 files copied beside these three,
   # `kvpop.load` rebuilds the run on any machine (the fourteenth session lost its DMS and mLSTM runs with the lease)
   local w=$HOME/weights; rm -rf "$w" && mkdir -p "$w"
-  for d in "$HOME"/study_b*/runs/*/final; do
+  for d in "$study_dir"/runs/*/final; do
     [ -f "$d/kvpop_scorers.safetensors" ] || continue
     local r; r=$(basename "$(dirname "$d")"); mkdir -p "$w/$r"
     cp "$d"/kvpop_config.json "$d"/kvpop_base.json "$d"/kvpop_scorers.safetensors "$w/$r/"
@@ -88,82 +93,98 @@ mps_on() {  # NVIDIA's MPS daemon, so launch-bound side processes run their kern
 }
 
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
-mlp=kvpop-mlp+prerope+mix+frozen
 problems=${FID_P:-27}
-study() {  # study BUDGET ROWS ARGS...: the quality study's training phase for one budget, seed 0
-  local b=$1 rows=$2; shift 2
-  python bench/quality_study.py --out "$HOME/study_b$b" --budgets "$b" --steps "${STEPS:-120}" --seeds 0 \
-    --rows "$rows" --mix champ,pystdlib,prose --phase train --concurrency 2 "$@" > "$out/study_train_b$b.log" 2>&1
-  tail -n 12 "$out/study_train_b$b.log"; cp "$HOME/study_b$b/train_status.json" "$out/train_status_b$b.json" 2>/dev/null
+long=${LONG:-1000}
+study_dir=$HOME/study
+# one study: the delay-0 row at both budgets (the quality study's 120 steps), and the three long runs at B = 1024
+rows=kvpop-mlstm-delay0+frozen,kvpop-mlstm+frozen+steps$long+b1024,kvpop-mlstm-delay0+frozen+steps$long+b1024
+rows=$rows,kvpop-mlp+frozen+steps$long+b1024
+# ROWS=long: only the two mLSTM runs of 1000 steps (a later session's continuation; nothing else starts)
+[ "${ROWS:-}" = long ] && rows=kvpop-mlstm+frozen+steps$long+b1024,kvpop-mlstm-delay0+frozen+steps$long+b1024
+study() {  # study SECONDS ARGS...: the training phase (a later call resumes what an earlier one checkpointed)
+  local limit=$1; shift
+  python bench/quality_study.py --out "$study_dir" --budgets 2048,1024 --steps 120 --seeds 0 --rows "$rows" \
+    --phase train --concurrency 5 --keep-every 100 --deadline-s "$limit" "$@" > "$out/study_train.log" 2>&1
+  tail -n 14 "$out/study_train.log"; cp "$study_dir/train_status.json" "$out/" 2>/dev/null
 }
-rows2048=dms+frozen,kvpop-mlstm+frozen
-rows1024=kvpop-mlstm+frozen,$mlp
-run_dir() { echo "$HOME/study_b$2/runs/$1_b$2/final"; }  # run_dir ROW BUDGET: the seed-0 run's final weights
-cascade_dir() { echo "$HOME/cascade_$1"; }
-dense() {  # the dense rows (StreamingLLM beside them repeats earlier sessions' rows); a later call continues them
-  FID_N=2048 FID_P=$problems FID_BATCH=$problems fidelity fid_dense_2048 --policies streaming_llm --budgets 1024 &
-  FID_N=4096 FID_P=8 FID_BATCH=8 fidelity fid_dense_4096 --policies streaming_llm --budgets 2048 &
-  wait
+run_dir() { echo "$study_dir/runs/$1_b$2"; }  # run_dir ROW BUDGET: the seed-0 run's directory
+long_runs() { for r in kvpop-mlstm+frozen+steps$long kvpop-mlstm-delay0+frozen+steps$long kvpop-mlp+frozen+steps$long; do
+  [ -d "$(run_dir "$r" 1024)" ] && run_dir "$r" 1024; done; }
+suite() {  # suite NAME ARGS...: the task suite at 4k and 8000 tokens, every family, depths 0, 0.5, 1
+  local name=$1; shift
+  step "$name" "${SIDE_S:-420}" "${kvpop[@]}" eval --model smollm2-135m --suite all --lengths 4k,8000 \
+    --depths 0,0.5,1 --samples 1 --suite-batch 8 --no-progress --out "$HOME/$name" "$@"
+  keep "$name"
 }
-rows() {  # rows "BUDGET NAME ARGS"...: one fidelity process per row, four at a time, each from a copy of the store
-  local i=0 spec b name args n p
+rows() {  # rows "BUDGET NAME ARGS"...: one fidelity process per row, each from a copy of the dense store
+  local spec b name args n p
   for spec in "$@"; do
     read -r b name args <<< "$spec"
     if [ "$b" = 2048 ]; then n=4096 p=8; else n=2048 p=$problems; fi  # B = 2048 needs 4096 tokens to fill for long
-    mkdir -p "$HOME/$name" && cp "$HOME/fid_dense_$n/generations.jsonl" "$HOME/$name/" 2>/dev/null
+    mkdir -p "$HOME/$name" && cp "$HOME/fid_dense_$n/generations.jsonl" "$HOME/$name/"
     # shellcheck disable=SC2086  # args are words
     FID_N=$n FID_P=$p FID_BATCH=$p fidelity "$name" --budgets "$b" $args &
-    i=$((i + 1)); [ $((i % 4)) = 0 ] && wait
   done
   wait
 }
 case $phase in
+resume)  # carry .stage_d: a former lease's unfinished runs into this study, where `study` resumes them
+  mkdir -p "$study_dir/runs" && cp -r .stage_d/* "$study_dir/runs/" && ls -la "$study_dir/runs"/*/checkpoints
+  ;;
 1)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
+  for n in 2048 4096; do mkdir -p "$HOME/fid_dense_$n" && cp ".stage_c/fid_dense_$n.jsonl" "$HOME/fid_dense_$n/generations.jsonl"; done
+  wc -l "$HOME"/fid_dense_*/generations.jsonl
   ;;
-2)
+2|2s)
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
     && python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/*.whl \
     || { echo "staging failed"; ls -la "$stage"; exit 1; }
   (cd "$stage" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf; cat SHA256 2>/dev/null)
   python -c "import math_verify; print('math_verify', math_verify.__file__)"
-  python -c "from kvpop.train.data import champ_problems; print(len(champ_problems('eval')), 'held-out problems')"
+  [ "$phase" = 2s ] && exit 0
   mps_on
-  study 2048 "$rows2048" --deadline-s "${TRAIN_S:-500}" &
-  study 1024 "$rows1024" --deadline-s "${TRAIN_S:-500}" &
-  SIDE_S=${DENSE_S:-520} dense &
-  wait
+  study "${TRAIN_S:-540}"
   ;;
 3)
   mps_on
-  # DMS (44 of 120 steps in call 2, this session) trains on beside the rows; the finished runs return at once
-  study 2048 "$rows2048" --deadline-s "${TRAIN3_S:-420}" --min-start-s 20 --stop-grace-s 15 &
-  # the cascades: the KVpop-mlp weights (B = 1024) under the pools earlier sessions fixed before their tables
-  python - "$(run_dir "$mlp" 1024)" "$HOME" <<'PY'
-import dataclasses, sys
-import kvpop
-from kvpop.retrofit import read_config
-src, home = sys.argv[1], sys.argv[2]
-cfg = read_config(src)
-for name, c in (("perhead191", cfg.with_tova_pool(191)), ("layer767", cfg.with_tova_pool(767, layer=True)),
-                ("lwin573", dataclasses.replace(cfg, tova_pool=573, tova_head_average=True))):
-    kvpop.save(kvpop.load(src, config=c), f"{home}/cascade_{name}")
-    print("saved", name, c.sink, c.window, c.topk, c.tova_pool, c.tova_head_average)
-PY
-  rows "1024 fid_b1024_tova --policies tova" "1024 fid_b1024_h2o --policies h2o" \
-       "1024 fid_b1024_perhead191 --policies none --trained perhead191=$(cascade_dir perhead191)" \
-       "1024 fid_b1024_layer767 --policies none --trained layer767=$(cascade_dir layer767)"
+  study "${TRAIN3_S:-520}" --min-start-s 20 --stop-grace-s 15 &
+  d0=kvpop-mlstm-delay0+frozen
+  for _ in $(seq 60); do  # the delay-0 rows' final weights (call 2 normally leaves them done)
+    [ -d "$(run_dir $d0 2048)/final" ] && [ -d "$(run_dir $d0 1024)/final" ] && break; sleep 5
+  done
+  for b in 2048 1024; do
+    suite "suite_b${b}_mlstmdelay0" --policies none --budgets "$b" --trained "mlstm-delay0=$(run_dir $d0 $b)/final" &
+  done
+  rows "2048 fid_b2048_mlstmdelay0 --policies none --trained mlstm-delay0=$(run_dir $d0 2048)/final" \
+       "1024 fid_b1024_mlstmdelay0 --policies none --trained mlstm-delay0=$(run_dir $d0 1024)/final" &
+  wait
+  for b in 2048 1024; do cp "$HOME/suite_b${b}_mlstmdelay0"/*.png "$out/suite_b${b}_mlstmdelay0/" 2>/dev/null; done
   keep_weights
   ;;
 4)
   mps_on
-  rows "2048 fid_b2048_dms --policies none --trained dms=$(run_dir dms+frozen 2048)" \
-       "2048 fid_b2048_mlstm --policies none --trained mlstm=$(run_dir kvpop-mlstm+frozen 2048)" \
-       "1024 fid_b1024_mlstm --policies none --trained mlstm=$(run_dir kvpop-mlstm+frozen 1024)" \
-       "1024 fid_b1024_lwin573 --policies none --trained lwin573=$(cascade_dir lwin573)" \
-       "1024 fid_b1024_mlp --policies none --trained mlp=$(run_dir "$mlp" 1024)"
+  study "${CURVE_AT:-330}" --min-start-s 20 --stop-grace-s 15
+  # shellcheck disable=SC2046  # one directory per word
+  step curve "${CURVE_S:-120}" python bench/recall_curve.py $(long_runs) --sequences 8 --out "$HOME/curve" \
+    --deadline-s "$(( ${CURVE_S:-120} - 15 ))"
+  keep curve
+  # the newest checkpoint of each unfinished mLSTM run, with its config and log: enough for `kvpop train --resume`.
+  # At most 64 MB come back per call in all (the sixteenth session's three runs were 101 MB: three parts stayed
+  # behind); the MLP's run (36 MB) is left out, it has plateaued
+  local_keep=$HOME/resume; rm -rf "$local_keep" && mkdir -p "$local_keep"
+  for d in $(long_runs); do
+    [ -d "$d/final" ] && continue
+    case $d in *kvpop-mlp+*) continue ;; esac
+    newest=$(ls -d "$d"/checkpoints/step-* 2>/dev/null | sort | tail -n 1)
+    [ -n "$newest" ] || continue
+    r=$(basename "$d"); mkdir -p "$local_keep/$r/checkpoints"
+    cp "$d"/config.json "$d"/train_log.jsonl "$local_keep/$r/" && cp -r "$newest" "$local_keep/$r/checkpoints/"
+  done
+  tar cf "$HOME/resume.tar" -C "$local_keep" . && split -b 15m "$HOME/resume.tar" "$dest/resume.tar.part_" \
+    && ls -la "$dest"/resume.tar.part_*
   ;;
 *)
-  echo "unknown phase $phase (1 to 4)"; exit 2
+  echo "unknown phase $phase (1, 2, 2s, 3, 4, resume)"; exit 2
   ;;
 esac
