@@ -20,11 +20,13 @@
 #                                        # resumes it exactly (`kvpop train --resume` on any CUDA machine)
 #
 # A later session goes on with the two mLSTM runs (issue 17 item 2; the MLP has plateaued): put their directories
-# (`cat resume.tar.part_* | tar x`: config.json, train_log.jsonl, checkpoints/step-N) into .stage_d/ (64.2 MB,
-# under the 64 MiB a call carries), then, back to back:
+# (`cat resume.tar.part_* | tar x`: config.json, train_log.jsonl, checkpoints/step-N), one run each, into .stage_d/
+# and .stage_e/ (32.1 MB each: a call carries 64 MiB with the working tree's 5 MB, so the two need two calls), then,
+# back to back:
 #   bash bench/gpu_evaluation.sh 1 OUT; bash bench/gpu_evaluation.sh 2s OUT   # carry .stage_a, then .stage_b:
 #                                        # stage and assemble only (2s trains nothing)
-#   bash bench/gpu_evaluation.sh resume OUT                                  # carry .stage_d: the runs into the study
+#   bash bench/gpu_evaluation.sh resume OUT                                  # carry .stage_d: the first run
+#   bash bench/gpu_evaluation.sh resume OUT                                  # carry .stage_e: the second
 #   ROWS=long bash bench/gpu_evaluation.sh 4 OUT                             # they resume from their checkpoints
 #
 # Lessons: DMS scorer-only needs ~330 s alone for 120 steps (twelfth); the fidelity and suite take final weights only;
@@ -129,8 +131,10 @@ rows() {  # rows "BUDGET NAME ARGS"...: one fidelity process per row, each from 
   wait
 }
 case $phase in
-resume)  # carry .stage_d: a former lease's unfinished runs into this study, where `study` resumes them
-  mkdir -p "$study_dir/runs" && cp -r .stage_d/* "$study_dir/runs/" && ls -la "$study_dir/runs"/*/checkpoints
+resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into this study, where `study` resumes them
+  mkdir -p "$study_dir/runs"
+  for d in .stage_d .stage_e; do [ -d "$d" ] && cp -r "$d"/* "$study_dir/runs/"; done
+  ls -la "$study_dir/runs"/*/checkpoints
   ;;
 1)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
