@@ -33,7 +33,7 @@
 # each bounded row starts from a copy of the dense store (seven processes that each generated their own dense row
 # finished none in 440 s, fourteenth); math-verify's wheels travel in .stage_b; a call that stops the MPS daemon
 # unsets its environment before the next CUDA process (eleventh); at most 8 files of 16 MiB come back (fifteenth),
-# about 64 MB in all (sixteenth).
+# 64 MiB in all (sixteenth).
 # Knobs: TRAIN_S (call 2's training seconds, 540), TRAIN3_S (call 3's, 520), CURVE_AT (call 4's training seconds
 # before the curve, 330), CURVE_S (the curve's seconds, 120), SIDE_S (a suite or fidelity process's, 420), LONG (1000).
 set -uo pipefail
