@@ -153,7 +153,9 @@ def cpu_block_sparse_attention(
             pad = torch.arange(full, M, device=dev) >= n_some[a0:a1, ..., None, None]
             ab = alive_rows.index_select(0, idx).view(shape)[..., full:].masked_fill(pad, _MIN)
             qv = q_eff[b0:b1, :, None, :, None]  # [n, B, 1, bq, 1]
-            bias = torch.zeros(n, B, Hkv, block, M, dtype=query.dtype, device=dev)
+            # the constant-mask keys (seen by every query of the batch) are 0; only the rest is evaluated
+            bias = torch.empty(n, B, Hkv, block, M, dtype=query.dtype, device=dev)
+            bias[..., :full] = 0.0
             torch.where((kpb <= qv) & (qv < ab), zero, ninf, out=bias[..., full:])
             e = empty[b0:b1] if any(has_empty[a0:a1]) else None
             if e is not None:
