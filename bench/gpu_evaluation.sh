@@ -1,41 +1,40 @@
 #!/usr/bin/env bash
-# The sixteenth session's device calls (issues 16, 17), back to back in one warm lease of one H200 (`nvidia-h200`);
-# the fifteenth session's calls are this file at commit 63cd01b, the fourteenth's at a76f1b3, the thirteenth's at
-# 6dd81e3. bench/README.md has the runbook.
+# The seventeenth session's device calls (issue 17 item 2), back to back in one warm lease of one H200
+# (`nvidia-h200`); the sixteenth session's calls are this file at commit 50d6dab, the fifteenth's at 63cd01b, the
+# fourteenth's at a76f1b3, the thirteenth's at 6dd81e3. bench/README.md has the runbook.
 #
-#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a and .stage_c: stage the model's first half, and the dense
-#                                        # long-generation stores of the fifteenth session (.stage_c/fid_dense_*:
-#                                        # the same 27 + 8 problems, model and decoding; the bounded rows start from
-#                                        # a copy, so no call spends 224 s re-generating the dense text)
-#   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; under MPS, train (seed 0, scorer-only)
-#                                        # the mLSTM-delay-0 row at both budgets (120 steps, the quality study's), and
-#                                        # the recall-vs-steps runs at B = 1024 (issue 17 item 2): the mLSTM, its
-#                                        # delay-0 twin and the MLP, 1000 steps each, every 100th step kept
-#   bash bench/gpu_evaluation.sh 3 OUT   # the long runs go on; once the delay-0 rows are final: their task suite
-#                                        # (4k, 8000) and long generation (B = 2048: 4096 tokens, 8 problems; B = 1024:
-#                                        # 2048 tokens, 27 problems) (issue 16 item 7); their weights in parts
-#   bash bench/gpu_evaluation.sh 4 OUT   # the long runs go on to CURVE_AT seconds; held-out recall at every kept
-#                                        # checkpoint (bench/recall_curve.py); the newest checkpoint of each unfinished
-#                                        # mLSTM run comes back in parts (OUT/resume.tar.part_*), so a later session
-#                                        # resumes it exactly (`kvpop train --resume` on any CUDA machine)
+# The sixteenth session's unfinished mLSTM runs (steps 714 and 730) were lost with that session's machine, so the
+# recall-vs-steps runs start again from step 0 (seed 0, the same data: their first 700 steps repeat that curve), as
+# the issue asks for them: the mLSTM (delay = window, the paper's) trained in two phases, 1000 steps of the scorers
+# alone, then a short full distillation (DISTILL steps, 60) from those weights; its delay-0 twin 1000 steps of the
+# scorers alone. B = 1024 (CR 88 %), every 100th checkpoint kept.
 #
-# A later session goes on with the two mLSTM runs (issue 17 item 2; the MLP has plateaued): put their directories
-# (`cat resume.tar.part_* | tar x`: config.json, train_log.jsonl, checkpoints/step-N), one run each, into .stage_d/
-# and .stage_e/ (32.1 MB each: a call carries 64 MiB with the working tree's 5 MB, so the two need two calls), then,
-# back to back:
-#   bash bench/gpu_evaluation.sh 1 OUT; bash bench/gpu_evaluation.sh 2s OUT   # carry .stage_a, then .stage_b:
-#                                        # stage and assemble only (2s trains nothing)
-#   bash bench/gpu_evaluation.sh resume OUT                                  # carry .stage_d: the first run
-#   bash bench/gpu_evaluation.sh resume OUT                                  # carry .stage_e: the second
-#   ROWS=long bash bench/gpu_evaluation.sh 4 OUT                             # they resume from their checkpoints
+#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half (and .stage_c's dense
+#                                        # long-generation stores, where a call carries them)
+#   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; under MPS, the runs start (TRAIN_S)
+#   bash bench/gpu_evaluation.sh 3 OUT   # the runs go on (TRAIN3_S)
+#   bash bench/gpu_evaluation.sh 4 OUT   # the runs go on to CURVE_AT seconds; held-out recall at every kept
+#                                        # checkpoint (bench/recall_curve.py) beside the teacher-forced rows of the
+#                                        # final runs (8 x 8192 held-out tokens, B = 1024, StreamingLLM as the check
+#                                        # that the sequences are the seventh session's); scorer-only weights in parts;
+#                                        # the newest checkpoint of an unfinished scorer-only run (OUT/resume.tar.part_*)
+#
+# A run carried back (`cat resume.tar.part_* | tar x`: config.json, train_log.jsonl, checkpoints/step-N; 32 MB each,
+# so one per call beside the working tree) goes into .stage_d/ or .stage_e/ and resumes exactly on any CUDA machine:
+#   bash bench/gpu_evaluation.sh 1 OUT; bash bench/gpu_evaluation.sh 2s OUT   # stage and assemble only (2s trains
+#                                                                             # nothing)
+#   bash bench/gpu_evaluation.sh resume OUT                                  # carry .stage_d, then .stage_e
+#   bash bench/gpu_evaluation.sh 4 OUT                                       # they resume from their checkpoints
 #
 # Lessons: DMS scorer-only needs ~330 s alone for 120 steps (twelfth); the fidelity and suite take final weights only;
 # each bounded row starts from a copy of the dense store (seven processes that each generated their own dense row
 # finished none in 440 s, fourteenth); math-verify's wheels travel in .stage_b; a call that stops the MPS daemon
 # unsets its environment before the next CUDA process (eleventh); at most 8 files of 16 MiB come back (fifteenth),
 # 64 MiB in all (sixteenth).
+# 64 MiB in all (sixteenth); a lease's runs are lost with its machine unless their checkpoints come back (seventeenth).
 # Knobs: TRAIN_S (call 2's training seconds, 540), TRAIN3_S (call 3's, 520), CURVE_AT (call 4's training seconds
-# before the curve, 330), CURVE_S (the curve's seconds, 120), SIDE_S (a suite or fidelity process's, 420), LONG (1000).
+# before the curve, 330), CURVE_S (the curve's seconds, 120), SIDE_S (a suite or fidelity process's, 420), LONG (1000),
+# DISTILL (the full distillation's steps after the scorer-only phase, 60).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume OUT_DIR}
 dest=${2:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume OUT_DIR}
@@ -65,20 +64,14 @@ keep_weights() {  # the final runs' trained parameters into OUT/weights.tgz.part
   local w=$HOME/weights; rm -rf "$w" && mkdir -p "$w"
   for d in "$study_dir"/runs/*/final; do
     [ -f "$d/kvpop_scorers.safetensors" ] || continue
-    local r; r=$(basename "$(dirname "$d")"); mkdir -p "$w/$r"
+    local r; r=$(basename "$(dirname "$d")")
+    case $r in *_distill) continue ;; esac  # a distillation changed the base too: its scorers alone are not the run
+    mkdir -p "$w/$r"
     cp "$d"/kvpop_config.json "$d"/kvpop_base.json "$d"/kvpop_scorers.safetensors "$w/$r/"
   done
   # at most 16 MiB per file comes back (four runs are 41 MB packed): parts, joined here with `cat weights.tgz.part_*`
   tar czf "$HOME/weights.tgz" -C "$w" . && split -b 15m "$HOME/weights.tgz" "$dest/weights.tgz.part_" \
     && ls -la "$dest"/weights.tgz.part_*
-}
-
-fidelity() {  # fidelity NAME ARGS...: long-generation fidelity into $HOME/NAME (finished generations kept)
-  local name=$1; shift
-  step "$name" "${SIDE_S:-420}" "${kvpop[@]}" eval --model smollm2-135m --generate "${FID_N:-2048}" \
-    --problems "${FID_P:-8}" --samples 0 --gen-batch "${FID_BATCH:-16}" --ignore-eos --no-progress \
-    --out "$HOME/$name" "$@"
-  keep "$name"
 }
 
 mps_probe() { python -c "import torch; print(float(torch.ones(8, device='cuda').sum()))" 2>/dev/null | grep -q '^8.0$'; }
@@ -96,39 +89,24 @@ mps_on() {  # NVIDIA's MPS daemon, so launch-bound side processes run their kern
 }
 
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
-problems=${FID_P:-27}
 long=${LONG:-1000}
 study_dir=$HOME/study
-# one study: the delay-0 row at both budgets (the quality study's 120 steps), and the three long runs at B = 1024
-rows=kvpop-mlstm-delay0+frozen,kvpop-mlstm+frozen+steps$long+b1024,kvpop-mlstm-delay0+frozen+steps$long+b1024
-rows=$rows,kvpop-mlp+frozen+steps$long+b1024
-# ROWS=long: only the two mLSTM runs of 1000 steps (a later session's continuation; nothing else starts)
-[ "${ROWS:-}" = long ] && rows=kvpop-mlstm+frozen+steps$long+b1024,kvpop-mlstm-delay0+frozen+steps$long+b1024
+distill=${DISTILL:-60}
+# the mLSTM in two phases (LONG scorer-only steps, then DISTILL of full distillation), its delay-0 twin scorer-only
+rows=kvpop-mlstm,kvpop-mlstm-delay0+frozen+steps$long
 study() {  # study SECONDS ARGS...: the training phase (a later call resumes what an earlier one checkpointed)
   local limit=$1; shift
-  python bench/quality_study.py --out "$study_dir" --budgets 2048,1024 --steps 120 --seeds 0 --rows "$rows" \
-    --phase train --concurrency 5 --keep-every 100 --deadline-s "$limit" "$@" > "$out/study_train.log" 2>&1
+  python bench/quality_study.py --out "$study_dir" --budgets 1024 --steps "$distill" --seeds 0 --rows "$rows" \
+    --pretrain-steps "$long" --pretrain-rows kvpop-mlstm --phase train --concurrency 3 --keep-every 100 \
+    --deadline-s "$limit" "$@" > "$out/study_train.log" 2>&1
   tail -n 14 "$out/study_train.log"; cp "$study_dir/train_status.json" "$out/" 2>/dev/null
 }
-run_dir() { echo "$study_dir/runs/$1_b$2"; }  # run_dir ROW BUDGET: the seed-0 run's directory
-long_runs() { for r in kvpop-mlstm+frozen+steps$long kvpop-mlstm-delay0+frozen+steps$long kvpop-mlp+frozen+steps$long; do
-  [ -d "$(run_dir "$r" 1024)" ] && run_dir "$r" 1024; done; }
-suite() {  # suite NAME ARGS...: the task suite at 4k and 8000 tokens, every family, depths 0, 0.5, 1
-  local name=$1; shift
-  step "$name" "${SIDE_S:-420}" "${kvpop[@]}" eval --model smollm2-135m --suite all --lengths 4k,8000 \
-    --depths 0,0.5,1 --samples 1 --suite-batch 8 --no-progress --out "$HOME/$name" "$@"
-  keep "$name"
-}
-rows() {  # rows "BUDGET NAME ARGS"...: one fidelity process per row, each from a copy of the dense store
-  local spec b name args n p
-  for spec in "$@"; do
-    read -r b name args <<< "$spec"
-    if [ "$b" = 2048 ]; then n=4096 p=8; else n=2048 p=$problems; fi  # B = 2048 needs 4096 tokens to fill for long
-    mkdir -p "$HOME/$name" && cp "$HOME/fid_dense_$n/generations.jsonl" "$HOME/$name/"
-    # shellcheck disable=SC2086  # args are words
-    FID_N=$n FID_P=$p FID_BATCH=$p fidelity "$name" --budgets "$b" $args &
-  done
-  wait
+pre=$study_dir/runs/kvpop-mlstm_b1024_pre$long                  # the mLSTM's scorer-only phase
+dist=${pre}_distill                                             # its full distillation from those weights
+d0=$study_dir/runs/kvpop-mlstm-delay0+frozen+steps${long}_b1024  # the delay-0 twin, scorer-only
+curve_runs() {  # one line per row: the distillation continues its scorer-only phase's curve (recall_curve.py)
+  if [ -d "$dist/checkpoints" ] || [ -d "$dist/final" ]; then echo "$dist"; elif [ -d "$pre" ]; then echo "$pre"; fi
+  [ -d "$d0" ] && echo "$d0"
 }
 case $phase in
 resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into this study, where `study` resumes them
@@ -138,56 +116,56 @@ resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into thi
   ;;
 1)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
-  for n in 2048 4096; do mkdir -p "$HOME/fid_dense_$n" && cp ".stage_c/fid_dense_$n.jsonl" "$HOME/fid_dense_$n/generations.jsonl"; done
-  wc -l "$HOME"/fid_dense_*/generations.jsonl
+  for n in 2048 4096; do
+    [ -f ".stage_c/fid_dense_$n.jsonl" ] || continue
+    mkdir -p "$HOME/fid_dense_$n" && cp ".stage_c/fid_dense_$n.jsonl" "$HOME/fid_dense_$n/generations.jsonl"
+  done
   ;;
 2|2s)
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
     && python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/*.whl \
     || { echo "staging failed"; ls -la "$stage"; exit 1; }
   (cd "$stage" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf; cat SHA256 2>/dev/null)
-  python -c "import math_verify; print('math_verify', math_verify.__file__)"
   [ "$phase" = 2s ] && exit 0
   mps_on
   study "${TRAIN_S:-540}"
   ;;
 3)
   mps_on
-  study "${TRAIN3_S:-520}" --min-start-s 20 --stop-grace-s 15 &
-  d0=kvpop-mlstm-delay0+frozen
-  for _ in $(seq 60); do  # the delay-0 rows' final weights (call 2 normally leaves them done)
-    [ -d "$(run_dir $d0 2048)/final" ] && [ -d "$(run_dir $d0 1024)/final" ] && break; sleep 5
-  done
-  for b in 2048 1024; do
-    suite "suite_b${b}_mlstmdelay0" --policies none --budgets "$b" --trained "mlstm-delay0=$(run_dir $d0 $b)/final" &
-  done
-  rows "2048 fid_b2048_mlstmdelay0 --policies none --trained mlstm-delay0=$(run_dir $d0 2048)/final" \
-       "1024 fid_b1024_mlstmdelay0 --policies none --trained mlstm-delay0=$(run_dir $d0 1024)/final" &
-  wait
-  for b in 2048 1024; do cp "$HOME/suite_b${b}_mlstmdelay0"/*.png "$out/suite_b${b}_mlstmdelay0/" 2>/dev/null; done
-  keep_weights
+  study "${TRAIN3_S:-520}" --min-start-s 20 --stop-grace-s 15
   ;;
 4)
   mps_on
   study "${CURVE_AT:-330}" --min-start-s 20 --stop-grace-s 15
   # shellcheck disable=SC2046  # one directory per word
-  step curve "${CURVE_S:-120}" python bench/recall_curve.py $(long_runs) --sequences 8 --out "$HOME/curve" \
-    --deadline-s "$(( ${CURVE_S:-120} - 15 ))"
+  step curve "${CURVE_S:-120}" python bench/recall_curve.py $(curve_runs) --sequences 8 --out "$HOME/curve" \
+    --deadline-s "$(( ${CURVE_S:-120} - 15 ))" &
+  trained=()  # the final runs' teacher-forced rows, beside the curve
+  [ -f "$pre/final/kvpop_config.json" ] && trained+=(--trained "mlstm-${long}=$pre/final")
+  [ -f "$dist/final/kvpop_config.json" ] && trained+=(--trained "mlstm-${long}+${distill}=$dist/final")
+  [ -f "$d0/final/kvpop_config.json" ] && trained+=(--trained "mlstm-delay0-${long}=$d0/final")
+  if [ ${#trained[@]} -gt 0 ]; then
+    step table "${CURVE_S:-120}" "${kvpop[@]}" eval --model smollm2-135m --data champ --seq-len 8192 --sequences 8 \
+      --budgets 1024 --policies streaming_llm --no-progress --out "$HOME/table" "${trained[@]}"
+    keep table
+  fi
+  wait
   keep curve
-  # the newest checkpoint of each unfinished mLSTM run, with its config and log: enough for `kvpop train --resume`.
-  # At most 64 MB come back per call in all (the sixteenth session's three runs were 101 MB: three parts stayed
-  # behind); the MLP's run (36 MB) is left out, it has plateaued
+  keep_weights
+  # the newest checkpoint of each unfinished scorer-only run, with its config and log: enough for `kvpop train
+  # --resume` (32 MB each; a distillation's checkpoint holds the base's weights and optimizer, too large to return)
   local_keep=$HOME/resume; rm -rf "$local_keep" && mkdir -p "$local_keep"
-  for d in $(long_runs); do
+  for d in "$pre" "$d0"; do
     [ -d "$d/final" ] && continue
-    case $d in *kvpop-mlp+*) continue ;; esac
-    newest=$(ls -d "$d"/checkpoints/step-* 2>/dev/null | sort | tail -n 1)
+    newest=$(ls -d "$d"/checkpoints/step-* 2>/dev/null | sort -t- -k2 -n | tail -n 1)
     [ -n "$newest" ] || continue
     r=$(basename "$d"); mkdir -p "$local_keep/$r/checkpoints"
     cp "$d"/config.json "$d"/train_log.jsonl "$local_keep/$r/" && cp -r "$newest" "$local_keep/$r/checkpoints/"
   done
-  tar cf "$HOME/resume.tar" -C "$local_keep" . && split -b 15m "$HOME/resume.tar" "$dest/resume.tar.part_" \
-    && ls -la "$dest"/resume.tar.part_*
+  if [ -n "$(ls "$local_keep")" ]; then
+    tar cf "$HOME/resume.tar" -C "$local_keep" . && split -b 15m "$HOME/resume.tar" "$dest/resume.tar.part_" \
+      && ls -la "$dest"/resume.tar.part_*
+  fi
   ;;
 *)
   echo "unknown phase $phase (1, 2, 2s, 3, 4, resume)"; exit 2
