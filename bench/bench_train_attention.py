@@ -47,6 +47,48 @@ def _note(row: dict, key: str) -> None:
     print(f"# S={row['S']} {key} = {row[key]}", flush=True)
 
 
+def sweep_cutoffs(pri: torch.Tensor, topk: int, rep: int) -> dict:
+    """Where the cutoffs' time goes: the sort that ranks the row, and the two-level kernel at each tile choice.
+
+    Every choice must give the default's result (checked here); the fastest is printed last."""
+    import itertools
+
+    from kvpop.ops.topk.kernel import kth_beater_tiled
+
+    R, N = pri.shape[0] * pri.shape[1], pri.shape[-1]
+    ranked = torch.ones(R, N, dtype=torch.bool, device=pri.device)
+
+    def ranks():  # as `_eviction_ordered_kernel` ranks a row: best first, ties to the newer token
+        key = pri.reshape(R, N).float().flip(-1)
+        order = (N - 1) - torch.argsort(key, dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=pri.device).expand(R, N))
+        return order, rank
+
+    order, rank = ranks()
+    out = {"sweep_sort_ms": _bench(ranks, rep)}
+    print(f"# sort and rank: {out['sweep_sort_ms']:.4f} ms", flush=True)
+    want = kth_beater_tiled(rank, ranked, topk, order=order)
+    times = {}
+    for br, bu, bj, nw in itertools.product((32, 64, 128), (64, 128, 256), (16, 32, 64), (4, 8)):
+        name = f"r{br}-u{bu}-j{bj}-w{nw}"
+        try:
+            got = kth_beater_tiled(rank, ranked, topk, order=order, block_r=br, block_u=bu, block_j=bj, num_warps=nw)
+            if not torch.equal(got, want):
+                print(f"# {name}: differs from the default", flush=True)
+                continue
+            times[name] = _bench(lambda: kth_beater_tiled(rank, ranked, topk, order=order, block_r=br, block_u=bu,
+                                                          block_j=bj, num_warps=nw), rep)
+        except Exception as e:  # a tile that does not fit (registers, shared memory) is skipped, said why
+            print(f"# {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        print(f"# {name}: {times[name]:.4f} ms", flush=True)
+    best = min(times, key=times.get)
+    out.update({"sweep_kernel_ms": times, "sweep_default_ms": times.get("r64-u128-j32-w8"), "sweep_best": best,
+                "sweep_best_ms": times[best]})
+    print(f"# kernel default r64-u128-j32-w8 {out['sweep_default_ms']} ms, best {best} {times[best]:.4f} ms", flush=True)
+    return out
+
+
 def run(S: int, args) -> dict:
     from kvpop.config import KVpopConfig
     from kvpop.ops.attention.block_mask import retention_mask_mod, sparse_block_mask
@@ -102,6 +144,8 @@ def run(S: int, args) -> dict:
     _note(row, "cutoffs_scan_ms")
     row["cutoffs_wavelet_ms"] = _bench(lambda: cutoffs("wavelet"), args.rep)
     _note(row, "cutoffs_wavelet_ms")
+    if args.sweep:
+        row.update(sweep_cutoffs(pri, topk, args.rep))
 
     def build():
         return sparse_block_mask(pos, valid, pos, valid, evict, s, w, Hq)
@@ -184,6 +228,8 @@ def main(argv=None) -> int:
     p.add_argument("--naive-mask", action="store_true", help="also time create_block_mask over every point")
     p.add_argument("--quick", action="store_true",
                    help="skip dense/sparse forward+backward and the target (keeps cutoffs, block mask, sparse forward)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time the cutoffs' sort alone and the two-level kernel at every tile choice")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

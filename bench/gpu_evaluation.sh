@@ -6,8 +6,8 @@
 # The sixteenth session's unfinished mLSTM runs (steps 714 and 730) were lost with that session's machine, so the
 # recall-vs-steps runs start again from step 0 (seed 0, the same data: their first 700 steps repeat that curve), as
 # the issue asks for them: the mLSTM (delay = window, the paper's) trained in two phases, 1000 steps of the scorers
-# alone, then a short full distillation (DISTILL steps, 60) from those weights; its delay-0 twin 1000 steps of the
-# scorers alone. B = 1024 (CR 88 %), every 100th checkpoint kept.
+# alone, then a short full distillation (DISTILL steps, 60) from those weights; with TWIN=1, its delay-0 twin 1000
+# steps of the scorers alone beside it. B = 1024 (CR 88 %), every 100th checkpoint kept.
 #
 #   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half (and .stage_c's dense
 #                                        # long-generation stores, where a call carries them)
@@ -18,6 +18,10 @@
 #                                        # final runs (8 x 8192 held-out tokens, B = 1024, StreamingLLM as the check
 #                                        # that the sequences are the seventh session's); scorer-only weights in parts;
 #                                        # the newest checkpoint of an unfinished scorer-only run (OUT/resume.tar.part_*)
+#
+#   bash bench/gpu_evaluation.sh speed OUT    # issue 18, no staging: the cutoffs' sort and tile sweep (item 4), the
+#                                             # 36-layer 8B-shape decode step under inductor, cold (item 3)
+#   bash bench/gpu_evaluation.sh speed2 OUT   # the same step from the inductor cache; dense StaticCache + inductor
 #
 # A run carried back (`cat resume.tar.part_* | tar x`: config.json, train_log.jsonl, checkpoints/step-N; 32 MB each,
 # so one per call beside the working tree) goes into .stage_d/ or .stage_e/ and resumes exactly on any CUDA machine:
@@ -34,10 +38,10 @@
 # 64 MiB in all (sixteenth); a lease's runs are lost with its machine unless their checkpoints come back (seventeenth).
 # Knobs: TRAIN_S (call 2's training seconds, 540), TRAIN3_S (call 3's, 520), CURVE_AT (call 4's training seconds
 # before the curve, 330), CURVE_S (the curve's seconds, 120), SIDE_S (a suite or fidelity process's, 420), LONG (1000),
-# DISTILL (the full distillation's steps after the scorer-only phase, 60).
+# DISTILL (the full distillation's steps after the scorer-only phase, 60), TWIN (1: the delay-0 twin too).
 set -uo pipefail
-phase=${1:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume OUT_DIR}
-dest=${2:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume OUT_DIR}
+phase=${1:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2 OUT_DIR}
+dest=${2:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2 OUT_DIR}
 # the device returns at most 8 files: everything goes to a work folder, packed into OUT/callN.tgz at the end
 # a machine can keep $HOME from an earlier session (the tenth found the ninth's files): the call's folder starts empty
 out=$HOME/call$phase
@@ -92,8 +96,10 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
 long=${LONG:-1000}
 study_dir=$HOME/study
 distill=${DISTILL:-60}
-# the mLSTM in two phases (LONG scorer-only steps, then DISTILL of full distillation), its delay-0 twin scorer-only
-rows=kvpop-mlstm,kvpop-mlstm-delay0+frozen+steps$long
+# the mLSTM in two phases (LONG scorer-only steps, then DISTILL of full distillation); with TWIN=1 its delay-0 twin
+# beside it, scorer-only (the two at once ran 1.2 s/step each in the sixteenth session)
+rows=kvpop-mlstm
+[ "${TWIN:-0}" = 1 ] && rows=$rows,kvpop-mlstm-delay0+frozen+steps$long
 study() {  # study SECONDS ARGS...: the training phase (a later call resumes what an earlier one checkpointed)
   local limit=$1; shift
   python bench/quality_study.py --out "$study_dir" --budgets 1024 --steps "$distill" --seeds 0 --rows "$rows" \
@@ -167,7 +173,24 @@ resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into thi
       && ls -la "$dest"/resume.tar.part_*
   fi
   ;;
+speed|speed2)  # issue 18 (no staging): `speed` times the cutoffs' sort and tile choices (item 4) and the whole 36-layer
+  # decode step of the 8B shape under inductor, cold (item 3); `speed2` the same step from the inductor cache on disk
+  # (the compile time a second run pays), then the dense StaticCache + inductor baseline at 4k
+  export TORCHINDUCTOR_CACHE_DIR=$HOME/inductor_cache
+  dec=(python -m kvpop.eval.bench --model qwen3-8b-shape --device cuda --budget 2048 --window 256 --fill random
+       --new-tokens 32 --warmup 4 --compile --compile-backend inductor)
+  if [ "$phase" = speed ]; then
+    step sweep "${SWEEP_S:-170}" python bench/bench_train_attention.py --lengths 16384 --budget 2048 --quick --sweep \
+      --json-out "$out/train_attention_sweep.json"
+    step decode_kvpop_cold "${DEC_S:-380}" "${dec[@]}" --caches kvpop --contexts 4096,131072 \
+      --json-out "$out/decode_kvpop_cold.json"
+  else
+    step decode_kvpop_cached "${DEC_S:-200}" "${dec[@]}" --caches kvpop --contexts 4096,16384,65536,131072 \
+      --json-out "$out/decode_kvpop_cached.json"
+    step decode_dense "${DENSE_S:-300}" "${dec[@]}" --caches dense --contexts 4096 --json-out "$out/decode_dense.json"
+  fi
+  ;;
 *)
-  echo "unknown phase $phase (1, 2, 2s, 3, 4, resume)"; exit 2
+  echo "unknown phase $phase (1, 2, 2s, 3, 4, resume, speed, speed2)"; exit 2
   ;;
 esac

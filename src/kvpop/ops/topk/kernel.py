@@ -193,6 +193,7 @@ def kth_beater_tiled(
     block_u: int | None = None,
     block_j: int = 32,
     block_e: int = 64,
+    num_warps: int = 8,
 ) -> Tensor:
     """`kth_beater` in O(S^1.5) per row: whole position tiles are counted from a table, one tile is scanned.
 
@@ -209,6 +210,7 @@ def kth_beater_tiled(
         order: int32 [R, S], the inverse permutation of `rank` (token of each rank), if at hand.
         block_r, block_u, block_j, block_e: powers of two; tile sizes (small ones let tests walk
             every loop). `block_u` defaults to about `sqrt(S)`.
+        num_warps: of the second launch (`bench/bench_train_attention.py --sweep` times the choices).
     Returns:
         int32 [R, S].
     """
@@ -240,5 +242,5 @@ def kth_beater_tiled(
     before = torch.cumsum(cnt, dim=1, dtype=torch.int32) - cnt
     # 8 warps: ptxas gives the [block_r, block_j] tiles 177 registers a thread for sm_90, 249 with 4
     _kth_beater_tiled_kernel[(n_blocks, R)](order, rank, ranked, before, out, S, n_tiles, topk,
-                                            BLOCK_E=min(block_e, block_u), num_warps=8, **consts)
+                                            BLOCK_E=min(block_e, block_u), num_warps=num_warps, **consts)
     return out
