@@ -189,11 +189,11 @@ def kth_beater_tiled(
     ranked: Tensor,
     topk: int,
     order: Tensor | None = None,
-    block_r: int = 64,
+    block_r: int = 128,
     block_u: int | None = None,
     block_j: int = 32,
     block_e: int = 64,
-    num_warps: int = 8,
+    num_warps: int = 4,
 ) -> Tensor:
     """`kth_beater` in O(S^1.5) per row: whole position tiles are counted from a table, one tile is scanned.
 
@@ -240,7 +240,8 @@ def kth_beater_tiled(
     _tile_count_kernel[(n_blocks, R)](order, ranked, cnt, S, n_tiles, **consts)
     # before[row, b, j]: ranked tokens of rank < b * block_r in position tiles <= j
     before = torch.cumsum(cnt, dim=1, dtype=torch.int32) - cnt
-    # 8 warps: ptxas gives the [block_r, block_j] tiles 177 registers a thread for sm_90, 249 with 4
+    # 128 ranks a program with 4 warps: the fastest of 54 tile choices at S = 16384 on an H100 (0.088 ms against
+    # 0.118 for the earlier 64 ranks with 8 warps; `bench_train_attention.py --sweep`, RESULTS, seventeenth session)
     _kth_beater_tiled_kernel[(n_blocks, R)](order, rank, ranked, before, out, S, n_tiles, topk,
                                             BLOCK_E=min(block_e, block_u), num_warps=num_warps, **consts)
     return out
