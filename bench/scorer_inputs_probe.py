@@ -15,7 +15,13 @@ the budget measured, the same fixed decay `gamma = 0.9` for teacher and student)
 - `B`     one MLP per layer on all KV heads' `[k; v]` concatenated, hidden 256, one score per KV head;
 - `C`     one MLP per layer on the attention-input hidden state (output of `input_layernorm`), hidden 256,
           one score per KV head;
-- `D`     per (layer, KV head) MLP on `[hidden; k; v]`, hidden 256.
+- `D`     per (layer, KV head) MLP on `[hidden; k; v]`, hidden 256;
+- `M`     the product's stateful mLSTM scorer per layer (`MLSTMScorer`, the default `mlstm_dim` and
+          `mlstm_hidden`), each token read out `w` steps after it arrives (the paper's delay = window);
+- `M0`    its delay-0 twin (read out at insertion). Both at the budget's full top-k: the probe compares
+          scorers, not the memory `--match-mlp-memory` pays for the state.
+
+`--curve-every N` measures the held-out recall every N training steps too (recall vs steps).
 
 Also reported, untrained: `tova-static` (the priority a token would get from the attention of the query that
 pushes it out of the window, `max_g log p(t + w -> t)`, with the same decay) and `recency` (score 0: only the
@@ -45,6 +51,7 @@ from kvpop.eval.metrics import RetentionRecall, priorities_from_records
 from kvpop.models import load_model
 from kvpop.policy import static_priority
 from kvpop.retrofit import retrofit
+from kvpop.scorers.mlstm import MLSTMScorer
 from kvpop.train.distill import scorer_lr_factor
 from kvpop.train.loss import BoundaryPairs, boundary_labels, boundary_loss, teacher_priority
 
@@ -56,6 +63,22 @@ VARIANTS = {
     "C": ("hidden", 256, True),
     "D": ("hidden_kv", 256, False),
 }
+
+MLSTM_VARIANTS = {"M": "window", "M0": 0}
+"""name -> readout delay of the stateful scorer ("window": the budget's protected window, the paper's)."""
+
+
+class LayerMLSTMs(nn.Module):
+    """One `MLSTMScorer` per layer over its heads' cached `[k; v]`: [B, L, H, S, 2D] -> scores [B, L * H, S]."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, delay: int, cfg: KVpopConfig):
+        super().__init__()
+        self.scorers = nn.ModuleList(MLSTMScorer(heads, head_dim, d=cfg.mlstm_dim, hidden=cfg.mlstm_hidden, delay=delay)
+                                     for _ in range(layers))
+
+    def forward(self, kv: Tensor) -> Tensor:
+        D = kv.shape[-1] // 2
+        return torch.cat([s(kv[:, i, ..., :D], kv[:, i, ..., D:]) for i, s in enumerate(self.scorers)], 1)
 
 
 class GroupMLP(nn.Module):
@@ -96,8 +119,10 @@ def scorer_input(kind: str, kv: Tensor, hid: Tensor) -> Tensor:
     raise ValueError(f"unknown input kind {kind!r}")
 
 
-def scores(mlp: GroupMLP, kind: str, per_layer: bool, kv: Tensor, hid: Tensor) -> Tensor:
+def scores(mlp: GroupMLP | LayerMLSTMs, kind: str, per_layer: bool, kv: Tensor, hid: Tensor) -> Tensor:
     """Scores `r[t]` as [B, L * H, S] (layers and heads flattened, layer-major)."""
+    if isinstance(mlp, LayerMLSTMs):
+        return mlp(kv)
     B, L, H, S, _ = kv.shape
     out = mlp(scorer_input(kind, kv, hid))
     if per_layer:
@@ -191,15 +216,32 @@ def recall(rows: list[dict], budget: int, bc: KVpopConfig, L: int, priority_of) 
     return {"mean": res.mean, "per_layer": res.per_layer.tolist(), "per_head": res.per_head.tolist()}
 
 
-def train_variant(name: str, train: list[dict], budget: int, bc: KVpopConfig, args, log_gamma: Tensor) -> tuple[GroupMLP, dict]:
-    """Scorers of one variant for one budget, trained with the boundary loss on random training rows."""
+def variant_shape(name: str) -> tuple[str, bool]:
+    """The input kind and per-layer flag of a variant name (`A`, `A@1`, `M`, ...)."""
+    base = name.partition("@")[0]
+    if base in MLSTM_VARIANTS:
+        return "kv", False
+    kind, _, per_layer = VARIANTS[base]
+    return kind, per_layer
+
+
+def train_variant(name: str, train: list[dict], budget: int, bc: KVpopConfig, args, log_gamma: Tensor,
+                  held: list[dict] | None = None) -> tuple[GroupMLP | LayerMLSTMs, dict]:
+    """Scorers of one variant for one budget, trained with the boundary loss on random training rows.
+
+    With `held` and `args.curve_every`, the held-out recall every that many steps goes into the info's `curve`."""
     base, _, seed = name.partition("@")
-    kind, hidden, per_layer = VARIANTS[base]
     L, H, S, D2 = train[0]["kv"].shape
     E = train[0]["hid"].shape[-1]
-    din = {"kv": D2, "layer_kv": H * D2, "hidden": E, "hidden_kv": E + D2}[kind]
     torch.manual_seed(int(seed or 0))
-    mlp = GroupMLP(L if per_layer else L * H, din, hidden, H if per_layer else 1)
+    kind, per_layer = variant_shape(name)
+    if base in MLSTM_VARIANTS:
+        delay = bc.window if MLSTM_VARIANTS[base] == "window" else MLSTM_VARIANTS[base]
+        mlp = LayerMLSTMs(L, H, D2 // 2, delay, bc)
+    else:
+        _, hidden, _ = VARIANTS[base]
+        din = {"kv": D2, "layer_kv": H * D2, "hidden": E, "hidden_kv": E + D2}[kind]
+        mlp = GroupMLP(L if per_layer else L * H, din, hidden, H if per_layer else 1)
     opt = torch.optim.AdamW(mlp.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=1e-4)
     warmup = max(1, round(0.05 * args.steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: scorer_lr_factor(s, warmup, args.steps))
@@ -207,7 +249,7 @@ def train_variant(name: str, train: list[dict], budget: int, bc: KVpopConfig, ar
     gen = torch.Generator().manual_seed(args.seed)
     position = torch.arange(S)[None].expand(args.batch, S)
     lg = log_gamma.repeat(L)  # [L * H], the record's fixed decay
-    losses, accs, start = [], [], time.perf_counter()
+    losses, accs, curve, start = [], [], [], time.perf_counter()
     for step in range(args.steps):
         pick = torch.randint(len(train), (args.batch,), generator=gen).tolist()
         kv = torch.stack([train[i]["kv"] for i in pick])
@@ -222,13 +264,29 @@ def train_variant(name: str, train: list[dict], budget: int, bc: KVpopConfig, ar
         sched.step()
         losses.append(loss.item())
         accs.append(stats["accuracy"].item())
+        if held is not None and args.curve_every and (step + 1) % args.curve_every == 0:
+            r = recall(held, budget, bc, L, student_of(mlp, kind, per_layer, bc, log_gamma, L, S))["mean"]
+            curve.append({"step": step + 1, "recall": r, "loss": sum(losses[-args.curve_every:]) / args.curve_every})
+            print(f"  {name} B={budget} step {step + 1}: held-out recall {r:.4f}", flush=True)
         if (step + 1) % max(1, args.steps // 5) == 0:
             k = max(1, args.steps // 10)
             print(f"  {name} B={budget} step {step + 1}/{args.steps}: loss {sum(losses[-k:]) / k:.4f} "
                   f"acc {sum(accs[-k:]) / k:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
     k = max(1, args.steps // 10)
     return mlp, {"train_s": time.perf_counter() - start, "loss_last": sum(losses[-k:]) / k,
-                 "acc_last": sum(accs[-k:]) / k, "params": sum(p.numel() for p in mlp.parameters())}
+                 "acc_last": sum(accs[-k:]) / k, "params": sum(p.numel() for p in mlp.parameters()),
+                 **({"curve": curve} if curve else {})}
+
+
+def student_of(mlp, kind: str, per_layer: bool, bc: KVpopConfig, log_gamma: Tensor, L: int, S: int):
+    """A trained variant as `recall`'s `priority_of(row)`: its scores plus the fixed decay."""
+
+    @torch.no_grad()
+    def student(row):
+        r = scores(mlp, kind, per_layer, row["kv"][None], row["hid"][None])
+        return static_priority(r, torch.arange(S)[None], log_gamma.repeat(L), bc.decay_step)[0]
+
+    return student
 
 
 def parse_layers(spec: str, n: int) -> list[int]:
@@ -254,8 +312,11 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--curve-every", type=int, default=0, help="held-out recall every N steps too (0: only at the end)")
     p.add_argument("--out", default="/tmp/s16/probe/run")
     args = p.parse_args(argv)
+    if args.curve_every < 0:
+        raise SystemExit(f"--curve-every {args.curve_every}: must be >= 0 (0: recall only at the end)")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -268,8 +329,8 @@ def main(argv=None) -> int:
     layers = parse_layers(args.layers, len(model.model.layers))
     variants = args.variants.split(",")
     for v in variants:
-        if v.partition("@")[0] not in VARIANTS:
-            raise SystemExit(f"unknown variant {v!r}: use {sorted(VARIANTS)} (optionally @seed)")
+        if v.partition("@")[0] not in VARIANTS and v.partition("@")[0] not in MLSTM_VARIANTS:
+            raise SystemExit(f"unknown variant {v!r}: use {sorted(VARIANTS) + sorted(MLSTM_VARIANTS)} (optionally @seed)")
     train_ids = held_out_rows("champ", tok, args.seq_len, args.train_seqs, split="train", seed=args.seed)
     eval_ids = held_out_rows("champ", tok, args.seq_len, args.eval_seqs, split="eval", seed=args.seed)
     print(f"rows: train {tuple(train_ids.shape)}, eval {tuple(eval_ids.shape)}; layers {layers}; "
@@ -303,13 +364,9 @@ def main(argv=None) -> int:
             result["rows"][f"{name}|{b}"] = {"variant": name, "budget": b, "eval": r, "train": recall(sub, b, bc, L, fn)}
             print(f"{name:12s} B={b}: held-out recall {r['mean']:.4f}", flush=True)
         for name in variants:
-            mlp, info = train_variant(name, train, b, bc, args, log_gamma)
-            kind, _, per_layer = VARIANTS[name.partition("@")[0]]
-
-            @torch.no_grad()
-            def student(row, mlp=mlp, kind=kind, per_layer=per_layer, step=bc.decay_step):
-                r = scores(mlp, kind, per_layer, row["kv"][None], row["hid"][None])
-                return static_priority(r, torch.arange(S)[None], log_gamma.repeat(L), step)[0]
+            mlp, info = train_variant(name, train, b, bc, args, log_gamma, held)
+            kind, per_layer = variant_shape(name)
+            student = student_of(mlp, kind, per_layer, bc, log_gamma, L, S)
 
             row = {"variant": name, "budget": b, **info, "eval": recall(held, b, bc, L, student),
                    "train": recall(sub, b, bc, L, student)}
