@@ -195,3 +195,21 @@ def test_a_budget_covering_the_context_is_flagged(capsys):
         ("dense", 8, False), ("kvpop", 8, True), ("dense", 32, False), ("kvpop", 32, False)]
     table = format_table(out)
     assert "12*" in table and table.splitlines()[-1].startswith("* budget not below the context")
+
+
+def test_existing_outputs_need_force(tmp_path, capsys):
+    # a benchmark never replaces a user's file unless asked: refused before the model loads
+    for flag in ("--json-out", "--plot"):
+        path = tmp_path / f"keep{flag}"
+        path.write_text("keep")
+        assert main(["--model", "tiny-random-qwen3", "--contexts", "32", "--device", "cpu", flag, str(path)]) == 1
+        err = capsys.readouterr().err
+        assert f"{flag} {path} exists: pass --force" in err and "Traceback" not in err
+        assert path.read_text() == "keep"
+    out_json = tmp_path / "keep--json-out"
+    with quiet():
+        rc = main(["--model", "tiny-random-qwen3", "--contexts", "32", "--sink", "2", "--budget", "12",
+                   "--new-tokens", "1", "--warmup", "0", "--device", "cpu", "--json-out", str(out_json), "--force"])
+    assert rc == 0 and json.loads(out_json.read_text())["model"] == "tiny-random-qwen3"
+    assert main(["--model", "tiny-random-qwen3", "--device", "cpu", "--plot", str(tmp_path)]) == 1
+    assert f"--plot {tmp_path} is a directory" in capsys.readouterr().err

@@ -181,3 +181,16 @@ def test_a_trained_scorer_is_measured_and_evaluated_at_per_layer_budgets(tmp_pat
     capsys.readouterr()
     assert main(["budgets", "--model", "tiny-random-qwen3", "--out", str(tmp_path / "x.json")]) == 1
     assert "--budget" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+
+
+def test_budgets_refuses_an_existing_out_unless_forced(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    out.write_text("keep")
+    rc = main(["budgets", "--model", "tiny-random-qwen3", "--budget", "24", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"--out {out} exists: pass --force" in err and "Traceback" not in err
+    assert out.read_text() == "keep"
+    with quiet():
+        rc = main(["budgets", "--model", "tiny-random-qwen3", "--data", "champ", "--seq-len", "96", "--budget", "24",
+                   "--sequences", "1", "--out", str(out), "--force"])
+    assert rc == 0 and json.loads(out.read_text())["budget"] == 24

@@ -113,6 +113,10 @@ def test_viz_writes_the_eviction_pattern(tmp_path):
     assert main(["viz", "--model", "tiny-random-qwen3", "--text", text, "--budget", "64", "--last", "40",
                  "--out", str(out)]) == 0
     assert out.stat().st_size > 5000
+    # a second run does not replace it unless asked
+    assert main(["viz", "--model", "tiny-random-qwen3", "--text", text, "--budget", "64", "--out", str(out)]) == 1
+    assert main(["viz", "--model", "tiny-random-qwen3", "--text", text, "--budget", "64", "--last", "40",
+                 "--out", str(out), "--force"]) == 0
 
 
 def test_demo_end_to_end_with_a_small_plan(tmp_path, monkeypatch, capsys):

@@ -867,16 +867,20 @@ def _layer_budgets(path: str, budget: int) -> list[int]:
              "instead of the oracle's rule at --budget"),
     arg("--sink", type=int, default=4),
     arg("--window", type=int, default=None, help="protected window (default a quarter of the budget)"),
-    arg("--out", required=True, help="JSON file to write (for --layer-budgets of train and eval)"),
+    arg("--out", required=True, help="JSON file to write (for --layer-budgets of train and eval); an existing file "
+                                     "needs --force"),
+    arg("--force", action="store_true", help="replace an existing --out"),
     arg("--device", default=None),
     arg("--seed", type=int, default=0),
 ])
 def budgets(args: argparse.Namespace) -> int:
     import kvpop
     from kvpop.eval import budgets as alloc
+    from kvpop.files import refuse_existing
     from kvpop.models import load_model
     from kvpop.train.data import load_texts, pack_sequences
 
+    refuse_existing(args.out, "--out", args.force)
     if (args.budget is None) == (args.trained is None):
         raise ValueError("give --budget (the oracle's rule at that budget) or --trained DIR (its own scorer), not both")
     base, tokenizer = load_model(args.model, device=_device(args.device))
@@ -993,16 +997,20 @@ def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -
     *RULE,
     arg("--last", type=int, default=112, help="evictable tokens to show (default 112)"),
     arg("--max-tokens", type=int, default=2048, help="truncate the text to this many tokens (default 2048)"),
-    arg("--out", default="eviction_pattern.png", help="PNG path (default eviction_pattern.png)"),
+    arg("--out", default="eviction_pattern.png", help="PNG path (default eviction_pattern.png); an existing file "
+                                                      "needs --force"),
+    arg("--force", action="store_true", help="replace an existing --out"),
     arg("--device", default=None),
     NO_PROGRESS,
 ])
 def viz(args: argparse.Namespace) -> int:
     import kvpop
     from kvpop.eval import plots
+    from kvpop.files import refuse_existing
     from kvpop.models import is_kvpop_dir, load_model
     from kvpop.train.data import load_texts
 
+    refuse_existing(args.out, "--out", args.force)
     cfg = None if is_kvpop_dir(args.model) else _rule(args, policy=args.policy)
     model, tokenizer = load_model(args.model, device=_device(args.device))
     if cfg is None:

@@ -107,6 +107,19 @@ def load_pretrained(path: str | Path, what: str, **kwargs: Any):
         raise FileFormatError(f"{path}: cannot load {what} ({type(err).__name__}: {first})") from None
 
 
+def refuse_existing(path: str | Path | None, flag: str, force: bool) -> None:
+    """Before any work: a command never replaces a file the user has unless asked (`--force`).
+
+    Called first, so a refusal costs nothing; a directory where a file is to go is refused even with `--force`."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory: give a file name")
+    if path.exists() and not force:
+        raise ValueError(f"{flag} {path} exists: pass --force to replace it, or choose another file")
+
+
 def fsync_dir(path: str | Path) -> None:
     """Make a rename or a new entry in directory `path` durable."""
     fd = os.open(path, os.O_RDONLY)

@@ -31,6 +31,9 @@ BENCH_ARGS: list[tuple[tuple[str, ...], dict]] = [
     (("--fill",), dict(default="prefill", choices=["prefill", "random"],
                        help="prefill: run the model over the context (default); random: fill the caches with "
                             "random keys/values as if the context had been seen (decode latency only)")),
-    (("--json-out",), dict(default=None, metavar="PATH", help="also write the JSON result to PATH")),
-    (("--plot",), dict(default=None, metavar="PATH", help="write the memory/latency plot (PNG) to PATH")),
+    (("--json-out",), dict(default=None, metavar="PATH", help="also write the JSON result to PATH (an existing file "
+                                                              "needs --force)")),
+    (("--plot",), dict(default=None, metavar="PATH", help="write the memory/latency plot (PNG) to PATH (an existing "
+                                                          "file needs --force)")),
+    (("--force",), dict(action="store_true", help="replace an existing --json-out or --plot")),
 ]

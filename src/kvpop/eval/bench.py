@@ -420,8 +420,11 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
     """
     import transformers
 
+    from kvpop.files import refuse_existing
     from kvpop.models import is_kvpop_dir
 
+    for flag, path in (("--json-out", args.json_out), ("--plot", args.plot)):
+        refuse_existing(path, flag, getattr(args, "force", False))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     contexts = _ints(args.contexts, "--contexts")
     kinds = [k.strip() for k in args.caches.split(",") if k.strip()]
@@ -482,7 +485,11 @@ def _device_name(device: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = add_bench_args(argparse.ArgumentParser(prog="kvpop bench", description=__doc__.splitlines()[0]))
     argv = sys.argv[1:] if argv is None else list(argv)
-    return run_bench(parser.parse_args(argv), shlex.join(["python", "-m", "kvpop.eval.bench", *argv]))
+    try:
+        return run_bench(parser.parse_args(argv), shlex.join(["python", "-m", "kvpop.eval.bench", *argv]))
+    except ValueError as err:  # bad input: what was wrong and what is allowed, as `kvpop bench` says it
+        print(f"kvpop bench: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
