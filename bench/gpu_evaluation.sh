@@ -9,8 +9,7 @@
 # alone, then a short full distillation (DISTILL steps, 60) from those weights; with TWIN=1, its delay-0 twin 1000
 # steps of the scorers alone beside it. B = 1024 (CR 88 %), every 100th checkpoint kept.
 #
-#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half (and .stage_c's dense
-#                                        # long-generation stores, where a call carries them)
+#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half
 #   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; under MPS, the runs start (TRAIN_S)
 #   bash bench/gpu_evaluation.sh 3 OUT   # the runs go on (TRAIN3_S)
 #   bash bench/gpu_evaluation.sh 4 OUT   # the runs go on to CURVE_AT seconds; held-out recall at every kept
@@ -122,10 +121,6 @@ resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into thi
   ;;
 1)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
-  for n in 2048 4096; do
-    [ -f ".stage_c/fid_dense_$n.jsonl" ] || continue
-    mkdir -p "$HOME/fid_dense_$n" && cp ".stage_c/fid_dense_$n.jsonl" "$HOME/fid_dense_$n/generations.jsonl"
-  done
   ;;
 2|2s)
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
