@@ -548,6 +548,7 @@ def selfgen(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from kvpop.eval import selfgen as sg
+    from kvpop.files import refuse_existing
     from kvpop.models import is_kvpop_dir, load_model
 
     device = _device(args.device)
@@ -559,10 +560,7 @@ def selfgen(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix != ".jsonl":
         raise ValueError(f"--out {args.out}: must end in .jsonl (kvpop train --data reads a file by its suffix)")
-    if out.is_dir():
-        raise ValueError(f"--out {args.out} is a directory: give a file name ending in .jsonl")
-    if out.exists() and not args.force:
-        raise ValueError(f"--out {args.out} exists: pass --force to replace it, or choose another file")
+    refuse_existing(out, "--out", args.force)
     if is_kvpop_dir(args.model):
         raise ValueError(f"--model {args.model} is retrofitted: selfgen writes the dense model's generations, give "
                          "its base model")
