@@ -11,7 +11,9 @@ One layer's `dynamic_walk_triton` over a prompt of `--context` tokens into empty
 top-k from `KVpopConfig.for_budget`), per variant: `triton` the Triton walk (`ops/dynamic/kernel.py`;
 `-wN` its warps; the kernel variants measured before it was chosen are in docs/RESULTS.md, ninth
 session), `torch` the torch walk, `parallel` the speculated walk (`ops/dynamic/parallel.py`; `-bN` its block of N
-tokens), whose rows also give its verification rounds, mismatches and skips (from one more, untimed run).
+tokens, `-fused` its priorities compiled by inductor), whose rows also give its verification rounds, mismatches and skips (from one more, untimed run).
+`--profile FILE` runs each variant once more under `torch.profiler` and writes its operator table (self time, calls,
+kernel launches) to FILE: where the walk's time goes, op by op.
 On the CPU the times are wall-clock medians (`time.perf_counter`) and the inputs float32.
 Next to it, in the same run: the walk's GEMM part alone (the per-block logits, candidates and key
 gather, no kernel) and the dense causal SDPA forward of the layer's queries (bf16), the attention
@@ -26,6 +28,7 @@ import argparse
 import datetime
 import functools
 import json
+import os
 import platform
 import statistics
 import sys
@@ -45,12 +48,15 @@ def _variant(name: str) -> dict:
     """`triton-w8` -> dynamic_walk_triton keywords; `parallel-b128` -> dynamic_walk_parallel keywords."""
     head, *mods = name.split("-")
     if head not in ("triton", "torch", "parallel"):
-        raise ValueError(f"variant {name!r}: expected triton[-wN], parallel[-bN] or torch")
-    if head == "torch" and mods or head == "parallel" and any(not m.startswith("b") for m in mods) \
+        raise ValueError(f"variant {name!r}: expected triton[-wN], parallel[-bN][-fused] or torch")
+    plain = [m for m in mods if m != "fused"]
+    if head == "torch" and mods or head == "parallel" and any(not m.startswith("b") for m in plain) \
             or head == "triton" and any(not m.startswith("w") for m in mods):
-        raise ValueError(f"variant {name!r}: 'torch' takes no modifiers, 'parallel' only bN, 'triton' only wN")
+        raise ValueError(f"variant {name!r}: 'torch' takes no modifiers, 'parallel' only bN and fused, "
+                         "'triton' only wN")
     if head == "parallel":
-        return {"block": int(mods[0][1:])} if mods else {}
+        kw = {"block": int(m[1:]) for m in mods if m.startswith("b")}
+        return {**kw, "fused": True} if "fused" in mods else kw
     return {"num_warps": int(mods[0][1:])} if mods else {}
 
 
@@ -96,6 +102,24 @@ def _gemm_only(q, key, N, block):
         keys = cand.gather(2, col[..., None].expand(-1, -1, -1, D))
 
 
+def _profile(run, name: str, cuda: bool, out) -> None:
+    """One more run of `run` under torch.profiler: the top operators by self time, and the launches, to `out`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::item",
+                                                      "aten::_local_scalar_dense"))
+    out.write(f"## {name}: {launches} kernel launches, {syncs} host syncs (item / synchronize calls)\n")
+    out.write(events.table(sort_by=sort, row_limit=25) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -109,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=None, help="default: triton,parallel on CUDA, torch,parallel on the CPU")
     ap.add_argument("--block", type=int, default=BLOCK_C)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="write each variant's torch.profiler operator table to FILE (one more run each)")
     args = ap.parse_args(argv)
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
@@ -124,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     valid = torch.ones(B, C, dtype=torch.bool, device=dev)
     priority = torch.zeros(B, H, C, device=dev)
     rows = []
+    prof_out = None
+    if args.profile:
+        if os.path.exists(args.profile):
+            print(f"bench_walk.py --profile {args.profile}: exists; choose another file", file=sys.stderr)
+            return 2
+        prof_out = open(args.profile, "w")  # noqa: SIM115 (closed at the end of main)
     v = torch.randn_like(q)
     sdpa = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, v, v, is_causal=True), args.repeats,
                   dev == "cuda")
@@ -153,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                 dynamic_walk_parallel(*walk, stats=stats, **_variant(name))
                 row["stats"] = {k: v for k, v in stats.items() if k != "first_mismatch"}
             rows.append(row)
+            if prof_out is not None:
+                _profile(run, row["row"], dev == "cuda", prof_out)
+    if prof_out is not None:
+        prof_out.close()
     device = (torch.cuda.get_device_name() if dev == "cuda"
               else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads")
     print(f"# bench_walk {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The seventeenth session's device calls (issue 17 item 2), back to back in one warm lease of one H200
-# (`nvidia-h200`); the sixteenth session's calls are this file at commit 50d6dab, the fifteenth's at 63cd01b, the
-# fourteenth's at a76f1b3, the thirteenth's at 6dd81e3. bench/README.md has the runbook.
+# The seventeenth and eighteenth sessions' device calls (issue 17 item 2; issue 18), back to back in one warm lease
+# of one GPU (`nvidia-h200`; both sessions got an H100); the sixteenth session's calls are this file at commit
+# 50d6dab, the fifteenth's at 63cd01b, the fourteenth's at a76f1b3, the thirteenth's at 6dd81e3. bench/README.md has
+# the runbook; docs/RESULTS.md ("Eighteenth session") the knobs each call ran with.
 #
-# The sixteenth session's unfinished mLSTM runs (steps 714 and 730) were lost with that session's machine, so the
-# recall-vs-steps runs start again from step 0 (seed 0, the same data: their first 700 steps repeat that curve), as
-# the issue asks for them: the mLSTM (delay = window, the paper's) trained in two phases, 1000 steps of the scorers
-# alone, then a short full distillation (DISTILL steps, 60) from those weights; with TWIN=1, its delay-0 twin 1000
-# steps of the scorers alone beside it. B = 1024 (CR 88 %), every 100th checkpoint kept.
+# The recall-vs-steps runs as the issue asks for them (seed 0, the sixteenth session's data): the mLSTM (delay =
+# window, the paper's) trained in two phases, 1000 steps of the scorers alone, then a short full distillation
+# (DISTILL steps, 60) from those weights; with TWIN=1, its delay-0 twin 1000 steps of the scorers alone beside it.
+# B = 1024 (CR 88 %), every 100th checkpoint kept. Alone on an H100 the two phases took 0.6 and 0.95 s/step.
 #
-#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half
+#   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; then TOVA's prefill walk,
+#                                        # profiled (WALK_S, 90), and with ATTN_S > 0 the training attention
 #   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; under MPS, the runs start (TRAIN_S)
 #   bash bench/gpu_evaluation.sh 3 OUT   # the runs go on (TRAIN3_S)
 #   bash bench/gpu_evaluation.sh 4 OUT   # the runs go on to CURVE_AT seconds; held-out recall at every kept
@@ -103,7 +104,7 @@ study() {  # study SECONDS ARGS...: the training phase (a later call resumes wha
   local limit=$1; shift
   python bench/quality_study.py --out "$study_dir" --budgets 1024 --steps "$distill" --seeds 0 --rows "$rows" \
     --pretrain-steps "$long" --pretrain-rows kvpop-mlstm --phase train --concurrency 3 --keep-every 100 \
-    --deadline-s "$limit" "$@" > "$out/study_train.log" 2>&1
+    --lr-base 1e-5 --deadline-s "$limit" "$@" > "$out/study_train.log" 2>&1
   tail -n 14 "$out/study_train.log"; cp "$study_dir/train_status.json" "$out/" 2>/dev/null
 }
 pre=$study_dir/runs/kvpop-mlstm_b1024_pre$long                  # the mLSTM's scorer-only phase
@@ -119,8 +120,14 @@ resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into thi
   for d in .stage_d .stage_e; do [ -d "$d" ] && cp -r "$d"/* "$study_dir/runs/"; done
   ls -la "$study_dir/runs"/*/checkpoints
   ;;
-1)
+1)  # staging, then (no model needed) issue 18: TOVA's prefill walk at one layer of the 8B shape, eager against its
+  # priorities compiled, with an operator profile of each (item 1; WALK_S seconds); the training attention's pieces
+  # at S = 16k with the cutoff kernel's new tiles (items 4 and 6; ATTN_S seconds). 0 skips either.
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
+  [ "${WALK_S:-90}" -gt 0 ] && step walk "${WALK_S:-90}" python bench/bench_walk.py --policies tova-mean \
+    --variants parallel,parallel-fused --repeats 2 --profile "$out/walk_profile.txt"
+  [ "${ATTN_S:-0}" -gt 0 ] && step train_attention "${ATTN_S:-0}" python bench/bench_train_attention.py \
+    --lengths 16384 --budget 2048 --json-out "$out/train_attention.json"
   ;;
 2|2s)
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \

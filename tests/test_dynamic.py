@@ -472,6 +472,24 @@ def test_parallel_walk_makes_the_torch_walks_decisions_with_priors(case, pad, gr
         assert torch.equal(fast[3], want[3]), f"{what}: slot priors differ"
 
 
+@pytest.mark.parametrize("score", ["max", "mean", "sum", "prior"])
+def test_parallel_walk_with_fused_priorities_makes_the_same_decisions(score):
+    # `fused=True` compiles the priorities with inductor (one graph per block shape): the torch walk's decisions,
+    # ties included, from one block and from blocks of 8 (mismatches and redone rounds)
+    from kvpop.ops.dynamic.parallel import dynamic_walk_parallel
+
+    for case in (0, 1, 6, 8):  # duplicate keys, zero keys, and two longer chunks with redone rounds
+        (B, H, G, C, D, s, w, k), ties = PARALLEL_SHAPES[case]
+        prior = (torch.rand(B, 1, C, generator=torch.Generator().manual_seed(case)) * 0.1).expand(B, H, C)
+        got = _chunk_after_a_first(B, H, G, C, D, s, w, k, score, ties, True, seed=case,
+                                   prior=prior if score == "prior" else None)
+        args, slot_prior = got if score == "prior" else (got, None)
+        want = dynamic_walk(*args, backend="torch", slot_prior=slot_prior)
+        for block in (None, 8):
+            fused = dynamic_walk_parallel(*args, block=block, slot_prior=slot_prior, fused=True)
+            _assert_same_walk(fused, want, f"case {case} {score} fused, block {block}")
+
+
 @pytest.mark.parametrize("score", ["max", "mean", "sum"])
 @pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk", DECODED_SLOTS)
 @pytest.mark.parametrize("neg_inf", [False, True])

@@ -41,6 +41,8 @@ each column's static prior, a per-column constant that moves with its token like
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -136,6 +138,13 @@ def _priorities(
     took = update.gather(2, idx) & (src >= 0)[:, None, :, None]
     out = torch.where(took, new.gather(2, idx), pri0[:, :, None])
     return out[:, :, :T], out[:, :, T]
+
+
+@functools.cache
+def _fused_priorities():
+    """`_priorities` compiled: one graph per score and block shape, shapes made dynamic after a second one (a
+    prefill has two: its full blocks and its last); past dynamo's recompile limit it runs eagerly."""
+    return torch.compile(_priorities)
 
 
 if triton is not None:
@@ -260,10 +269,12 @@ def _block(
     score: str,
     stats: dict | None,
     prior_state: Tensor | None = None,  # [B, Hd, N]
+    priorities=None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One block: (evicted positions [B, Hd, T], slot positions and priorities after it [B, Hd, N], and the
     candidate column each slot then holds [B, Hd, N]). "prior": `prior_state` holds the slots' priors; a
-    block token's prior is its insertion priority `ins_pri`."""
+    block token's prior is its insertion priority `ins_pri`. `priorities`: `_priorities` or its compiled form."""
+    _priorities_ = priorities or _priorities
     B, H, G, T, M = logits.shape
     Hd, N = cand_pos.shape[1], M - T
     dev = logits.device
@@ -283,6 +294,7 @@ def _block(
     ins = torch.cat([torch.where(cand_pos[..., :N] >= 0, -1, never),
                      torch.where(real, step, never)[:, None].expand(B, Hd, T)], dim=2)  # [B, Hd, M]
     rm0 = torch.full((B, Hd, M + 1), never, device=dev).scatter_(2, torch.where(overwrite, x, M), steps)[..., :M]
+    rm0 = rm0.contiguous()  # as `removal` gives its minimum: one layout, one compiled graph when fused
     if score == "sum":
         pri0 = torch.cat([pri_state, pri_state.new_zeros(B, Hd, T)], dim=2)
     else:
@@ -295,7 +307,7 @@ def _block(
 
     if topk == 0:
         ev = torch.where(decide, x, M)
-        _, final = _priorities(logits, ins, removal(ev)[1], real, pri0, ins_pri, score, prior)
+        _, final = _priorities_(logits, ins, removal(ev)[1], real, pri0, ins_pri, score, prior)
         enter = torch.full_like(ins, never)
     else:
         # competitors: the long-range columns at the start, and each leaving token from its step on
@@ -314,13 +326,13 @@ def _block(
             return key.scatter_(3, xi, torch.where(lost[..., None], _NEG_INF_KEY, key.gather(3, xi)))
 
         # speculation: priorities as if the block evicted nothing
-        pri, _ = _priorities(logits, ins, rm0, real, pri0, ins_pri, score, prior)
+        pri, _ = _priorities_(logits, ins, rm0, real, pri0, ins_pri, score, prior)
         ev = torch.where(decide, _select(keys(pri), enter, decide, stats), M)
         rounds = 0
         while True:
             # verification: the priorities under the held sets these evictions give, every step's decision
             at, rm = removal(ev)
-            pri, final = _priorities(logits, ins, rm, real, pri0, ins_pri, score, prior)
+            pri, final = _priorities_(logits, ins, rm, real, pri0, ins_pri, score, prior)
             key = keys(pri)
             competing = (enter[:, :, None, :] <= step[:, None]) & (at[:, :, None, :] >= step[:, None])
             wrong = decide & (torch.where(competing, key, _MAX).argmin(dim=-1) != ev)
@@ -374,11 +386,15 @@ def dynamic_walk_parallel(
     block: int | None = None,
     stats: dict | None = None,
     slot_prior: Tensor | None = None,  # [B, H, N]
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """See `ops.dynamic.dynamic_walk` (its four outputs); the slots must pass `supported`. `block`: tokens per
     block (`BLOCK_T` by device). `stats`, if given, counts per call (with a few host syncs more): blocks with long-range
     slots, their verification rounds, rows with a mismatch (and the step of each first mismatch), decisions,
-    and skips (competitors passed over because an earlier step of their block evicted them)."""
+    and skips (competitors passed over because an earlier step of their block evicted them). `fused`: the
+    priorities' dozen elementwise passes over `[B, H, G, T, M]` compiled into few kernels by inductor (opt-in,
+    for the bench: its floats are inductor's, so it is held to the same contract as this walk's own, not to
+    its bits)."""
     B, Hq, C, D = query.shape
     H, N = key.shape[1], slot_pos.shape[-1]
     G = Hq // H
@@ -402,7 +418,7 @@ def dynamic_walk_parallel(
         ins_pri = priority[:, :Hd, blk].float()
         ev[:, :, blk], pos, pri, col = _block(
             logits, cand_pos, pri, position[:, blk], valid[:, blk], slot[:, blk], ins_pri,
-            sink, window, topk, score, stats, prior)
+            sink, window, topk, score, stats, prior, _fused_priorities() if fused else None)
         if prior is not None:  # each slot's prior is its token's
             prior = torch.cat([prior, ins_pri], dim=2).gather(2, col)
         keys = cand.gather(2, col.expand(B, H, N)[..., None].expand(B, H, N, D))
