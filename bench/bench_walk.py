@@ -11,7 +11,8 @@ One layer's `dynamic_walk_triton` over a prompt of `--context` tokens into empty
 top-k from `KVpopConfig.for_budget`), per variant: `triton` the Triton walk (`ops/dynamic/kernel.py`;
 `-wN` its warps; the kernel variants measured before it was chosen are in docs/RESULTS.md, ninth
 session), `torch` the torch walk, `parallel` the speculated walk (`ops/dynamic/parallel.py`; `-bN` its block of N
-tokens, `-fused` its priorities compiled by inductor), whose rows also give its verification rounds, mismatches and skips (from one more, untimed run).
+tokens, `-fused` its priorities compiled by inductor), whose rows also give its verification rounds, mismatches and
+skips (from one more, untimed run).
 `--profile FILE` runs each variant once more under `torch.profiler` and writes its operator table (self time, calls,
 kernel launches) to FILE: where the walk's time goes, op by op.
 On the CPU the times are wall-clock medians (`time.perf_counter`) and the inputs float32.
@@ -55,8 +56,8 @@ def _variant(name: str) -> dict:
         raise ValueError(f"variant {name!r}: 'torch' takes no modifiers, 'parallel' only bN and fused, "
                          "'triton' only wN")
     if head == "parallel":
-        kw = {"block": int(m[1:]) for m in mods if m.startswith("b")}
-        return {**kw, "fused": True} if "fused" in mods else kw
+        kw = {"fused": True} if "fused" in mods else {}
+        return {**kw, "block": int(plain[0][1:])} if plain else kw
     return {"num_warps": int(mods[0][1:])} if mods else {}
 
 

@@ -161,19 +161,19 @@ def cpu_block_sparse_attention(
             if e is not None:
                 # an empty row (a padding query) gets one key so the kernel stays finite; its output is zeroed below
                 bias[..., 0].masked_fill_(e, 0.0)
-            o, l = _OP(
+            o, lb = _OP(
                 qb[b0:b1].reshape(n * B * Hkv, G, block, D),
                 kb.view(n * B * Hkv, 1, M, D).expand(-1, G, M, D),
                 vb.view(n * B * Hkv, 1, M, Dv).expand(-1, G, M, Dv),
                 0.0, False, attn_mask=bias.view(n * B * Hkv, 1, block, M), scale=scale,
             )
-            o, l = o.view(n, B, Hkv, G, block, Dv), l.view(n, B, Hkv, G, block).float()
+            o, lb = o.view(n, B, Hkv, G, block, Dv), lb.view(n, B, Hkv, G, block).float()
             if e is not None:
                 e = e[:, :, :, None, :]  # [n, B, Hkv, 1, bq]
-                o, l = o.masked_fill(e[..., None], 0.0), l.masked_fill(e, float("-inf"))
+                o, lb = o.masked_fill(e[..., None], 0.0), lb.masked_fill(e, float("-inf"))
             out_b[b0:b1] = o
             if return_lse:
-                lse_b[b0:b1] = l
+                lse_b[b0:b1] = lb
     return out[:, :Q].transpose(1, 2), (lse[..., :Q] if return_lse else None)
 
 
