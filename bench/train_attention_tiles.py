@@ -53,7 +53,13 @@ def trained_priorities(path: str, S: int) -> tuple[torch.Tensor, KVpopConfig]:
     from kvpop.eval.evaluate import held_out_rows
     from kvpop.models import load_model
 
-    model, tokenizer = load_model(path)
+    try:
+        model, tokenizer = load_model(path)
+    except (ValueError, OSError) as err:  # not a model directory, or its files missing or damaged
+        raise SystemExit(f"train_attention_tiles.py --model {path}: {err}") from None
+    if getattr(model, "kvpop", None) is None:
+        raise SystemExit(f"train_attention_tiles.py --model {path}: not a kvpop run (a directory written by "
+                         "kvpop.save or kvpop train): it has no scorer whose priorities to count")
     ids = held_out_rows("champ", tokenizer, S, 1)
     if ids.shape[0] == 0:
         raise SystemExit(f"--length {S}: no held-out champ row is that long")
@@ -73,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="a trained run's directory: its priorities on a held-out row")
     args = ap.parse_args(argv)
+    try:
+        blocks = [int(b) for b in args.blocks.split(",")]
+    except ValueError:
+        ap.error(f"--blocks {args.blocks!r}: comma-separated tile sizes, e.g. 128,64")
+    if min(blocks) < 1:
+        ap.error(f"--blocks {args.blocks!r}: tile sizes must be at least 1")
     S = args.length
     if args.model:
         pri, cfg = trained_priorities(args.model, S)  # [L, Hkv, S]: the layers as rows of one batch
@@ -94,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     alive = alive_until(pos[None], valid, evict, cfg.sink, cfg.window)[0]  # [H, S]
     causal_pairs = S * (S + 1) / 2 * H
     rows = []
-    for bs in (int(b) for b in args.blocks.split(",")):
+    for bs in blocks:
         tiles = tile_states(pos[None], valid, pos[None], valid, evict, cfg.sink, cfg.window, bs)[0]  # [H, nb, nb]
         nb = tiles.shape[-1]
         lower = nb * (nb + 1) // 2 * H  # the tiles dense causal attention computes

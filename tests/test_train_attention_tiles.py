@@ -61,3 +61,22 @@ def test_main_prints_a_row_per_tile_size(capsys):
 def test_a_budget_at_the_length_is_refused():
     with pytest.raises(SystemExit, match="must be below"):
         _tiles().main(["--length", "256", "--budget", "256"])
+
+
+def test_a_trained_runs_priorities_every_layer_and_head(tmp_path, capsys):
+    import kvpop
+    from kvpop.models import load_model
+
+    model, tokenizer = load_model("tiny-random-qwen3")
+    model = kvpop.retrofit(model, kvpop.KVpopConfig(sink=2, window=16, topk=32))
+    kvpop.save(model, tmp_path / "run", tokenizer=tokenizer)
+    assert _tiles().main(["--model", str(tmp_path / "run"), "--length", "256", "--blocks", "32"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    cfg = model.config
+    assert out["head_rows"] == cfg.num_hidden_layers * cfg.num_key_value_heads
+    assert out["args"]["budget"] == 50 and out["rows"][0]["visible_pairs"] > 0
+
+
+def test_a_model_without_scorers_is_refused():
+    with pytest.raises(SystemExit, match="not a kvpop run"):
+        _tiles().main(["--model", "tiny-random-qwen3", "--length", "256"])
