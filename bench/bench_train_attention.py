@@ -17,6 +17,10 @@ Per sequence length it times, with CUDA events (`triton.testing.do_bench`, media
 - `target`: the scorers' label, the transposed future-attention pass (`future_attention_target`);
 - `dense_fwd`, `dense_fwd_bwd`: causal `scaled_dot_product_attention` (flash) on the same tensors.
 
+`--gather` adds the attention over each query tile's gathered keys (`ops/attention/gather.py`: the same rule on
+the keys a tile sees, about a quarter of the causal pairs), its forward and, unless `--quick`, forward + backward,
+with its largest difference from the sparse forward's output.
+
 `--quick` skips what the mask-share ratio does not need (dense and sparse forward + backward, the
 target pass): it keeps the cutoffs, the block mask and the sparse forward.
 
@@ -190,6 +194,8 @@ def run(S: int, args) -> dict:
     # the same share with the earlier pieces (tile-scan cutoffs, torch block mask), measured in this run
     row["mask_share_before"] = (row["cutoffs_scan_ms"] + row["block_mask_torch_ms"]) / row["sparse_fwd_ms"]
     _note(row, "mask_share_before")
+    if args.gather:
+        row.update(time_gather(q, k, v, grad, pos, valid, evict, cfg, scale, sparse_fwd, args))
     if args.quick:
         row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
         return row
@@ -217,6 +223,33 @@ def run(S: int, args) -> dict:
     return row
 
 
+def time_gather(q, k, v, grad, pos, valid, evict, cfg, scale, sparse_fwd, args) -> dict:
+    """`--gather`: attention over each query tile's gathered keys (`ops/attention/gather.py`), the whole call (the
+    tiles' keys, the gather, the inner block mask and FlexAttention), beside the sparse forward; its output
+    against the sparse forward's, and forward + backward unless `--quick`."""
+    from kvpop.ops.attention.gather import gather_sparse_attention
+
+    def gather_fwd():
+        return gather_sparse_attention(q, k, v, pos, valid, pos, valid, evict, cfg.sink, cfg.window, cfg.topk,
+                                       scale, return_lse=True, backend="flex")
+
+    out = {}
+    with torch.no_grad():
+        got, want = gather_fwd()[0], sparse_fwd()[0]
+        out["gather_max_abs_diff"] = float((got.float() - want.float()).abs().max())
+        print(f"# gather_max_abs_diff = {out['gather_max_abs_diff']}", flush=True)
+        out["gather_fwd_ms"] = _bench(gather_fwd, args.rep)
+        print(f"# gather_fwd_ms = {out['gather_fwd_ms']}", flush=True)
+    if not args.quick:
+        def gather_fwd_bwd():
+            gather_fwd()[0].backward(grad)
+
+        gather_fwd_bwd()
+        out["gather_fwd_bwd_ms"] = _bench(gather_fwd_bwd, args.rep)
+        print(f"# gather_fwd_bwd_ms = {out['gather_fwd_bwd_ms']}", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="16384")
@@ -228,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rep", type=int, default=200, help="do_bench's target milliseconds per measurement")
     p.add_argument("--naive-mask", action="store_true", help="also time create_block_mask over every point")
+    p.add_argument("--gather", action="store_true",
+                   help="also time attention over each query tile's gathered keys (ops/attention/gather.py)")
     p.add_argument("--quick", action="store_true",
                    help="skip dense/sparse forward+backward and the target (keeps cutoffs, block mask, sparse forward)")
     p.add_argument("--sweep", action="store_true",

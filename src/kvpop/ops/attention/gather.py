@@ -1,0 +1,117 @@
+"""Sparse attention over each query tile's gathered keys: the tile work of the rule's attention cut to its keys.
+
+The training path's FlexAttention runs on the sequence's own layout, where the kept tokens are spread over the whole
+history: nearly every causal tile holds some kept key, so it computes 60-100 % of the causal tiles for 23 % of the
+pairs (`bench/train_attention_tiles.py`, docs/RESULTS.md, eighteenth session). Here each tile of `block` queries
+first gathers the keys visible to any of its queries, then attends to those alone. Visibility is an interval
+(`[pos_t, alive_t)`, `block_mask.alive_until`), so a tile's keys are the ones its first query holds (at most the
+budget) plus the ones inserted within the tile: at most `sink + window + topk + block - 1`, whatever the sequence
+length. The gathered problem is the same rule on other tensors (one batch entry per (row, KV head, query tile), the
+query heads of the group as its heads), so it runs through `sparse_attention` and any of its backends, and autograd
+scatters the gradients back through the gather.
+
+Exact: every query sees the same keys as under `sparse_attention` (`tests/test_attention_gather.py`, values and
+gradients). Its cost is memory: the gathered keys and values are `ceil(Q / block) * U / N` times the layer's own
+(about 17x at S = 16k, B = 2048). Opt-in, for the bench (`bench_train_attention.py --gather`); not yet timed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvpop.ops.attention.block_mask import alive_until
+
+_MAX = torch.iinfo(torch.long).max
+_MIN = torch.iinfo(torch.long).min
+
+
+def tile_keys(
+    q_pos: Tensor,  # [B, Q]
+    q_valid: Tensor,  # [B, Q]
+    k_pos: Tensor,  # [B, N]
+    k_valid: Tensor,  # [B, N]
+    evict: Tensor,  # [B, Hkv, N]
+    sink: int,
+    window: int,
+    width: int,
+    block: int,
+) -> tuple[Tensor, Tensor]:
+    """Each query tile's visible keys, in position order: (indices [B, Hkv, T, width], used [B, Hkv, T, width]).
+
+    A key is visible to some query of the tile iff it is at or before the tile's last valid query and alive past its
+    first (both bounds of an interval). `width` must hold the largest tile's keys; a tile with fewer pads with keys
+    no query of it sees (`used` False). One host sync checks the width.
+    """
+    B, Q = q_pos.shape
+    T = -(-Q // block)
+    pad = T * block - Q
+    qp = F.pad(q_pos, (0, pad)).view(B, T, block)
+    qv = F.pad(q_valid, (0, pad), value=False).view(B, T, block)
+    q_lo = torch.where(qv, qp, _MAX).amin(-1)  # [B, T]: an all-padding tile sees nothing
+    q_hi = torch.where(qv, qp, _MIN).amax(-1)
+    alive = alive_until(k_pos, k_valid, evict, sink, window)  # [B, Hkv, N]
+    seen = (k_pos[:, None, None, :] <= q_hi[:, None, :, None]) & (alive[:, :, None, :] > q_lo[:, None, :, None])
+    most = int(seen.sum(-1).amax())
+    if most > width:
+        raise ValueError(f"a query tile sees {most} keys, more than the width {width}: the query positions of a "
+                         "tile must be consecutive (one document per row), or pass a larger width")
+    # the visible keys first, each tile's in position order (a stable sort of the flags)
+    idx = torch.sort(seen.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :width]
+    return idx, seen.gather(-1, idx)
+
+
+def gather_sparse_attention(
+    query: Tensor,  # [B, Hq, Q, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    q_pos: Tensor,  # [B, Q]
+    q_valid: Tensor,  # [B, Q]
+    k_pos: Tensor,  # [B, N]
+    k_valid: Tensor,  # [B, N]
+    evict: Tensor,  # [B, Hkv, N]
+    sink: int,
+    window: int,
+    topk: int,
+    scale: float,
+    return_lse: bool = False,
+    block: int = 128,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """`sparse_attention` (shared key positions) computed tile by tile over each query tile's gathered keys.
+
+    `topk` bounds the gathered width (`sink + window + topk + block - 1`); `backend` is the inner
+    `sparse_attention`'s. Returns out [B, Hq, Q, D] and, if asked, lse float32 [B, Hq, Q], as `sparse_attention`.
+    """
+    from kvpop.ops.attention import sparse_attention
+
+    B, Hq, Q, D = query.shape
+    Hkv, N = key.shape[1], key.shape[2]
+    G, T = Hq // Hkv, -(-Q // block)
+    U = min(N, sink + window + topk + block - 1)
+    idx, used = tile_keys(q_pos, q_valid, k_pos, k_valid, evict, sink, window, U, block)
+    flat = idx.reshape(B, Hkv, T * U)
+    R = B * Hkv * T  # one batch entry per (row, KV head, query tile), with the group's query heads as its heads
+
+    def pick(t: Tensor) -> Tensor:  # [B, Hkv, N, ...] -> [R, U, ...]
+        if t.dim() == 3:
+            return t.gather(2, flat).reshape(R, U)
+        return t.gather(2, flat[..., None].expand(-1, -1, -1, t.shape[-1])).reshape(R, U, t.shape[-1])
+
+    kp = pick(k_pos[:, None].expand(B, Hkv, N))
+    pad = T * block - Q
+    q = F.pad(query, (0, 0, 0, pad)).view(B, Hkv, G, T, block, D).transpose(2, 3).reshape(R, G, block, D)
+    qp = F.pad(q_pos, (0, pad)).view(B, 1, T, block).expand(B, Hkv, T, block).reshape(R, block)
+    qv = F.pad(q_valid, (0, pad), value=False).view(B, 1, T, block).expand(B, Hkv, T, block).reshape(R, block)
+    out, lse = sparse_attention(
+        q, pick(key)[:, None], pick(value)[:, None], qp, qv, kp, used.reshape(R, U), pick(evict)[:, None],
+        sink, window, scale, return_lse=return_lse, backend=backend,
+    )
+    out = out.view(B, Hkv, T, G, block, D).transpose(2, 3).reshape(B, Hq, T * block, D)[:, :, :Q]
+    if lse is not None:
+        lse = lse.view(B, Hkv, T, G, block).transpose(2, 3).reshape(B, Hq, T * block)[:, :, :Q]
+    return out, lse
+
+
+__all__ = ["gather_sparse_attention", "tile_keys"]

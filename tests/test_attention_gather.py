@@ -1,0 +1,117 @@
+"""`ops/attention/gather.py`: attention over each query tile's gathered keys equals the rule's sparse attention, values
+and gradients, and a tile never sees more than the budget plus the tile."""
+
+import pytest
+import torch
+
+from helpers import left_padded
+from kvpop.config import KVpopConfig
+from kvpop.ops.attention import sparse_attention
+from kvpop.ops.attention.gather import gather_sparse_attention, tile_keys
+from kvpop.ops.topk import eviction_positions
+
+# (B, Hkv, G, S, D, budget, block): GQA groups 1..4, tiles that do not divide S, a budget above S, tiny tiles
+SHAPES = [(1, 2, 2, 96, 16, 24, 32), (2, 1, 4, 70, 8, 16, 16), (2, 3, 1, 50, 8, 64, 16), (1, 2, 3, 128, 8, 20, 8)]
+
+
+def _inputs(B, Hkv, G, S, D, budget, pad, ties, seed):
+    g = torch.Generator().manual_seed(seed)
+    cfg = KVpopConfig.for_budget(budget)
+    q = torch.randn(B, Hkv * G, S, D, generator=g)
+    k = torch.randn(B, Hkv, S, D, generator=g)
+    v = torch.randn(B, Hkv, S, D, generator=g)
+    pri = torch.randn(B, Hkv, S, generator=g)
+    if ties:
+        pri = pri.round()  # many equal priorities: ties go to the newer token
+    valid = left_padded(B, S, seed) if pad else torch.ones(B, S, dtype=torch.bool)
+    pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    evict = eviction_positions(pri, pos[:, None], valid[:, None], cfg.sink, cfg.window, cfg.topk, ordered=True)
+    return cfg, q, k, v, pos, valid, evict
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pad,ties", [(False, False), (True, True)])
+@pytest.mark.parametrize("backend", ["reference", "auto"])  # "auto": the CPU's fused kernel, as training runs it
+def test_gathered_tiles_equal_the_sparse_attention(shape, pad, ties, backend):
+    B, Hkv, G, S, D, budget, block = shape
+    cfg, q, k, v, pos, valid, evict = _inputs(B, Hkv, G, S, D, budget, pad, ties, seed=S)
+    rule = (pos, valid, pos, valid, evict, cfg.sink, cfg.window, D**-0.5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    # against the same backend on the whole sequence: the CPU's fused kernel gives its lse no gradient (training
+    # detaches it), the reference does
+    want, want_lse = sparse_attention(*leaves, *rule, return_lse=True, backend=backend)
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    got, got_lse = gather_sparse_attention(*mine, pos, valid, pos, valid, evict, cfg.sink, cfg.window, cfg.topk,
+                                           D**-0.5, return_lse=True, block=block, backend=backend)
+    real = valid[:, None, :, None]
+    # the reference computes in float32 (over all N keys here, over the tile's U there): rounding apart
+    torch.testing.assert_close(got * real, want * real, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(got_lse[real[..., 0].expand_as(got_lse)], want_lse[real[..., 0].expand_as(want_lse)],
+                               rtol=1e-5, atol=2e-6)
+    # gradients through the gather: a loss on the real queries' outputs and lse
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(1)) * real
+    lse_real = real[..., 0].expand_as(want_lse)
+    ((want * grad).sum() + want_lse[lse_real].sum()).backward()
+    ((got * grad).sum() + got_lse[lse_real].sum()).backward()
+    for a, b, name in zip(mine, leaves, "qkv"):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5, msg=f"grad {name}")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_tile_sees_at_most_the_budget_plus_the_tile(seed):
+    g = torch.Generator().manual_seed(seed)
+    S, block = 300, int(torch.randint(4, 64, (1,), generator=g))
+    cfg = KVpopConfig.for_budget(int(torch.randint(8, 120, (1,), generator=g)))
+    pri = torch.randn(1, 2, S, generator=g).round(decimals=int(seed % 2))
+    pos, valid = torch.arange(S)[None], torch.ones(1, S, dtype=torch.bool)
+    evict = eviction_positions(pri, pos[:, None], valid[:, None], cfg.sink, cfg.window, cfg.topk, ordered=True)
+    width = cfg.sink + cfg.window + cfg.topk + block - 1
+    idx, used = tile_keys(pos, valid, pos, valid, evict, cfg.sink, cfg.window, S, block)  # room for every key
+    assert int(used.sum(-1).max()) <= width
+    # the used keys come first, in position order, each once
+    first = used.long().argmin(-1, keepdim=True).where(~used.all(-1, keepdim=True), used.shape[-1])
+    assert bool((used == (torch.arange(used.shape[-1]) < first)).all())
+    ordered = torch.where(used, idx, S)
+    assert bool((ordered[..., 1:] >= ordered[..., :-1]).all())
+    with pytest.raises(ValueError, match="more than the width"):
+        tile_keys(pos, valid, pos, valid, evict, cfg.sink, cfg.window, cfg.sink + cfg.window, block)
+
+
+def test_the_flex_backend_forward_on_the_cpu():
+    # FlexAttention runs forward (no backward) off CUDA: the gathered batch through the training path's kernel
+    B, Hkv, G, S, D, budget, block = 1, 2, 2, 200, 16, 48, 32
+    cfg, q, k, v, pos, valid, evict = _inputs(B, Hkv, G, S, D, budget, False, False, seed=3)
+    rule = (pos, valid, pos, valid, evict, cfg.sink, cfg.window, D**-0.5)
+    with torch.no_grad():
+        want, want_lse = sparse_attention(q, k, v, *rule, return_lse=True, backend="reference")
+        got, got_lse = gather_sparse_attention(q, k, v, pos, valid, pos, valid, evict, cfg.sink, cfg.window,
+                                               cfg.topk, D**-0.5, return_lse=True, block=block, backend="flex")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-4, atol=1e-5)
+
+
+def test_the_bench_rows_of_the_gathered_attention(monkeypatch):
+    # `bench_train_attention.py --gather` on the CPU with one call in place of do_bench (CUDA only): its rows and
+    # its check against the sparse forward
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_train_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_train_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "_bench", lambda fn, rep: (fn(), 0.5)[1])
+    B, Hkv, G, S, D, budget = 1, 2, 2, 300, 16, 64  # three query tiles of the default 128, the last one short
+    cfg, q, k, v, pos, valid, evict = _inputs(B, Hkv, G, S, D, budget, False, False, seed=5)
+    rule = (pos, valid, pos, valid, evict, cfg.sink, cfg.window, D**-0.5)
+
+    def sparse_fwd():
+        return sparse_attention(q, k, v, *rule, return_lse=True, backend="reference")
+
+    args = types.SimpleNamespace(rep=1, quick=True)
+    row = bench.time_gather(q, k, v, None, pos, valid, evict, cfg, D**-0.5, sparse_fwd, args)
+    assert row["gather_fwd_ms"] == 0.5 and "gather_fwd_bwd_ms" not in row
+    assert row["gather_max_abs_diff"] < 1e-5
