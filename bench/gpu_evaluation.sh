@@ -11,6 +11,7 @@
 #
 #   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; then TOVA's prefill walk,
 #                                        # profiled (WALK_S, 90), and with ATTN_S > 0 the training attention
+#                                        # beside the gathered one (issue 18 item 6; not yet run)
 #   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; under MPS, the runs start (TRAIN_S)
 #   bash bench/gpu_evaluation.sh 3 OUT   # the runs go on (TRAIN3_S)
 #   bash bench/gpu_evaluation.sh 4 OUT   # the runs go on to CURVE_AT seconds; held-out recall at every kept
@@ -130,7 +131,7 @@ resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into thi
   fi
   if [ "${ATTN_S:-0}" -gt 0 ]; then  # `if`, not `&&`: a skipped step must not become the call's exit status
     step train_attention "${ATTN_S:-0}" python bench/bench_train_attention.py --lengths 16384 --budget 2048 \
-      --json-out "$out/train_attention.json"
+      --gather --json-out "$out/train_attention.json"
   fi
   ;;
 2|2s)
