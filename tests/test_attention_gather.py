@@ -31,14 +31,14 @@ def _inputs(B, Hkv, G, S, D, budget, pad, ties, seed):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pad,ties", [(False, False), (True, True)])
-@pytest.mark.parametrize("backend", ["reference", "auto"])  # "auto": the CPU's fused kernel, as training runs it
+@pytest.mark.parametrize("backend", ["reference", "cpu"])  # "cpu": the CPU's fused kernel, inside as on the sequence
 def test_gathered_tiles_equal_the_sparse_attention(shape, pad, ties, backend):
     B, Hkv, G, S, D, budget, block = shape
     cfg, q, k, v, pos, valid, evict = _inputs(B, Hkv, G, S, D, budget, pad, ties, seed=S)
     rule = (pos, valid, pos, valid, evict, cfg.sink, cfg.window, D**-0.5)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     # against the same backend on the whole sequence: the CPU's fused kernel gives its lse no gradient (training
-    # detaches it), the reference does
+    # detaches it), the reference does; "cpu" and "reference" never gather on their own
     want, want_lse = sparse_attention(*leaves, *rule, return_lse=True, backend=backend)
     mine = [t.clone().requires_grad_() for t in (q, k, v)]
     got, got_lse = gather_sparse_attention(*mine, pos, valid, pos, valid, evict, cfg.sink, cfg.window, cfg.topk,
@@ -115,3 +115,31 @@ def test_the_bench_rows_of_the_gathered_attention(monkeypatch):
     row = bench.time_gather(q, k, v, None, pos, valid, evict, cfg, D**-0.5, sparse_fwd, args)
     assert row["gather_fwd_ms"] == 0.5 and "gather_fwd_bwd_ms" not in row
     assert row["gather_max_abs_diff"] < 1e-5
+
+
+def test_training_on_the_cpu_runs_the_gathered_tiles(monkeypatch):
+    # `sparse_attention`'s "auto" with gradients (the training path on the CPU) is the gathered form: the values and
+    # gradients of the whole-sequence fused kernel; without gradients it stays the block kernel
+    B, Hkv, G, S, D, budget = 2, 2, 2, 300, 16, 64
+    cfg, q, k, v, pos, valid, evict = _inputs(B, Hkv, G, S, D, budget, True, False, seed=9)
+    rule = (pos, valid, pos, valid, evict, cfg.sink, cfg.window, D**-0.5)
+    import kvpop.ops.attention.gather as gather
+
+    calls = []
+    real_gather = gather.gather_sparse_attention
+    monkeypatch.setattr(gather, "gather_sparse_attention", lambda *a, **kw: calls.append(1) or real_gather(*a, **kw))
+    grads = []
+    for backend in ("auto", "cpu"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = sparse_attention(*leaves, *rule, backend=backend)
+        (out * valid[:, None, :, None]).sum().backward()
+        grads.append((out.detach() * valid[:, None, :, None], *(t.grad for t in leaves)))
+    assert len(calls) == 1  # "auto" gathered, "cpu" did not
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        sparse_attention(q, k, v, *rule)
+    assert len(calls) == 1  # no gradient: the block kernel
+    with pytest.raises(ValueError, match="shared by the heads"):
+        sparse_attention(q, k, v, pos, valid, pos[:, None].expand(B, Hkv, S), valid[:, None].expand(B, Hkv, S), evict,
+                         cfg.sink, cfg.window, D**-0.5, backend="gather")

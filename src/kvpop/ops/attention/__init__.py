@@ -16,7 +16,7 @@ from torch import Tensor
 
 from kvpop.ops.attention.reference import attention_with_probs, masked_attention, slot_probs, step_probs
 
-Backend = Literal["auto", "reference", "cpu", "cpu_blocks", "flex", "sdpa"]
+Backend = Literal["auto", "reference", "cpu", "cpu_blocks", "flex", "sdpa", "gather"]
 
 
 def decode_attention(
@@ -53,7 +53,9 @@ def sparse_attention(
     slots followed by a chunk). Backends: "flex" (CUDA, shared positions), "sdpa" (CUDA, per-head
     positions: `scaled_dot_product_attention` under the dense mask), "cpu_blocks" (the CPU's fused
     kernel over the keys each block of queries needs; the CPU default when nothing needs a gradient),
-    "cpu" (the fused kernel under the dense mask; the CPU default for training), "reference".
+    "cpu" (the fused kernel under the dense mask), "gather" (shared positions: each tile of queries over its own
+    gathered keys, `gather.py`, the fused kernel inside on the CPU, FlexAttention on CUDA; the CPU default for
+    training), "reference".
 
     Returns:
         out [B, Hq, Q, D] and, if asked, lse float32 [B, Hq, Q].
@@ -66,7 +68,9 @@ def sparse_attention(
             backend = "flex" if shared else "sdpa"
         elif available(query):
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            backend = "cpu" if grad else "cpu_blocks"
+            # training on the CPU: each query tile over its own gathered keys (2.4-4.4x less time than the
+            # whole-sequence mask at S = 2048, B = 512 / 256; docs/RESULTS.md, eighteenth session)
+            backend = ("gather" if shared else "cpu") if grad else "cpu_blocks"
         else:
             backend = "reference"
     if backend == "flex":
@@ -77,6 +81,13 @@ def sparse_attention(
         return flex_sparse_attention(
             query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale, return_lse=return_lse
         )
+    if backend == "gather":
+        if not shared:
+            raise ValueError("backend='gather' needs key positions shared by the heads ([B, N])")
+        from kvpop.ops.attention.gather import gather_sparse_attention
+
+        return gather_sparse_attention(query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, None,
+                                       scale, return_lse=return_lse)
     if backend == "cpu_blocks":
         from kvpop.ops.attention.cpu import cpu_block_sparse_attention
 
@@ -84,7 +95,8 @@ def sparse_attention(
             query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale, return_lse=return_lse
         )
     if backend not in ("reference", "cpu", "sdpa"):
-        raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'cpu', 'cpu_blocks', 'flex', 'sdpa'")
+        raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'cpu', 'cpu_blocks', 'flex', 'sdpa', "
+                         "'gather'")
     from kvpop.ops.topk import mask_from_eviction
 
     if shared:
