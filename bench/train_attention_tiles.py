@@ -30,19 +30,17 @@ import torch
 
 from kvpop.config import KVpopConfig
 from kvpop.ops.attention.block_mask import EMPTY, FULL, PARTIAL, alive_until, tile_states
+from kvpop.ops.attention.gather import tile_sight
 from kvpop.ops.topk import eviction_positions
 
 
 def count(alive: torch.Tensor, pos: torch.Tensor, S: int, bs: int) -> dict:
     """Tiles, pairs and per-tile key unions at tile size `bs` for keys visible on `[pos, alive)` ([H, S])."""
-    H = alive.shape[0]
     visible = (alive.clamp(max=S) - pos).clamp(min=0).sum().item()  # pairs (query, key) the rule lets through
-    nb = -(-S // bs)
-    q_lo = torch.arange(nb) * bs
-    q_hi = (q_lo + bs - 1).clamp(max=S - 1)
-    # keys visible to some query of the tile: at or before its last query, alive past its first
-    union = torch.stack([((pos[None] <= q_hi[:, None]) & (alive[h][None] > q_lo[:, None])).sum(-1) for h in range(H)])
-    rows = (q_hi - q_lo + 1).float()
+    # the keys some query of each tile sees, one head at a time (the trained case has layers x heads of them)
+    valid = torch.ones(1, S, dtype=torch.bool)
+    union = torch.cat([tile_sight(pos[None], valid, pos[None], a[None, None], bs)[0, 0].sum(-1)[None] for a in alive])
+    rows = torch.tensor([min(bs, S - i) for i in range(0, S, bs)], dtype=torch.float32)
     return {"visible_pairs": visible, "gather_pairs": float((union.float() * rows).sum()),
             "union_mean": float(union.float().mean()), "union_max": int(union.max())}
 

@@ -23,10 +23,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvpop.ops.attention.block_mask import alive_until
+from kvpop.ops.attention.block_mask import _MAX, _MIN, _block_reduce, alive_until
 
-_MAX = torch.iinfo(torch.long).max
-_MIN = torch.iinfo(torch.long).min
+
+def tile_sight(
+    q_pos: Tensor,  # [B, Q]
+    q_valid: Tensor,  # [B, Q]
+    k_pos: Tensor,  # [B, N]
+    alive: Tensor,  # [B, Hkv, N]: `alive_until`
+    block: int,
+) -> Tensor:
+    """Which keys some query of each tile of `block` queries sees: bool [B, Hkv, ceil(Q / block), N].
+
+    A key is visible on `[pos_t, alive_t)`, so some query of the tile sees it iff it is at or before the tile's last
+    valid query and alive past its first (`tile_states`' per-block statistics, per key instead of per key block).
+    """
+    q_lo = _block_reduce(torch.where(q_valid, q_pos, _MAX), block, _MAX, "min")  # [B, T]: all-padding tiles see none
+    q_hi = _block_reduce(torch.where(q_valid, q_pos, _MIN), block, _MIN, "max")
+    return (k_pos[:, None, None, :] <= q_hi[:, None, :, None]) & (alive[:, :, None, :] > q_lo[:, None, :, None])
 
 
 def tile_keys(
@@ -42,19 +56,11 @@ def tile_keys(
 ) -> tuple[Tensor, Tensor]:
     """Each query tile's visible keys, in position order: (indices [B, Hkv, T, width], used [B, Hkv, T, width]).
 
-    A key is visible to some query of the tile iff it is at or before the tile's last valid query and alive past its
-    first (both bounds of an interval). `width` must hold the largest tile's keys (None: the largest tile's count);
-    a tile with fewer pads with keys no query of it sees (`used` False). One host sync checks or finds the width.
+    `width` must hold the largest tile's keys (None: the largest tile's count); a tile with fewer pads with keys no
+    query of it sees (`used` False). One host sync checks or finds the width.
     """
-    B, Q = q_pos.shape
-    T = -(-Q // block)
-    pad = T * block - Q
-    qp = F.pad(q_pos, (0, pad)).view(B, T, block)
-    qv = F.pad(q_valid, (0, pad), value=False).view(B, T, block)
-    q_lo = torch.where(qv, qp, _MAX).amin(-1)  # [B, T]: an all-padding tile sees nothing
-    q_hi = torch.where(qv, qp, _MIN).amax(-1)
     alive = alive_until(k_pos, k_valid, evict, sink, window)  # [B, Hkv, N]
-    seen = (k_pos[:, None, None, :] <= q_hi[:, None, :, None]) & (alive[:, :, None, :] > q_lo[:, None, :, None])
+    seen = tile_sight(q_pos, q_valid, k_pos, alive, block)
     most = int(seen.sum(-1).amax())
     width = max(1, most) if width is None else width
     if most > width:
@@ -141,4 +147,4 @@ def gather_sparse_attention(
     return out, lse
 
 
-__all__ = ["gather_sparse_attention", "tile_keys"]
+__all__ = ["gather_sparse_attention", "tile_keys", "tile_sight"]
