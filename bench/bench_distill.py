@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script (CPU times then)")
+    p.add_argument("--attention", default="auto", choices=("auto", "flex", "gather"),
+                   help="the student's training attention, as `kvpop train --attention`: auto (FlexAttention over the "
+                        "sequence on CUDA), flex, or gather (each query tile over its own keys)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -56,7 +59,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as out:
         tcfg = TrainConfig(model=args.model, data=args.data, seq_len=args.seq_len, steps=args.warmup + args.steps,
-                           out=out, save_every=0, device=args.device, freeze_base=args.freeze_base)
+                           out=out, save_every=0, device=args.device, freeze_base=args.freeze_base,
+                           attention=args.attention)
         kcfg = KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window, scorer=args.scorer)
         t0 = time.perf_counter()
         d = Distiller(tcfg, kcfg)
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
     mean_ms = 1e3 * sum(step_s) / len(step_s)
     row = {
         "model": args.model, "seq_len": args.seq_len, "budget": kcfg.budget, "sink": kcfg.sink, "window": kcfg.window,
-        "topk": d.kcfg.topk, "scorer": args.scorer, "full_distillation": not args.freeze_base,
+        "topk": d.kcfg.topk, "scorer": args.scorer, "attention": args.attention, "full_distillation": not args.freeze_base,
         "step_s_median": med, "tokens_per_s": args.seq_len / med, "setup_s": setup_s, "warmup_s": warmup_s,
         "range_ms_per_step": range_ms, "shares": {k: v / mean_ms for k, v in range_ms.items()}, "peak_gb": peak_gb,
     }

@@ -206,6 +206,12 @@ def run(S: int, args) -> dict:
         o.backward(grad)
 
     sparse_fwd_bwd()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    sparse_fwd_bwd()
+    torch.cuda.synchronize()
+    row["sparse_fwd_bwd_extra_gb"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     row["sparse_fwd_bwd_ms"] = _bench(sparse_fwd_bwd, args.rep)
     _note(row, "sparse_fwd_bwd_ms")
 
@@ -219,6 +225,9 @@ def run(S: int, args) -> dict:
     _note(row, "target_ms")
 
     row["train_vs_dense"] = (row["sparse_fwd_bwd_ms"] + row["target_ms"]) / row["dense_fwd_bwd_ms"]
+    if "gather_fwd_bwd_ms" in row:  # the same ratio with the gathered attention in place of the sparse one
+        row["train_vs_dense_gather"] = (row["gather_fwd_bwd_ms"] + row["target_ms"]) / row["dense_fwd_bwd_ms"]
+        _note(row, "train_vs_dense_gather")
     row["peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return row
 
@@ -226,27 +235,90 @@ def run(S: int, args) -> dict:
 def time_gather(q, k, v, grad, pos, valid, evict, cfg, scale, sparse_fwd, args) -> dict:
     """`--gather`: attention over each query tile's gathered keys (`ops/attention/gather.py`), the whole call (the
     tiles' keys, the gather, the inner block mask and FlexAttention), beside the sparse forward; its output
-    against the sparse forward's, and forward + backward unless `--quick`."""
-    from kvpop.ops.attention.gather import gather_sparse_attention
-
-    def gather_fwd():
-        return gather_sparse_attention(q, k, v, pos, valid, pos, valid, evict, cfg.sink, cfg.window, cfg.topk,
-                                       scale, return_lse=True, backend="flex")
+    against the sparse forward's, forward + backward unless `--quick`, at every query tile of `--gather-blocks`
+    (the first is the one the pieces are timed at: the tiles' keys, the whole gathering, the attention on the
+    gathered batch alone and its share of full tiles; the peak memory of each), and with `--gather-profile` the CUDA kernels of one forward +
+    backward."""
+    from kvpop.ops.attention.block_mask import sparse_block_mask
+    from kvpop.ops.attention.flex import flex_sparse_attention
+    from kvpop.ops.attention.gather import gather_sparse_attention, gather_tiles, tile_keys
 
     out = {}
-    with torch.no_grad():
-        got, want = gather_fwd()[0], sparse_fwd()[0]
-        out["gather_max_abs_diff"] = float((got.float() - want.float()).abs().max())
-        print(f"# gather_max_abs_diff = {out['gather_max_abs_diff']}", flush=True)
-        out["gather_fwd_ms"] = _bench(gather_fwd, args.rep)
-        print(f"# gather_fwd_ms = {out['gather_fwd_ms']}", flush=True)
-    if not args.quick:
-        def gather_fwd_bwd():
-            gather_fwd()[0].backward(grad)
+    blocks = [int(b) for b in args.gather_blocks.split(",")]
+    for block in blocks:
+        tag = "" if block == blocks[0] else f"_b{block}"
 
-        gather_fwd_bwd()
-        out["gather_fwd_bwd_ms"] = _bench(gather_fwd_bwd, args.rep)
-        print(f"# gather_fwd_bwd_ms = {out['gather_fwd_bwd_ms']}", flush=True)
+        def gather_fwd(block=block):
+            return gather_sparse_attention(q, k, v, pos, valid, pos, valid, evict, cfg.sink, cfg.window, cfg.topk,
+                                           scale, return_lse=True, block=block, backend="flex")
+
+        with torch.no_grad():
+            got, want = gather_fwd()[0], sparse_fwd()[0]
+            out[f"gather_max_abs_diff{tag}"] = float((got.float() - want.float()).abs().max())
+            out[f"gather_fwd_ms{tag}"] = _bench(gather_fwd, args.rep)
+        if not args.quick:
+            def gather_fwd_bwd(gather_fwd=gather_fwd):
+                gather_fwd()[0].backward(grad)
+
+            gather_fwd_bwd()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            gather_fwd_bwd()
+            torch.cuda.synchronize()
+            out[f"gather_fwd_bwd_extra_gb{tag}"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            out[f"gather_fwd_bwd_ms{tag}"] = _bench(gather_fwd_bwd, args.rep)
+        for key in [k_ for k_ in out if k_.endswith(tag) or not tag]:
+            if key.startswith("gather") and (tag or "_b" not in key):
+                print(f"# block {block}: {key} = {out[key]}", flush=True)
+    # the default tile's pieces: what the gathered call spends outside FlexAttention
+    block = blocks[0]
+    U = min(q.shape[2], cfg.sink + cfg.window + cfg.topk + block - 1)
+    rule = (pos, valid, pos, valid, evict, cfg.sink, cfg.window)
+    with torch.no_grad():
+        out["gather_tile_keys_ms"] = _bench(lambda: tile_keys(*rule, U, block), args.rep)
+        out["gather_tiles_ms"] = _bench(lambda: gather_tiles(q, k, v, *rule, cfg.topk, block), args.rep)
+        tiles = gather_tiles(q, k, v, *rule, cfg.topk, block)
+        qg, kg, vg, qp, qv, kp, used, eg, _ = tiles
+        # the gathered batch alone, as gather_sparse_attention hands it to FlexAttention; its tiles by kind
+        bm = sparse_block_mask(qp, qv, kp, used, eg, cfg.sink, cfg.window, qg.shape[1])
+        n_full, n_part = int(bm.full_kv_num_blocks.sum()), int(bm.kv_num_blocks.sum())
+        out["gather_tiles_full_pct"] = 100.0 * n_full / max(1, n_full + n_part)
+        print(f"# block {block}: {n_full} full and {n_part} partial tiles in the gathered batch", flush=True)
+
+        def inner():
+            return flex_sparse_attention(qg, kg, vg, qp, qv, kp, used, eg, cfg.sink, cfg.window, scale,
+                                         return_lse=True)
+
+        out["gather_inner_fwd_ms"] = _bench(inner, args.rep)
+    if not args.quick:
+        qg, kg, vg = (t.detach().requires_grad_() for t in (qg, kg, vg))
+        ginner = torch.randn_like(qg)
+
+        def inner_fwd_bwd():
+            flex_sparse_attention(qg, kg, vg, qp, qv, kp, used, eg, cfg.sink, cfg.window, scale,
+                                  return_lse=True)[0].backward(ginner)
+
+        inner_fwd_bwd()
+        out["gather_inner_fwd_bwd_ms"] = _bench(inner_fwd_bwd, args.rep)
+        if args.gather_profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            def whole():
+                gather_sparse_attention(q, k, v, pos, valid, pos, valid, evict, cfg.sink, cfg.window, cfg.topk,
+                                        scale, return_lse=True, block=block, backend="flex")[0].backward(grad)
+
+            whole()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    whole()
+                torch.cuda.synchronize()
+            with open(args.gather_profile, "w") as f:
+                f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+    for key in ("gather_tile_keys_ms", "gather_tiles_ms", "gather_inner_fwd_ms", "gather_inner_fwd_bwd_ms"):
+        if key in out:
+            print(f"# block {block}: {key} = {out[key]}", flush=True)
     return out
 
 
@@ -263,6 +335,10 @@ def main(argv=None) -> int:
     p.add_argument("--naive-mask", action="store_true", help="also time create_block_mask over every point")
     p.add_argument("--gather", action="store_true",
                    help="also time attention over each query tile's gathered keys (ops/attention/gather.py)")
+    p.add_argument("--gather-blocks", default="512",
+                   help="query tiles of the gathered attention, comma-separated; the first is timed piece by piece")
+    p.add_argument("--gather-profile", default=None,
+                   help="with --gather, write the CUDA kernels of three gathered forward + backward calls here")
     p.add_argument("--quick", action="store_true",
                    help="skip dense/sparse forward+backward and the target (keeps cutoffs, block mask, sparse forward)")
     p.add_argument("--sweep", action="store_true",
@@ -272,10 +348,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_train_attention needs CUDA", file=sys.stderr)
         return 2
+    # every gathered tile size is another FlexAttention shape: past dynamo's default of 8 compiled variants it falls
+    # back to eager FlexAttention, which builds the S x S scores (a 32 GB allocation at 16k, the first sweep)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     rows = [run(int(S), args) for S in args.lengths.split(",")]
     cols = ("S", "cutoffs_ms", "cutoffs_scan_ms", "cutoffs_wavelet_ms", "block_mask_ms", "block_mask_torch_ms",
             "sparse_fwd_ms", "sparse_fwd_bwd_ms",
-            "target_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "mask_share_before", "mask_share_of_sparse_fwd", "train_vs_dense")
+            "target_ms", "dense_fwd_ms", "dense_fwd_bwd_ms", "mask_share_before", "mask_share_of_sparse_fwd", "train_vs_dense",
+            "train_vs_dense_gather")
     print("  ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print("  ".join(f"{r.get(c):>14.3f}" if isinstance(r.get(c), float) else f"{r.get(c)!s:>14}" for c in cols))

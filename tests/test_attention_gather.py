@@ -73,7 +73,7 @@ def test_a_tile_sees_at_most_the_budget_plus_the_tile(seed):
     assert bool((used == (torch.arange(used.shape[-1]) < first)).all())
     ordered = torch.where(used, idx, S)
     assert bool((ordered[..., 1:] >= ordered[..., :-1]).all())
-    with pytest.raises(ValueError, match="more than the width"):
+    with pytest.raises(ValueError, match="more keys than the width"):
         tile_keys(pos, valid, pos, valid, evict, cfg.sink, cfg.window, cfg.sink + cfg.window, block)
 
 
@@ -111,10 +111,12 @@ def test_the_bench_rows_of_the_gathered_attention(monkeypatch):
     def sparse_fwd():
         return sparse_attention(q, k, v, *rule, return_lse=True, backend="reference")
 
-    args = types.SimpleNamespace(rep=1, quick=True)
+    args = types.SimpleNamespace(rep=1, quick=True, gather_blocks="128,64", gather_profile=None)
     row = bench.time_gather(q, k, v, None, pos, valid, evict, cfg, D**-0.5, sparse_fwd, args)
-    assert row["gather_fwd_ms"] == 0.5 and "gather_fwd_bwd_ms" not in row
-    assert row["gather_max_abs_diff"] < 1e-5
+    assert row["gather_fwd_ms"] == row["gather_fwd_ms_b64"] == 0.5 and "gather_fwd_bwd_ms" not in row
+    assert row["gather_max_abs_diff"] < 1e-5 and row["gather_max_abs_diff_b64"] < 1e-5
+    assert row["gather_tiles_ms"] == row["gather_inner_fwd_ms"] == 0.5
+    assert 0 <= row["gather_tiles_full_pct"] <= 100
 
 
 def test_training_on_the_cpu_runs_the_gathered_tiles(monkeypatch):
@@ -143,3 +145,97 @@ def test_training_on_the_cpu_runs_the_gathered_tiles(monkeypatch):
     with pytest.raises(ValueError, match="shared by the heads"):
         sparse_attention(q, k, v, pos, valid, pos[:, None].expand(B, Hkv, S), valid[:, None].expand(B, Hkv, S), evict,
                          cfg.sink, cfg.window, D**-0.5, backend="gather")
+
+
+def test_the_gathered_keys_are_ordered_to_fill_flex_tiles():
+    # Each tile's older keys by when they stop being visible, its own keys causally after them: FlexAttention's
+    # tiles of the gathered batch come out mostly full (no mask_mod), where the same keys in position order give
+    # mostly partial ones (S = 4096, B = 1024, tiles of 512 queries, random priorities: 732 full / 340 partial
+    # against 208 / 944)
+    from kvpop.ops.attention.block_mask import sparse_block_mask
+    from kvpop.ops.attention.gather import gather_tiles
+
+    B, Hkv, G, S, D, budget, block = 1, 2, 2, 4096, 8, 1024, 512
+    cfg, q, k, v, pos, valid, evict = _inputs(B, Hkv, G, S, D, budget, False, False, seed=0)
+    t = gather_tiles(q, k, v, pos, valid, pos, valid, evict, cfg.sink, cfg.window, cfg.topk, block)
+    by_position = torch.where(t.k_valid, t.k_pos, 2 * S).argsort(dim=-1, stable=True)
+
+    def tiles(k_pos, k_valid, ev):
+        bm = sparse_block_mask(t.q_pos, t.q_valid, k_pos, k_valid, ev, cfg.sink, cfg.window, G, backend="torch")
+        return int(bm.full_kv_num_blocks.sum()), int(bm.kv_num_blocks.sum())
+
+    full, partial = tiles(t.k_pos, t.k_valid, t.evict)
+    full_pos, partial_pos = tiles(t.k_pos.gather(-1, by_position), t.k_valid.gather(-1, by_position),
+                                  t.evict.gather(-1, by_position[:, None]))
+    assert full + partial <= full_pos + partial_pos  # no more tiles to compute (the block statistics are bounds)
+    assert full > 1.5 * partial and full_pos < 0.5 * partial_pos
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("pad,ties", [(False, False), (True, True)])
+@pytest.mark.parametrize("block", [None, 128])  # None: through sparse_attention at the CUDA default (512)
+def test_training_on_cuda_gathers_and_equals_the_sequence_flex(pad, ties, block):
+    # `kvpop train --attention gather` on CUDA: the gathered tiles on compiled FlexAttention give the values, lse and
+    # gradients of FlexAttention over the whole sequence, float32
+    B, Hkv, G, S, D, budget = 2, 2, 4, 1300, 64, 256
+    cfg, q, k, v, pos, valid, evict = (t.cuda() if torch.is_tensor(t) else t
+                                       for t in _inputs(B, Hkv, G, S, D, budget, pad, ties, seed=11))
+    rule = (pos, valid, pos, valid, evict, cfg.sink, cfg.window, D**-0.5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want, want_lse = sparse_attention(*leaves, *rule, return_lse=True, backend="flex")
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    if block is None:
+        import kvpop.ops.attention.gather as gather
+
+        calls = []
+        real_gather = gather.gather_sparse_attention
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gather, "gather_sparse_attention", lambda *a, **kw: calls.append(1) or real_gather(*a, **kw))
+            got, got_lse = sparse_attention(*mine, *rule, return_lse=True, backend="gather", topk=cfg.topk)
+        assert calls == [1]
+    else:
+        got, got_lse = gather_sparse_attention(*mine, pos, valid, pos, valid, evict, cfg.sink, cfg.window, cfg.topk,
+                                               D**-0.5, return_lse=True, block=block, backend="flex")
+    real = valid[:, None, :, None]
+    torch.testing.assert_close(got * real, want * real, rtol=1e-4, atol=2e-5)
+    lse_real = real[..., 0].expand_as(want_lse)
+    torch.testing.assert_close(got_lse[lse_real], want_lse[lse_real], rtol=1e-4, atol=2e-5)
+    grad = torch.randn(want.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) * real
+    (want * grad).sum().backward()
+    (got * grad).sum().backward()
+    for a, b, name in zip(mine, leaves, "qkv"):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4, msg=f"grad {name}")
+
+
+def _bench_module(name):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_distillation_benches_pin_the_students_attention(tmp_path, capsys):
+    # `bench_distill.py --attention` and `profile_distill_step.py` on the CPU (their smoke-test mode), tiny model:
+    # the pinned attention is the one each row reports and runs
+    distill = _bench_module("bench_distill")
+    argv = ["--model", "tiny-random-llama", "--data", "prose", "--seq-len", "256", "--budget", "64", "--window", "16",
+            "--warmup", "1", "--steps", "1", "--device", "cpu"]
+    assert distill.main(argv + ["--attention", "gather", "--json-out", str(tmp_path / "d.json")]) == 0
+    import json
+
+    assert json.loads((tmp_path / "d.json").read_text())["rows"][0]["attention"] == "gather"
+    profile = _bench_module("profile_distill_step")
+    assert profile.main(argv[:10] + ["--attention", "auto,gather", "--device", "cpu", "--warmup", "1", "--steps", "1",
+                                     "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "# auto: GPU busy" in out and "# gather: GPU busy" in out
+    assert (tmp_path / "profile_gather.txt").read_text().count("aten::") > 5

@@ -208,3 +208,20 @@ def test_load_names_a_damaged_file(tmp_path):
     (tmp_path / "m" / "kvpop_config.json").write_text('{"sink": -1}')
     with pytest.raises(FileFormatError, match=r"kvpop_config.json: KVpopConfig.sink=-1 is invalid"):
         kvpop.load(tmp_path / "m")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_float32_model_under_bf16_autocast_attends_in_bf16(arch):
+    # RoPE's float32 cos/sin promote q and k to float32 while v is bf16: the rule's attention casts the three to the
+    # autocast dtype, as SDPA does (mixed, the CPU kernel refused them; on CUDA the attention and the training
+    # target ran in float32). The logits stay those of the float32 forward, to bf16's precision.
+    model = retrofitted(arch)
+    ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        records = Capture()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model(ids, kvpop_capture=records, use_cache=False).logits
+    assert {(r.query.dtype, r.key.dtype) for r in records.records} == {(torch.bfloat16, torch.bfloat16)}
+    assert all(r.lse.dtype == torch.float32 for r in records.records)
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)

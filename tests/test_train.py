@@ -539,6 +539,29 @@ def test_device_cuda_without_cuda_is_a_clear_error(text_file, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_the_attention_flag_reaches_the_students_layers(text_file, tmp_path, monkeypatch, capsys):
+    # `kvpop train --attention gather`: every layer of the student's forward runs the gathered tiles; the resumed run
+    # must ask for the same attention (another changes the floats' order)
+    import kvpop.attention as att
+
+    seen = []
+    real = att.sparse_attention
+    monkeypatch.setattr(att, "sparse_attention", lambda *a, **kw: seen.append(kw.get("backend")) or real(*a, **kw))
+    assert main(_argv(text_file, tmp_path / "o", "--attention", "gather", "--steps", "1")) == 0
+    assert seen.count("gather") == 2  # the two layers of tiny-random-qwen3, one step (the teacher's stay "auto")
+    assert main(_argv(text_file, tmp_path / "o", "--steps", "2", "--resume")) == 1
+    assert "differs in ['attention']" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="TrainConfig.attention='sdpa'"):
+        _cfg(text_file, tmp_path / "x", attention="sdpa")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="FlexAttention trains on CUDA")
+def test_attention_flex_without_cuda_is_a_clear_error(text_file, tmp_path, capsys):
+    assert main(_argv(text_file, tmp_path / "o", "--attention", "flex")) == 1
+    assert "--attention flex trains on CUDA only" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 # --- two phases: scorer-only pre-training, then a new run from its weights (--init-from, issue 17) ---
 
 

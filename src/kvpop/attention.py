@@ -13,7 +13,8 @@ is looked up globally and nothing is stored on Hugging Face modules. The cases:
 Extra keyword arguments a caller may pass to the model forward (they flow down to here):
 `kvpop_dense: bool`, `kvpop_capture: Capture` (receives one `LayerRecord` per layer, for training),
 `kvpop_rope: (cos, sin)` (the layer's rotary embeddings, passed by the retrofit's hook: `scorer_keys="pre_rope"`),
-`kvpop_priority: list[Tensor]` (static priorities per layer, [B, Hkv, S], replacing the policy's: the oracle).
+`kvpop_priority: list[Tensor]` (static priorities per layer, [B, Hkv, S], replacing the policy's: the oracle),
+`kvpop_backend: str` (`sparse_attention`'s backend for the teacher-forced rule; `kvpop train --attention`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,12 @@ def kvpop_attention(
         raise RuntimeError("kvpop attention called without its layer policy: use kvpop.retrofit(model, cfg)")
     cfg = kwargs["kvpop_config"]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if torch.is_autocast_enabled(query.device.type):
+        # As SDPA does under autocast: in a float32 model under bf16 autocast, RoPE's float32 cos/sin promote q and
+        # k back to float32 while v stays bf16. Mixed, the CPU kernels refuse them and on CUDA the attention and
+        # the future-attention target (39 % of a SmolLM2 distillation step, nineteenth session) ran in float32.
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     B, _, Q, _ = query.shape
     if Q == 0:
         raise ValueError("empty input: the model got 0 tokens")
@@ -144,7 +151,7 @@ def kvpop_attention(
             evict = dynamic_eviction_positions(query, key, position, valid, priority, cfg.sink, cfg.window, cfg.topk,
                                                scale, policy.score, pool=policy.pool)
         out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict, cfg.sink, cfg.window,
-                                  scale, backend=kwargs.get("kvpop_backend", "auto"))
+                                  scale, backend=kwargs.get("kvpop_backend", "auto"), topk=cfg.topk)
         return out.transpose(1, 2), None
     capture = kwargs.get("kvpop_capture")
     if cfg.policy == "dms" and policy.training and not kwargs.get("kvpop_dense", False):
@@ -162,7 +169,7 @@ def kvpop_attention(
     if kwargs.get("kvpop_dense", False):
         evict = torch.full(key.shape[:3], NEVER, dtype=torch.long, device=key.device)
         priority = None
-        sink, window = Q, Q  # everything is a sink: causal attention over real tokens
+        sink, window, topk = Q, Q, None  # everything is a sink: causal attention over real tokens
     else:
         with timed("kvpop.scorer"):
             rope = kwargs.get("kvpop_rope")
@@ -176,11 +183,11 @@ def kvpop_attention(
         with timed("kvpop.rule"):
             evict = eviction_positions(priority.detach(), position[:, None], valid[:, None], cfg.sink, cfg.window,
                                        cfg.topk, ordered=True)
-        sink, window = cfg.sink, cfg.window
+        sink, window, topk = cfg.sink, cfg.window, cfg.topk
     with timed("kvpop.sparse_attention"):
         out, lse = sparse_attention(
             query, key, value, position, valid, position, valid, evict, sink, window, scale,
-            return_lse=capture is not None, backend=kwargs.get("kvpop_backend", "auto"),
+            return_lse=capture is not None, backend=kwargs.get("kvpop_backend", "auto"), topk=topk,
         )
     if capture is not None:
         capture.append(LayerRecord(module.layer_idx, query, key, lse, priority, position, valid, scale,

@@ -409,6 +409,10 @@ def info(args: argparse.Namespace) -> int:
     arg("--fsdp", action="store_true", help="under torchrun: FSDP2 sharding instead of DDP"),
     arg("--deterministic", action="store_true",
         help="deterministic kernels only: a run repeats bitwise on the same GPU and software (slower)"),
+    arg("--attention", default="auto", choices=("auto", "flex", "gather"),
+        help="the student's sparse attention: auto (FlexAttention over the sequence on CUDA, the gathered tiles on "
+             "the CPU), flex, or gather (each query tile over its own keys: faster per layer for large models and "
+             "long sequences, slower for small ones) (default auto)"),
     arg("--device", default="auto", help="auto, cpu, cuda, ... (default auto)"),
     NO_PROGRESS,
 ])
@@ -463,7 +467,7 @@ def train(args: argparse.Namespace) -> int:
         lr_scorer=args.lr_scorer, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         grad_clip=args.grad_clip, freeze_base=args.freeze_base, kl_topk=args.kl_topk, out=args.out,
         save_every=args.save_every, keep_every=args.keep_every, seed=args.seed, device=args.device, fsdp=args.fsdp,
-        max_tokens=args.max_tokens, deterministic=args.deterministic,
+        max_tokens=args.max_tokens, deterministic=args.deterministic, attention=args.attention,
     )
     try:
         final = run_training(tcfg, kcfg, resume=args.resume, overwrite=args.overwrite, init_from=args.init_from,

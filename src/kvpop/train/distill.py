@@ -129,6 +129,12 @@ class TrainConfig:
     deterministic: bool = False
     """Deterministic kernels only (`torch.use_deterministic_algorithms`): the same command on the same GPU
     and software then repeats bitwise, at some cost in speed; an op without such a kernel raises, naming it."""
+    attention: str = "auto"
+    """The student's sparse attention (`ops.attention.sparse_attention`'s backend): "auto" (FlexAttention over the
+    whole sequence on CUDA, each query tile over its gathered keys on the CPU), "flex" (CUDA only) or "gather"
+    (the gathered tiles on either; on an H100 3.4x faster per layer than "flex" at the Qwen3-8B shape and S = 16k,
+    yet 1.3x slower per SmolLM2 step at S = 8192, where the host's launches bound the step: docs/RESULTS.md,
+    nineteenth session). The same decisions either way; the floats' order differs."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -146,6 +152,7 @@ class TrainConfig:
             ("keep_every", self.keep_every >= 0, "must be >= 0"),
             ("eval_fraction", 0 <= self.eval_fraction < 1, "must lie in [0, 1)"),
             ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
+            ("attention", self.attention in ("auto", "flex", "gather"), "must be 'auto', 'flex' or 'gather'"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -278,6 +285,9 @@ class Distiller:
         self.overwrite, self.aside = overwrite, None
         self.dist = init_distributed(tcfg.device)
         self.device = self._device(tcfg.device)
+        if tcfg.attention == "flex" and self.device.type != "cuda":
+            raise ValueError(f"--attention flex trains on CUDA only (FlexAttention has no backward on "
+                             f"{self.device.type}); use auto or gather")
         if tcfg.batch_size % self.dist.world:
             raise ValueError(f"--batch-size {tcfg.batch_size} must be a multiple of the number of ranks ({self.dist.world})")
         torch.manual_seed(tcfg.seed)
@@ -462,6 +472,8 @@ class Distiller:
         with autocast:
             # scorer-only training needs no logits: the LM head runs on the last position only
             keep = {} if self.teacher is not None else {"logits_to_keep": 1}
+            if t.attention != "auto":
+                keep["kvpop_backend"] = t.attention
             with timed("kvpop.student_forward"):
                 logits = self.forward_model(batch, kvpop_capture=records, use_cache=False, **keep).logits
             loss_kl = torch.zeros((), device=self.device)

@@ -46,6 +46,7 @@ def sparse_attention(
     scale: float,
     return_lse: bool = False,
     backend: Backend = "auto",
+    topk: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention of each query over the keys the rule keeps for it (see `policy.mask_from_eviction`).
 
@@ -54,8 +55,9 @@ def sparse_attention(
     positions: `scaled_dot_product_attention` under the dense mask), "cpu_blocks" (the CPU's fused
     kernel over the keys each block of queries needs; the CPU default when nothing needs a gradient),
     "cpu" (the fused kernel under the dense mask), "gather" (shared positions: each tile of queries over its own
-    gathered keys, `gather.py`, the fused kernel inside on the CPU, FlexAttention on CUDA; the CPU default for
-    training), "reference".
+    gathered keys, `gather.py`, the fused kernel inside on the CPU, FlexAttention on CUDA; the CPU's training
+    default when the rule evicts), "reference". `topk`: the rule's top-k, which bounds the keys a gathered tile holds
+    (a static shape on CUDA); None finds the bound with one host sync.
 
     Returns:
         out [B, Hq, Q, D] and, if asked, lse float32 [B, Hq, Q].
@@ -65,12 +67,18 @@ def sparse_attention(
         from kvpop.ops.attention.cpu import available
 
         if query.is_cuda:
+            # FlexAttention over the whole sequence, for training too: "gather" computes a layer's forward +
+            # backward 3.4x faster at the 8B shape and S = 16k on an H100, yet made a SmolLM2 distillation step
+            # (S = 8192) 1.3x slower, where the step is bound by the host's launches (docs/RESULTS.md, nineteenth
+            # session); `kvpop train --attention gather` chooses it
             backend = "flex" if shared else "sdpa"
         elif available(query):
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
             # training on the CPU: each query tile over its own gathered keys (2.4-4.4x less time than the
-            # whole-sequence mask at S = 2048, B = 512 / 256; docs/RESULTS.md, eighteenth session)
-            backend = ("gather" if shared else "cpu") if grad else "cpu_blocks"
+            # whole-sequence mask at S = 2048, B = 512 / 256; docs/RESULTS.md, eighteenth session), unless the
+            # rule keeps everything (the dense teacher: sink = window = the length; a tile would gather its prefix)
+            gathered = grad and shared and sink + window < key.shape[-2]
+            backend = "gather" if gathered else ("cpu" if grad else "cpu_blocks")
         else:
             backend = "reference"
     if backend == "flex":
@@ -86,7 +94,7 @@ def sparse_attention(
             raise ValueError("backend='gather' needs key positions shared by the heads ([B, N])")
         from kvpop.ops.attention.gather import gather_sparse_attention
 
-        return gather_sparse_attention(query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, None,
+        return gather_sparse_attention(query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, topk,
                                        scale, return_lse=return_lse)
     if backend == "cpu_blocks":
         from kvpop.ops.attention.cpu import cpu_block_sparse_attention
