@@ -18,14 +18,17 @@ Per sequence length it times, with CUDA events (`triton.testing.do_bench`, media
 - `dense_fwd`, `dense_fwd_bwd`: causal `scaled_dot_product_attention` (flash) on the same tensors.
 
 `--gather` adds the attention over each query tile's gathered keys (`ops/attention/gather.py`: the same rule on
-the keys a tile sees, about a quarter of the causal pairs), its forward and, unless `--quick`, forward + backward,
-with its largest difference from the sparse forward's output.
+the keys a tile sees, about a quarter of the causal pairs), its forward and, unless `--quick`, forward + backward
+and the memory that allocates, with its largest difference from the sparse forward's output, at every tile size of
+`--gather-blocks` (default 512); the first size also piece by piece (the tiles' keys, the whole gathering, the
+gathered batch alone, its share of full tiles), and `--gather-profile FILE` writes the kernels of three calls.
 
 `--quick` skips what the mask-share ratio does not need (dense and sparse forward + backward, the
 target pass): it keeps the cutoffs, the block mask and the sparse forward.
 
 Targets of the GPU-speed issue, reported as ratios: (cutoffs + block mask) / sparse forward <= 0.10,
-and (sparse forward + backward + target) / dense forward + backward <= 2.5.
+and (sparse forward + backward + target) / dense forward + backward (`train_vs_dense`; with the gathered
+attention, `train_vs_dense_gather`) <= 1.5, then <= 1.0.
 Prints a table, then one JSON line.
 """
 

@@ -29,6 +29,20 @@ def _inputs(B, Hkv, G, S, D, budget, pad, ties, seed):
     return cfg, q, k, v, pos, valid, evict
 
 
+def _bench_module(name):
+    """A script of bench/ as a module (they are not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pad,ties", [(False, False), (True, True)])
 @pytest.mark.parametrize("backend", ["reference", "cpu"])  # "cpu": the CPU's fused kernel, inside as on the sequence
@@ -93,16 +107,9 @@ def test_the_flex_backend_forward_on_the_cpu():
 def test_the_bench_rows_of_the_gathered_attention(monkeypatch):
     # `bench_train_attention.py --gather` on the CPU with one call in place of do_bench (CUDA only): its rows and
     # its check against the sparse forward
-    import importlib.util
-    import sys
     import types
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_train_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_train_attention", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = _bench_module("bench_train_attention")
     monkeypatch.setattr(bench, "_bench", lambda fn, rep: (fn(), 0.5)[1])
     B, Hkv, G, S, D, budget = 1, 2, 2, 300, 16, 64  # three query tiles of the default 128, the last one short
     cfg, q, k, v, pos, valid, evict = _inputs(B, Hkv, G, S, D, budget, False, False, seed=5)
@@ -209,18 +216,6 @@ def test_training_on_cuda_gathers_and_equals_the_sequence_flex(pad, ties, block)
     for a, b, name in zip(mine, leaves, "qkv"):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4, msg=f"grad {name}")
 
-
-def _bench_module(name):
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_distillation_benches_pin_the_students_attention(tmp_path, capsys):
