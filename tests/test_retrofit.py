@@ -225,3 +225,7 @@ def test_a_float32_model_under_bf16_autocast_attends_in_bf16(arch):
     assert {(r.query.dtype, r.key.dtype) for r in records.records} == {(torch.bfloat16, torch.bfloat16)}
     assert all(r.lse.dtype == torch.float32 for r in records.records)
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
+    # decoding through the bounded cache under autocast too (its float32 slots take the bf16 keys)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.generate(ids, **cache_kwargs(kvpop.KVpopCache(model)), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 4)
