@@ -3,8 +3,9 @@
 `sparse_attention` checks nothing expensive and picks the backend: FlexAttention on CUDA (block
 mask built from the known structure; SDPA under the dense mask when key positions differ per head,
 as a cache's slots do), on the CPU PyTorch's fused kernel over the keys each block of queries needs
-(inference) or under the dense mask (training: FlexAttention has no backward there), and the
-explicit reference otherwise. Fast backends are imported lazily and never import the reference.
+(inference) or over each query tile's gathered keys (training: FlexAttention has no backward there),
+and the explicit reference otherwise; `backends.py` runs a backend by name (the gathered tiles of `gather.py` call it
+too). Fast backends are imported lazily and never import the reference.
 """
 
 from __future__ import annotations
@@ -81,14 +82,6 @@ def sparse_attention(
             backend = "gather" if gathered else ("cpu" if grad else "cpu_blocks")
         else:
             backend = "reference"
-    if backend == "flex":
-        if not shared:
-            raise ValueError("backend='flex' needs key positions shared by the heads ([B, N]); use 'sdpa'")
-        from kvpop.ops.attention.flex import flex_sparse_attention
-
-        return flex_sparse_attention(
-            query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale, return_lse=return_lse
-        )
     if backend == "gather":
         if not shared:
             raise ValueError("backend='gather' needs key positions shared by the heads ([B, N])")
@@ -96,31 +89,10 @@ def sparse_attention(
 
         return gather_sparse_attention(query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, topk,
                                        scale, return_lse=return_lse)
-    if backend == "cpu_blocks":
-        from kvpop.ops.attention.cpu import cpu_block_sparse_attention
+    from kvpop.ops.attention.backends import run_backend
 
-        return cpu_block_sparse_attention(
-            query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale, return_lse=return_lse
-        )
-    if backend not in ("reference", "cpu", "sdpa"):
-        raise ValueError(f"backend={backend!r} must be one of 'auto', 'reference', 'cpu', 'cpu_blocks', 'flex', 'sdpa', "
-                         "'gather'")
-    from kvpop.ops.topk import mask_from_eviction
-
-    if shared:
-        k_pos, k_valid = k_pos[:, None], k_valid[:, None]
-    mask = mask_from_eviction(q_pos, q_valid, k_pos, k_valid, evict, sink, window)
-    if backend == "cpu":
-        from kvpop.ops.attention.cpu import cpu_masked_attention
-
-        return cpu_masked_attention(query, key, value, mask, scale, return_lse=return_lse)
-    if backend == "sdpa":
-        if return_lse:
-            raise ValueError("backend='sdpa' returns no lse; use 'flex' or 'reference'")
-        from kvpop.ops.attention.sdpa import sdpa_masked_attention
-
-        return sdpa_masked_attention(query, key, value, mask, scale), None
-    return masked_attention(query, key, value, mask, scale, return_lse=return_lse)
+    return run_backend(backend, query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale,
+                       return_lse)
 
 
 __all__ = [

@@ -7,8 +7,8 @@ first gathers the keys visible to any of its queries, then attends to those alon
 (`[pos_t, alive_t)`, `block_mask.alive_until`), so a tile's keys are the ones its first query holds (at most the
 budget) plus the ones inserted within the tile: at most `sink + window + topk + block - 1`, whatever the sequence
 length. The gathered problem is the same rule on other tensors (one batch entry per (row, KV head, query tile), the
-query heads of the group as its heads), so it runs through `sparse_attention`'s own backends (FlexAttention, the
-CPU's fused kernel, the reference), and autograd scatters the gradients back through the gather.
+query heads of the group as its heads), so it runs through `sparse_attention`'s own backends (`backends.py`:
+FlexAttention, the CPU's fused kernel, the reference), and autograd scatters the gradients back through the gather.
 
 Exact: every query sees the same keys as under `sparse_attention` (`tests/test_attention_gather.py`, values and
 gradients). Its cost is memory: the gathered keys and values are `ceil(Q / block) * U / N` times the layer's own
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvpop.ops.attention.backends import run_backend
 from kvpop.ops.attention.block_mask import _MAX, _MIN, _block_reduce, alive_until
 
 
@@ -84,26 +85,6 @@ def tile_keys(
     want = torch.arange(1, width + 1, dtype=torch.int32, device=seen.device).expand(*seen.shape[:-1], width)
     idx = torch.searchsorted(running, want.contiguous()).clamp_(max=seen.shape[-1] - 1)
     return idx, want <= count[..., None]
-
-
-def _attend(query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale, return_lse, backend):
-    """The rule's attention on the gathered batch, by `sparse_attention`'s backends of those names (not imported
-    from the package, which dispatches to this module)."""
-    if backend == "flex":
-        from kvpop.ops.attention.flex import flex_sparse_attention
-
-        return flex_sparse_attention(query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale,
-                                     return_lse=return_lse)
-    from kvpop.ops.topk import mask_from_eviction
-
-    mask = mask_from_eviction(q_pos, q_valid, k_pos[:, None], k_valid[:, None], evict, sink, window)
-    if backend == "cpu":
-        from kvpop.ops.attention.cpu import cpu_masked_attention
-
-        return cpu_masked_attention(query, key, value, mask, scale, return_lse=return_lse)
-    from kvpop.ops.attention.reference import masked_attention
-
-    return masked_attention(query, key, value, mask, scale, return_lse=return_lse)
 
 
 class GatheredTiles(NamedTuple):
@@ -227,7 +208,7 @@ def gather_sparse_attention(
     if block < 1:
         raise ValueError(f"block={block}: a query tile holds at least one query")
     g = gather_tiles(query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, topk, block)
-    out, lse = _attend(*g[:-1], sink, window, scale, return_lse, backend)
+    out, lse = run_backend(backend, *g[:-1], sink, window, scale, return_lse)
     return scatter_tiles(out, lse, g.layout)
 
 
