@@ -6,6 +6,7 @@ Run: `python -m pytest tests/test_loss.py -q`.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -133,6 +134,99 @@ def test_matches_dense_reference(rule, ties):
         assert (pairs.margin >= 0).all()
         if topk == 0:
             assert not pairs.valid.any()
+
+
+COMPILED_RULES = [
+    # (S, sink, window, top-ks): the top-ks of one (S, sink, window) share a graph (a tensor in it); among them
+    # 0 and those with S <= sink + window + topk (no pairs)
+    (63, 2, 5, (0, 1, 4, 30, 55, 56, 80)),
+    (500, 0, 1, (1, 17, 498, 499, 600)),
+    (6, 4, 2, (1, 3)),
+    (3, 4, 1, (0, 2)),  # S <= sink: nothing ranked, nothing compiled
+]
+
+
+def _assert_same_pairs(got: BoundaryPairs, want: BoundaryPairs, what: str) -> None:
+    for field in BoundaryPairs._fields:
+        a, b = getattr(got, field), getattr(want, field)
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {field} {a.dtype} {tuple(a.shape)}"
+        # floats bit for bit (-0.0 is not 0.0 here)
+        if a.is_floating_point():
+            a, b = a.view(torch.int32), b.view(torch.int32)
+        assert torch.equal(a, b), f"{what}: {field} differs at {int((a != b).sum())} of {a.numel()}"
+
+
+@pytest.mark.parametrize("backend, rule", [
+    *[("aot_eager", rule) for rule in COMPILED_RULES],
+    # a C++ compile per graph, tens of seconds on two cores
+    pytest.param("inductor", COMPILED_RULES[0], marks=pytest.mark.slow),
+])
+def test_compiled_labels_are_the_eager_bits(backend, rule):
+    from torch._dynamo.utils import counters
+
+    S, sink, window, topks = rule
+    # drawn queries come in expanded (all taken) or dense: a graph each; one for inductor
+    fractions = (1.0, 0.5) if backend == "aot_eager" else (1.0,)
+    g = torch.Generator().manual_seed(S)
+    torch._dynamo.reset()
+    counters.clear()
+    for topk in topks:
+        for ties in (True, False):
+            pi = torch.randint(0, 3, (2, 3, S), generator=g).float() if ties else torch.randn(2, 3, S, generator=g)
+            for fraction in fractions:
+                got, want = (boundary_labels(pi, sink, window, topk, fraction, torch.Generator().manual_seed(topk),
+                                             backend=b) for b in (backend, "eager"))
+                _assert_same_pairs(got, want, f"{backend} S={S} sink={sink} window={window} topk={topk} "
+                                              f"ties={ties} fraction={fraction}")
+    # whatever the top-k: the graphs of the drawn queries' layouts, none where nothing is ranked
+    assert counters["stats"]["unique_graphs"] == (0 if S <= sink else len(fractions))
+    torch._dynamo.reset()
+
+
+def test_a_failed_compile_warns_once_then_runs_eagerly(monkeypatch):
+    from kvpop.train import loss as L
+
+    calls = []
+
+    def broken(backend):
+        def fail(*args):
+            calls.append(backend)
+            raise RuntimeError("no C++ compiler")
+
+        return fail
+
+    # the CPU taken for a device that compiles under "auto", with a compile that fails
+    monkeypatch.setattr(L, "COMPILE_ON", ("cpu",))
+    monkeypatch.setattr(L, "_compiled_pair_fields", broken)
+    monkeypatch.setattr(L, "_compile_failed", False)
+    pi = torch.randint(0, 3, (2, 3, 40), generator=torch.Generator().manual_seed(0)).float()
+    want = boundary_labels(pi, 2, 3, 5, backend="eager")
+    with pytest.warns(UserWarning, match="compiled boundary labels failed"):
+        _assert_same_pairs(boundary_labels(pi, 2, 3, 5), want, "the failed call")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_same_pairs(boundary_labels(pi, 2, 3, 5), want, "the call after")
+    assert calls == ["inductor"]
+    # a backend asked for by name raises
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        boundary_labels(pi, 2, 3, 5, backend="inductor")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_labels_on_cuda_are_the_cpu_bits():
+    # SmolLM2-135M's training shape at budget 1024 (3 KV heads, S 8192, sink 4, window 256, topk 764); a
+    # per-layer budget's other top-k reuses the graph
+    from kvpop.train import loss as L
+
+    g = torch.Generator().manual_seed(0)
+    for pi in (torch.randint(0, 40, (1, 3, 8192), generator=g).float(), torch.randn(2, 3, 8192, generator=g)):
+        for topk in (764, 500):
+            for fraction in (1.0, 0.5):
+                want, got = (boundary_labels(x, 4, 256, topk, fraction, torch.Generator().manual_seed(topk))
+                             for x in (pi, pi.cuda()))
+                _assert_same_pairs(BoundaryPairs(*(t.cpu() for t in got)), want, f"topk={topk} fraction={fraction}")
+    assert not L._compile_failed
 
 
 def test_loss_matches_hand_formula():

@@ -35,7 +35,7 @@ from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import attention_with_probs, decode_attention, sparse_attention
 from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
-from kvpop.ops.dynamic.reference import static_first_step, tova_first_step
+from kvpop.ops.dynamic.reference import static_first_step, tova_first_step, write_slot
 from kvpop.ops.topk import eviction_positions
 from kvpop.policy import LayerPolicy
 
@@ -273,7 +273,7 @@ class KVpopLayerCache(CacheLayerMixin):
             return pri[..., 0]
         # sinks are never ranked, and nothing is read out before the first token (then: the scratch slot)
         due = (real & (x >= s))[:, None, None]
-        self.buffers[3].scatter_(2, torch.where(due, rslot, self.slots), pri)
+        write_slot(self.buffers[3], torch.where(due, rslot, self.slots), pri)
         return pri_new
 
     def _advance_chunk(self, key, value, position: Tensor, valid: Tensor, cand_k: Tensor, cand_v: Tensor,
@@ -473,8 +473,7 @@ def decode_step(
     # a prior buffer (KVpop-TOVA, KVpop-cascade) takes the new token's priority too: its prior is its priority at
     # insertion
     for buf, new in zip(buffers, (key, value, new_pos, pri_new[..., None], pri_new[..., None])):
-        d = dst[..., None].expand(-1, -1, -1, buf.shape[-1]) if buf.dim() == 4 else dst
-        buf.scatter_(2, d, new.to(buf.dtype))
+        write_slot(buf, dst, new.to(buf.dtype))
     occupied = pos >= 0
     if not with_probs:
         return decode_attention(query, keys, values, occupied, scale), None

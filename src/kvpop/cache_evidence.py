@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpop.ops.dynamic.reference import write_slot
 from kvpop.ops.evidence import window_evidence, window_probs
 from kvpop.policy import EvidencePolicy, EvidenceState
 
@@ -43,7 +44,7 @@ def decode_readout(layer, p: Tensor, real: Tensor, policy: EvidencePolicy) -> No
     pri = policy.readout(key, _gather(layer.values, s + j), _gather(state.acc, j), x.clamp(min=0)[:, None])
     due = (real & (x >= s))[:, None, None]
     slot = (s + j)[:, None].expand(-1, pri.shape[1], -1)
-    layer.buffers[3].scatter_(2, torch.where(due, slot, layer.slots), pri.detach())
+    write_slot(layer.buffers[3], torch.where(due, slot, layer.slots), pri.detach())
 
 
 def decode_accumulate(layer, query: Tensor, key: Tensor, p: Tensor, real: Tensor, scale: float,

@@ -27,7 +27,13 @@ def decode_attention(
     occupied: Tensor,  # [B, Hkv, N] bool
     scale: float,
 ) -> Tensor:
-    """A decode step's attention over its occupied slots (`sdpa.decode_attention`; reference: `masked_attention`)."""
+    """A decode step's attention over its occupied slots: on CUDA split over the slots (`decode_kernel.py`),
+    elsewhere one SDPA call (`sdpa.decode_attention`); reference: `masked_attention`."""
+    if query.is_cuda:
+        from kvpop.ops.attention import decode_kernel
+
+        if decode_kernel.available(query):
+            return decode_kernel.decode_attention_split(query, key, value, occupied, scale)
     from kvpop.ops.attention.sdpa import decode_attention as fused
 
     return fused(query, key, value, occupied, scale)

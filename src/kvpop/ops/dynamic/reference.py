@@ -25,15 +25,25 @@ def weakest_slot(rank: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return widx, low, pos.gather(2, widx)
 
 
+def write_slot(buf: Tensor, dst: Tensor, new: Tensor) -> None:
+    """`buf[b, h, dst[b, h, 0]] = new[b, h, 0]` for every (b, h), in place: buf [B, H, N] or [B, H, N, D], dst [B, H, 1],
+    new [B, H, 1] or [B, H, 1, D].
+
+    The same write as `buf.scatter_(2, dst, new)`, one slot per (b, h), as an `index_put_`: inductor writes that into
+    the buffer, where it copies a scattered graph input whole first and back after (two 4 MB copies per layer and
+    buffer at the 8B shape's 2048 slots, about 12 us of a compiled decode step's layer on an H100)."""
+    B, H = dst.shape[:2]
+    b = torch.arange(B, device=dst.device)[:, None]
+    h = torch.arange(H, device=dst.device)[None, :]
+    buf.index_put_((b, h, dst[..., 0]), new[:, :, 0])
+
+
 def move_slot(buffers, src: Tensor, dst: Tensor) -> None:
     """Copy slot `src` to slot `dst` ([B, H, 1] each; a scratch slot as `dst` drops the copy) in every buffer:
     [B, H, N] ones and [B, H, N, D] ones (keys, values). The walks and the decode step move tokens with it."""
     for buf in buffers:
-        if buf.dim() == 4:
-            s4, d4 = (i[..., None].expand(-1, -1, -1, buf.shape[-1]) for i in (src, dst))
-            buf.scatter_(2, d4, buf.gather(2, s4))
-        else:
-            buf.scatter_(2, dst, buf.gather(2, src))
+        s = src[..., None].expand(-1, -1, -1, buf.shape[-1]) if buf.dim() == 4 else src
+        write_slot(buf, dst, buf.gather(2, s))
 
 
 def dynamic_walk_reference(

@@ -16,18 +16,20 @@ NEVER = torch.iinfo(torch.int64).max
 """Eviction position of a token that is never evicted."""
 
 
-def prefix_kth_smallest(values: Tensor, ends: Tensor, k: int, bits: int) -> Tensor:
+def prefix_kth_smallest(values: Tensor, ends: Tensor, k: int | Tensor, bits: int) -> Tensor:
     """The `k`-th smallest of `values[n, :ends[n, j]]` for every row `n` and query `j`.
 
     Args:
         values: int64 [N, L], each in `[0, 2**bits)`.
         ends: int64 [N, Q], each in `[0, L]`: the prefix length of each query.
-        k: >= 1, the order statistic (1 = smallest).
+        k: >= 1, the order statistic (1 = smallest): an int, or an int64 0-dim tensor on `values`' device
+            (left unchecked, which would sync with the host), as the compiled `train.loss.boundary_labels`
+            passes it so that a new `k` does not recompile.
         bits: number of bits of the largest value.
     Returns:
         int64 [N, Q]; -1 where the prefix holds fewer than `k` values.
     """
-    if k < 1:
+    if isinstance(k, int) and k < 1:
         raise ValueError(f"k={k} must be >= 1")
     N, L = values.shape
     arange = torch.arange(L, device=values.device)
@@ -45,7 +47,7 @@ def prefix_kth_smallest(values: Tensor, ends: Tensor, k: int, bits: int) -> Tens
     # query: descend one level per bit, narrowing [lo, hi) to the side that holds the k-th value
     lo = torch.zeros_like(ends)
     hi = ends.clone()
-    kk = torch.full_like(ends, k - 1)
+    kk = torch.full_like(ends, k - 1) if isinstance(k, int) else (k - 1).expand_as(ends)
     result = torch.zeros_like(ends)
     for zeros_before, b in zip(levels, reversed(range(bits))):
         n_zero = zeros_before[:, -1:]
@@ -180,16 +182,18 @@ def _eviction_ordered_kernel(
     return evict.reshape(B, H, N)
 
 
-def boundary_tokens(priority: Tensor, sink: int, window: int, topk: int) -> Tensor:
+def boundary_tokens(priority: Tensor, sink: int, window: int, topk: int | Tensor) -> Tensor:
     """For each query `q`, the weakest token of the top-k of `E(q - 1)` (`KVPOP.md` Sec. 5's `t_bnd`).
 
     Args:
         priority: float32 [B, H, S] over a whole sequence (positions `0 .. S-1`).
+        sink, window, topk: the budget split; `topk` an int, or an int64 0-dim tensor >= 1 on `priority`'s
+            device (unchecked: see `prefix_kth_smallest`).
     Returns:
         int64 [B, H, S]; -1 where `q < sink + window + topk` (no boundary yet) or `topk == 0`.
     """
     B, H, S = priority.shape
-    if topk == 0 or S <= sink:
+    if S <= sink or (isinstance(topk, int) and topk == 0):
         return torch.full((B, H, S), -1, dtype=torch.long, device=priority.device)
     pos = torch.arange(S, device=priority.device).expand(B * H, S)
     elig = pos >= sink

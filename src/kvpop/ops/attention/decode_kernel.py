@@ -1,0 +1,177 @@
+"""A decode step's attention in Triton, split over the slots (flash-decoding): the CUDA path of `decode_attention`.
+
+One query per row attends a layer's `N` slots. SDPA runs that as one program per (row, head) walking all `N`
+keys: at batch 1 with 8 KV heads that is 8 to 32 programs on a 132-SM GPU, and cuDNN's kernel took 42.6 us per
+layer over 2048 slots on an H100, more than the dense model's 31 us over 4096 keys (`bench/profile_decode_step.py`,
+2026-12-06). Here each (row, KV head) is cut into splits of `SPLIT` slots, one program each:
+
+1. `decode_split_fwd_kernel`: the program loads its KV head's `G` queries once (padded to 16 rows for `tl.dot`),
+   walks its split in blocks of `BLOCK_N` slots with an online softmax over the occupied ones, and writes its
+   running maximum, sum and unnormalised output (float32);
+2. `decode_combine_kernel`: one program per (row, query head) rescales the splits to a common maximum and divides.
+
+The reference is `reference.masked_attention` (and `sdpa.decode_attention`, the path elsewhere): the same
+probabilities up to float rounding, with the probabilities cast to the values' dtype before the second product,
+as flash attention does. Triton's interpreter (3.6) gets bfloat16 `tl.dot` wrong, so off CUDA the blocks are
+multiplied in float32 (`F32`): the CPU tests check the algorithm, the CUDA tests the bfloat16 products. A row with
+no occupied slot (padding before a row's first token) gives zeros.
+`available()` says when it can run: Triton on CUDA, or its interpreter on the CPU (`TRITON_INTERPRET=1`, the tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs have no Triton: SDPA serves them
+    triton = tl = None
+
+SPLIT = 128
+"""Slots per program: 2048 slots at batch 1 with 8 KV heads give 128 programs, about one per SM of an H100."""
+
+BLOCK_N = 64
+"""Slots per inner step of a program."""
+
+
+def available(t: Tensor) -> bool:
+    """Whether the kernels can run on `t`'s device: Triton on CUDA, or Triton's interpreter on the CPU."""
+    if triton is None:
+        return False
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def decode_split_fwd_kernel(
+        q_ptr, k_ptr, v_ptr, occ_ptr,  # q [B, Hkv, G, D]; k, v [B, Hkv, N, D]; occ [B, Hkv, N] int8
+        m_ptr, l_ptr, acc_ptr,  # out, float32: [B * Hkv, S, BG] twice and [B * Hkv, S, BG, DV]
+        sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h,
+        Hkv, G, N, D, DV, n_splits, scale,
+        SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+        F32: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        i_bh = tl.program_id(0)
+        i_s = tl.program_id(1)
+        i_b = i_bh // Hkv
+        i_h = i_bh % Hkv
+        o_g = tl.arange(0, BG)
+        o_d = tl.arange(0, BD)
+        o_dv = tl.arange(0, BDV)
+        b_q = tl.load(q_ptr + i_b.to(tl.int64) * sq_b + i_h * sq_h + o_g[:, None] * sq_g + o_d[None, :],
+                      mask=(o_g[:, None] < G) & (o_d[None, :] < D), other=0.0)  # [BG, BD]
+        if F32:
+            b_q = b_q.to(tl.float32)
+        p_k = k_ptr + i_b.to(tl.int64) * sk_b + i_h * sk_h
+        p_v = v_ptr + i_b.to(tl.int64) * sv_b + i_h * sv_h
+        p_occ = occ_ptr + i_b.to(tl.int64) * so_b + i_h * so_h
+        b_m = tl.full([BG], float("-inf"), dtype=tl.float32)
+        b_l = tl.zeros([BG], dtype=tl.float32)
+        b_acc = tl.zeros([BG, BDV], dtype=tl.float32)
+        for n0 in range(0, SPLIT_N, BLOCK):  # a static trip count: the split's first slot is added below
+            o_n = i_s * SPLIT_N + n0 + tl.arange(0, BLOCK)
+            in_n = o_n < N
+            b_k = tl.load(p_k + o_n[:, None] * sk_n + o_d[None, :], mask=in_n[:, None] & (o_d[None, :] < D), other=0.0)
+            b_v = tl.load(p_v + o_n[:, None] * sv_n + o_dv[None, :], mask=in_n[:, None] & (o_dv[None, :] < DV),
+                          other=0.0)
+            keep = tl.load(p_occ + o_n, mask=in_n, other=0) != 0  # [BLOCK]
+            if F32:
+                b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale  # [BG, BLOCK] float32
+            b_s = tl.where(keep[None, :], b_s, float("-inf"))
+            m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+            # nothing occupied yet (m_new = -inf): every term is 0, never exp(-inf - -inf)
+            seen = m_new > float("-inf")
+            alpha = tl.where(seen, tl.exp(b_m - m_new), 1.0)
+            b_p = tl.where(keep[None, :] & seen[:, None], tl.exp(b_s - m_new[:, None]), 0.0)
+            b_l = b_l * alpha + tl.sum(b_p, axis=1)
+            b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+            b_m = m_new
+        base = i_bh.to(tl.int64) * n_splits + i_s
+        tl.store(m_ptr + base * BG + o_g, b_m)
+        tl.store(l_ptr + base * BG + o_g, b_l)
+        tl.store(acc_ptr + (base * BG + o_g[:, None]) * BDV + o_dv[None, :], b_acc)
+
+    @triton.jit
+    def decode_combine_kernel(
+        m_ptr, l_ptr, acc_ptr, out_ptr,  # out [B * Hkv, G, DV] in the query's dtype
+        G, DV, n_splits,
+        BS: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr,
+    ):
+        # one program per (row, KV head, query head of its group): its splits' [BS] statistics and [BS, BDV] outputs
+        i_bh = tl.program_id(0)
+        i_g = tl.program_id(1)
+        o_s = tl.arange(0, BS)
+        o_dv = tl.arange(0, BDV)
+        in_s = o_s < n_splits
+        row = (i_bh.to(tl.int64) * n_splits + o_s) * BG + i_g  # [BS]
+        b_m = tl.load(m_ptr + row, mask=in_s, other=float("-inf"))
+        b_l = tl.load(l_ptr + row, mask=in_s, other=0.0)
+        b_acc = tl.load(acc_ptr + row[:, None] * BDV + o_dv[None, :], mask=in_s[:, None], other=0.0)  # [BS, BDV]
+        top = tl.max(b_m, axis=0)
+        # splits with nothing occupied weigh 0; so does everything in a row with no occupied slot (its output: 0)
+        w = tl.where(b_m > float("-inf"), tl.exp(b_m - top), 0.0)
+        total = tl.sum(w * b_l, axis=0)
+        out = tl.sum(w[:, None] * b_acc, axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(out_ptr + (i_bh.to(tl.int64) * G + i_g) * DV + o_dv, out.to(out_ptr.dtype.element_ty), mask=o_dv < DV)
+
+
+def decode_attention_split(
+    query: Tensor,  # [B, Hq, 1, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, Dv]
+    occupied: Tensor,  # [B, Hkv, N] bool
+    scale: float,
+    split: int = SPLIT,
+) -> Tensor:
+    """`decode_attention` by splits of `split` slots (a multiple of `BLOCK_N`): out [B, Hq, 1, Dv].
+
+    Keys and values may be strided views (the cache's slot buffers without their scratch slot). A custom op, so
+    that `torch.compile` (the fused decode step, the whole step under inductor) and CUDA graphs take it as one
+    opaque call instead of tracing Triton."""
+    if split % BLOCK_N:
+        raise ValueError(f"split={split} must be a multiple of {BLOCK_N}")
+    return _split_op(query, key, value, occupied, float(scale), int(split))
+
+
+@torch.library.custom_op("kvpop::decode_attention_split", mutates_args=())
+def _split_op(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale: float, split: int) -> Tensor:
+    B, Hq, _, D = query.shape
+    Hkv, N, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    G = Hq // Hkv
+    q = query.reshape(B, Hkv, G, D)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        key, value = key.contiguous(), value.contiguous()
+    occ = occupied.to(torch.int8)
+    n_splits = triton.cdiv(N, split)
+    # tl.dot needs at least 16 rows and 16 columns
+    BG = max(16, triton.next_power_of_2(G))
+    BD, BDV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
+    m = torch.empty(B * Hkv, n_splits, BG, dtype=torch.float32, device=query.device)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty(B * Hkv, n_splits, BG, BDV, dtype=torch.float32, device=query.device)
+    decode_split_fwd_kernel[(B * Hkv, n_splits)](
+        q, key, value, occ, m, l_sum, acc,
+        q.stride(0), q.stride(1), q.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), occ.stride(0), occ.stride(1),
+        Hkv, G, N, D, Dv, n_splits, scale,
+        SPLIT_N=split, BLOCK=BLOCK_N, BG=BG, BD=BD, BDV=BDV, F32=not query.is_cuda,
+        # float32 products stay float32 (not TF32's 10-bit mantissa): a float32 model decodes as SDPA does
+        PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32", num_warps=4)
+    out = torch.empty(B, Hq, 1, Dv, dtype=query.dtype, device=query.device)
+    decode_combine_kernel[(B * Hkv, G)](
+        m, l_sum, acc, out, G, Dv, n_splits,
+        BS=triton.next_power_of_2(n_splits), BG=BG, BDV=BDV, num_warps=4)
+    return out
+
+
+@_split_op.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale: float, split: int) -> Tensor:
+    return query.new_empty(*query.shape[:3], value.shape[-1])

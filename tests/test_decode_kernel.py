@@ -1,0 +1,77 @@
+"""The split decode attention (`ops/attention/decode_kernel.py`) against the reference, and where it is used.
+
+Without CUDA the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`), which must be set before Triton
+compiles anything, so those checks run in a child process (as in `test_topk_kernel.py`).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+CHECK = textwrap.dedent(
+    """
+    import torch
+    from kvpop.ops.attention.decode_kernel import decode_attention_split
+    from kvpop.ops.attention.reference import masked_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    # (B, Hq, Hkv, N, D, split): SmolLM2's 9 / 3 heads of 64, Qwen3's 32 / 8 of 128, N off the splits and blocks,
+    # one split, several, a last split that is mostly past N
+    for B, Hq, Hkv, N, D, split in [(2, 9, 3, 200, 64, 128), (1, 32, 8, 257, 128, 128), (3, 4, 4, 64, 16, 64),
+                                    (2, 6, 2, 1, 32, 64), (1, 8, 2, 130, 64, 64)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(B, Hq, 1, D, generator=g)
+            # the cache's layout: slot buffers with a scratch slot last, attended without it (a strided view)
+            kbuf, vbuf = torch.randn(B, Hkv, N + 1, D, generator=g), torch.randn(B, Hkv, N + 1, D, generator=g)
+            occupied = torch.rand(B, Hkv, N, generator=g) < 0.7
+            occupied[0, 0] = False  # a row with no slot yet: zeros
+            if N > 70:
+                occupied[-1, -1] = False
+                occupied[-1, -1, 65:70] = True  # everything in one block of one split
+            q, kbuf, vbuf, occupied = (t.to(device) for t in (q, kbuf, vbuf, occupied))
+            q, kbuf, vbuf = q.to(dtype), kbuf.to(dtype), vbuf.to(dtype)
+            k, v = kbuf[:, :, :N], vbuf[:, :, :N]
+            scale = D ** -0.5
+            want, _ = masked_attention(q, k, v, occupied[:, :, None, :], scale)
+            got = decode_attention_split(q, k, v, occupied, scale, split=split)
+            G = Hq // Hkv
+            assert got.shape == want.shape and got.dtype == dtype, (got.shape, got.dtype)
+            assert torch.isfinite(got).all()
+            assert (got[0, :G] == 0).all()
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            err = (got.float() - want.float()).abs().max().item()
+            assert err < tol, (B, Hq, Hkv, N, D, split, dtype, err)
+    # a custom op: a compiled step (the fused decode step, the whole step under inductor) takes it as one call
+    step = torch.compile(decode_attention_split, backend="aot_eager", fullgraph=True)
+    assert torch.equal(step(q, k, v, occupied, scale, split=split), got)
+    print("ok")
+    """
+)
+
+
+def _run(code: str) -> None:
+    if torch.cuda.is_available():
+        exec(compile(code, "<kernel check>", "exec"), {})
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+
+
+def test_split_decode_attention_matches_reference():
+    _run(CHECK)
+
+
+def test_split_rejects_a_split_off_the_block():
+    from kvpop.ops.attention.decode_kernel import decode_attention_split
+
+    q, k = torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        decode_attention_split(q, k, k, torch.ones(1, 2, 8, dtype=torch.bool), 1.0, split=100)
