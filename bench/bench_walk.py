@@ -11,7 +11,7 @@ One layer's `dynamic_walk_triton` over a prompt of `--context` tokens into empty
 top-k from `KVpopConfig.for_budget`), per variant: `triton` the Triton walk (`ops/dynamic/kernel.py`;
 `-wN` its warps; the kernel variants measured before it was chosen are in docs/RESULTS.md, ninth
 session), `torch` the torch walk, `parallel` the speculated walk (`ops/dynamic/parallel.py`; `-bN` its block of N
-tokens, `-fused` its priorities compiled by inductor), whose rows also give its verification rounds, mismatches and
+tokens, `-fused` its priorities compiled by inductor, `-jacobi` its selection of every step at once), whose rows also give its verification rounds, mismatches and
 skips (from one more, untimed run).
 `--profile FILE` runs each variant once more under `torch.profiler` and writes its operator table (self time, calls,
 kernel launches) to FILE: where the walk's time goes, op by op.
@@ -49,14 +49,16 @@ def _variant(name: str) -> dict:
     """`triton-w8` -> dynamic_walk_triton keywords; `parallel-b128` -> dynamic_walk_parallel keywords."""
     head, *mods = name.split("-")
     if head not in ("triton", "torch", "parallel"):
-        raise ValueError(f"variant {name!r}: expected triton[-wN], parallel[-bN][-fused] or torch")
-    plain = [m for m in mods if m != "fused"]
+        raise ValueError(f"variant {name!r}: expected triton[-wN], parallel[-bN][-fused][-jacobi] or torch")
+    plain = [m for m in mods if m not in ("fused", "jacobi")]
     if head == "torch" and mods or head == "parallel" and any(not m.startswith("b") for m in plain) \
             or head == "triton" and any(not m.startswith("w") for m in mods):
-        raise ValueError(f"variant {name!r}: 'torch' takes no modifiers, 'parallel' only bN and fused, "
+        raise ValueError(f"variant {name!r}: 'torch' takes no modifiers, 'parallel' only bN, fused and jacobi, "
                          "'triton' only wN")
     if head == "parallel":
         kw = {"fused": True} if "fused" in mods else {}
+        if "jacobi" in mods:
+            kw["select"] = "jacobi"
         return {**kw, "block": int(plain[0][1:])} if plain else kw
     return {"num_warps": int(mods[0][1:])} if mods else {}
 

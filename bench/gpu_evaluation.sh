@@ -121,13 +121,14 @@ resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into thi
   for d in .stage_d .stage_e; do [ -d "$d" ] && cp -r "$d"/* "$study_dir/runs/"; done
   ls -la "$study_dir/runs"/*/checkpoints
   ;;
-1)  # staging, then (no model needed) issue 18: TOVA's prefill walk at one layer of the 8B shape, eager against its
-  # priorities compiled, with an operator profile of each (item 1; WALK_S seconds); the training attention's pieces
+1)  # staging, then (no model needed) issue 18: TOVA's prefill walk at one layer of the 8B shape per variant
+  # (WALK_VARIANTS: the sequential selection against the "jacobi" one), with an operator profile of each (item 1;
+  # WALK_S seconds); the training attention's pieces
   # at S = 16k with the cutoff kernel's new tiles (items 4 and 6; ATTN_S seconds). 0 skips either.
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
   if [ "${WALK_S:-90}" -gt 0 ]; then
-    step walk "${WALK_S:-90}" python bench/bench_walk.py --policies tova-mean --variants parallel,parallel-fused \
-      --repeats 2 --profile "$out/walk_profile.txt"
+    step walk "${WALK_S:-90}" python bench/bench_walk.py --policies tova-mean \
+      --variants "${WALK_VARIANTS:-parallel,parallel-jacobi}" --repeats 2 --profile "$out/walk_profile.txt"
   fi
   if [ "${ATTN_S:-0}" -gt 0 ]; then  # `if`, not `&&`: a skipped step must not become the call's exit status
     step train_attention "${ATTN_S:-0}" python bench/bench_train_attention.py --lengths 16384 --budget 2048 \

@@ -7,6 +7,7 @@ float rounding. Inputs include exact ties (duplicate and all-zero keys), odd siz
 (sink 0 / window 1), left padding and several chunks in a row.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -499,6 +500,76 @@ def test_parallel_walk_from_decoded_slots(score, B, Hkv, G, S, D, sink, window, 
 
     args = _walk_args_from_decoded_slots(score, B, Hkv, G, S, D, sink, window, topk, neg_inf)
     _assert_same_walk(dynamic_walk_parallel(*args, block=16), dynamic_walk(*args, backend="torch"), "decoded slots")
+
+
+@pytest.mark.parametrize("score", ["max", "mean", "sum", "prior"])
+@pytest.mark.parametrize("iters", [None, 1, 4])
+def test_parallel_walk_with_jacobi_selection_makes_the_same_decisions(score, iters, monkeypatch):
+    # select="jacobi": every step's choice at once, repeated; None passes until nothing changes (the CPU), 1 and 4
+    # a fixed count as on CUDA (unsettled, the steps go one by one), on every shape, ties (duplicate, zero keys)
+    # and padding, one block and blocks of 8
+    from kvpop.ops.dynamic import parallel
+
+    monkeypatch.setattr(parallel, "JACOBI_ITERS", iters)
+    if iters is not None:  # the fixed count is CUDA's: taken here for every device
+        monkeypatch.setattr(parallel, "_select_jacobi", functools.partial(_jacobi_fixed, parallel._select_jacobi, iters))
+    seen = {"jacobi": 0, "jacobi_unsettled": 0}
+    for case in range(len(PARALLEL_SHAPES)):
+        (B, H, G, C, D, s, w, k), ties = PARALLEL_SHAPES[case]
+        prior = (torch.rand(B, 1, C, generator=torch.Generator().manual_seed(case)) * 0.1).expand(B, H, C)
+        got = _chunk_after_a_first(B, H, G, C, D, s, w, k, score, ties, case % 2 == 1, seed=case,
+                                   prior=prior if score == "prior" else None)
+        args, slot_prior = got if score == "prior" else (got, None)
+        want = dynamic_walk(*args, backend="torch", slot_prior=slot_prior)
+        for block in (None, 8):
+            stats = {}
+            fast = parallel.dynamic_walk_parallel(*args, block=block, slot_prior=slot_prior, select="jacobi",
+                                                  stats=stats)
+            _assert_same_walk(fast, want, f"case {case} {score} jacobi {iters}, block {block}")
+            for name in ("jacobi", "jacobi_unsettled"):
+                seen[name] += stats.get(name, 0)
+            if slot_prior is not None:
+                assert torch.equal(fast[3], want[3]), f"case {case}: slot priors differ"
+    # both ways out were taken: settled passes, and (a fixed count) steps one by one where they did not settle
+    assert (seen["jacobi"] > 0 or iters == 1) and (iters is None) == (seen["jacobi_unsettled"] == 0), seen
+
+
+def _jacobi_fixed(select, iters, cand, dec, known, start, M, _iters):
+    return select(cand, dec, known, start, M, iters)
+
+
+def test_jacobi_selection_is_the_sequential_selection():
+    # the selection alone, on random competitor lists with many collisions (every step's weakest among few
+    # columns): passes until nothing changes give the host loop's choices and skips; one pass gets step `start` right
+    from kvpop.ops.dynamic.parallel import _select_host, _select_jacobi
+
+    g = torch.Generator().manual_seed(0)
+    for R, T, M, start in [(3, 17, 17, 0), (2, 40, 45, 5), (4, 64, 70, 63), (1, 1, 3, 0), (2, 30, 30, 2)]:
+        S = T - start
+        # step j (its index in the block) has j + 1 .. T distinct competitors of M columns, weakest first, -1 after
+        # them; a shared order plus a little noise per step makes steps want the same columns (skips)
+        base = torch.rand(R, M, generator=g)
+        cand = torch.full((R, S, T), -1, dtype=torch.long)
+        for r in range(R):
+            for i, j in enumerate(range(start, T)):
+                n = int(torch.randint(j + 1, T + 1, (1,), generator=g))
+                cand[r, i, :n] = (base[r] + 0.3 * torch.rand(M, generator=g)).argsort()[:n]
+        dec = torch.rand(R, T, generator=g) < 0.8
+        known = torch.full((R, T), M, dtype=torch.long)
+        # the steps before `start` evicted distinct columns
+        for r in range(R):
+            picks = torch.randperm(M, generator=g)[:start]
+            known[r, :start] = torch.where(dec[r, :start], picks, M)
+        want, want_skips = _select_host(cand, dec, known, start, M)
+        got, skips, settled = _select_jacobi(cand, dec, known, start, M, None)
+        assert torch.equal(got, want) and int(skips) == want_skips and bool(settled), (R, T, M, start)
+        assert T < 17 or want_skips > 0  # the collisions the passes must resolve
+        one, _, settled = _select_jacobi(cand, dec, known, start, M, 1)
+        assert torch.equal(one[:, : start + 1], want[:, : start + 1])
+        # a fixed count says whether its last pass changed nothing: then it is the answer
+        assert not bool(settled) or torch.equal(one, want)
+        many, _, settled = _select_jacobi(cand, dec, known, start, M, T - start + 1)
+        assert bool(settled) and torch.equal(many, want)
 
 
 def test_parallel_walk_redoes_blocks_from_a_mismatch():

@@ -13,7 +13,8 @@ N + T` candidate columns, as in `kernel.py`) needs only a few passes over its `[
    in advance (the long-range tokens at the block start and the tokens that left the window up to `j`),
    so each step's are sorted once (`topk` of the `T` weakest: at most `j` of them are gone), and a light
    sequential pass takes each step's first one still held (a Triton program per row on CUDA, a Python
-   loop on the host elsewhere);
+   loop on the host elsewhere), or, opt-in (`select="jacobi"`), every step takes it at once against the
+   others' current choices, repeated to the fixed point that is the sequential answer (`_select_jacobi`);
 3. verify: those evictions give the held set of every step, hence the exact normalisers, priorities and
    every step's decision, all steps at once. Where they agree the block is done (one host sync). At the
    first mismatch `m` the prefix before `m` is right, and the priorities just computed are exact up to
@@ -200,6 +201,17 @@ if triton is not None:
         tl.store(skip_ptr + i_r, n_skip)
 
 
+SELECTS = ("kernel", "jacobi")
+"""How a round selects: "kernel" step by step (a Triton program per row on CUDA, a Python loop elsewhere), "jacobi"
+every step at once, repeatedly (`_select_jacobi`)."""
+
+JACOBI_ITERS = 4
+"""Passes of the "jacobi" selection on CUDA before one host sync asks whether the last changed nothing (then the
+choices are exact; else the steps go one by one). Off CUDA it passes until nothing changes. On the CPU at the 8B
+shape's heads and blocks of 256 (2048 tokens, B = 512), "mean" settled in 1-3 passes, "sum" in 10-12, and a block
+that fills empty slots in one pass per step (2026-12-06)."""
+
+
 def _select(
     key: Tensor,  # [B, Hd, T, M] int64
     enter: Tensor,  # [B, Hd, M]
@@ -207,9 +219,10 @@ def _select(
     stats: dict | None,
     start: int = 0,
     known: Tensor | None = None,  # [B, Hd, T]
+    how: str = "kernel",
 ) -> Tensor:
-    """Each step's eviction under these keys, sequentially from step `start` on, the steps before it keeping
-    their `known` evictions: [B, Hd, T] columns (`M`: none)."""
+    """Each step's eviction under these keys from step `start` on, the steps before it keeping their `known`
+    evictions: [B, Hd, T] columns (`M`: none). `how`: one of `SELECTS`."""
     B, Hd, T, M = key.shape
     R = B * Hd
     if known is None:
@@ -221,6 +234,17 @@ def _select(
     cand = cand.masked_fill(val == _MAX, -1).reshape(R, T - start, T)
     dec = decide.reshape(R, T)
     known = known.reshape(R, T)
+    if how == "jacobi":
+        ev, skips, settled = _select_jacobi(cand, dec, known, start, M, JACOBI_ITERS if key.is_cuda else None)
+        # a long chain (a block filling empty slots: every step wants the next one) needs a pass per step: then
+        # the steps one by one (one host sync here, beside the round's own)
+        if bool(settled):
+            if stats is not None:
+                stats["skips"] = stats.get("skips", 0) + int(skips)
+                stats["jacobi"] = stats.get("jacobi", 0) + 1
+            return ev.reshape(B, Hd, T)
+        if stats is not None:
+            stats["jacobi_unsettled"] = stats.get("jacobi_unsettled", 0) + 1
     if available(key):
         ev = torch.where(known < M, known, -1).int()
         skips = torch.empty(R, dtype=torch.int32, device=key.device)
@@ -235,6 +259,44 @@ def _select(
     if stats is not None:
         stats["skips"] = stats.get("skips", 0) + skips
     return ev.reshape(B, Hd, T)
+
+
+def _select_jacobi(cand: Tensor, dec: Tensor, known: Tensor, start: int, M: int,
+                   iters: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """`_select`'s choices for all steps at once: (evictions [R, T], entries skipped and whether the last pass
+    changed nothing, 0-dim tensors).
+
+    Step `j` evicts the first of its competitors `cand[:, j - start]` (weakest first, -1 after them) that no step
+    before it evicted. Given every step's current choice, one pass makes each step's choice again against the
+    steps before it, all steps in parallel: what a step evicted is known by the first step that evicts it (a
+    `scatter_reduce` over the columns), so a competitor is gone for step `j` iff that step is below `j`. The exact
+    choices are this pass's fixed point, and pass `p` makes at least the first `p` steps from `start` exact (step
+    `j` depends only on the steps before it), so passes repeat until nothing changes (`iters` None) or `iters`
+    times; at `iters >= 1` step `start` is always exact, which is all a round needs to progress."""
+    R, T = dec.shape
+    S = T - start
+    steps = torch.arange(T, device=dec.device)
+    at_step = steps[start:, None]  # [S, 1]
+    real = cand >= 0
+    col = cand.clamp(min=0)
+    decided = dec[:, start:]
+    ev = torch.where(decided, cand[..., 0], M)
+    first = torch.zeros(R, S, dtype=torch.long, device=dec.device)
+    settled = torch.ones((), dtype=torch.bool, device=dec.device)
+    for _ in range(S + 1 if iters is None else iters):
+        whole = torch.cat([known[:, :start], ev], dim=1)  # [R, T]
+        when = torch.full((R, M + 1), T, dtype=torch.long, device=dec.device).scatter_reduce_(
+            1, whole, steps.expand(R, T), "amin")
+        free = real & ~(when.gather(1, col.reshape(R, -1)).reshape(R, S, -1) < at_step)
+        # the first free competitor: one exists (step j has at least j + 1 and at most j are gone)
+        first = free.int().argmax(dim=-1)
+        new = torch.where(decided, cand.gather(2, first[..., None])[..., 0], M)
+        settled = torch.equal(new, ev) if iters is None else (new == ev).all()
+        ev = new
+        if iters is None and settled:
+            break
+    skips = torch.where(decided, first, 0).sum()
+    return torch.cat([known[:, :start], ev], dim=1), skips, torch.as_tensor(settled, device=dec.device)
 
 
 def _select_host(cand: Tensor, dec: Tensor, known: Tensor, start: int, M: int) -> tuple[Tensor, int]:
@@ -272,10 +334,12 @@ def _block(
     stats: dict | None,
     prior_state: Tensor | None = None,  # [B, Hd, N]
     priorities=None,
+    select: str = "kernel",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One block: (evicted positions [B, Hd, T], slot positions and priorities after it [B, Hd, N], and the
     candidate column each slot then holds [B, Hd, N]). "prior": `prior_state` holds the slots' priors; a
-    block token's prior is its insertion priority `ins_pri`. `priorities`: `_priorities` or its compiled form."""
+    block token's prior is its insertion priority `ins_pri`. `priorities`: `_priorities` or its compiled form.
+    `select`: how each round selects (`SELECTS`)."""
     _priorities_ = priorities or _priorities
     B, H, G, T, M = logits.shape
     Hd, N = cand_pos.shape[1], M - T
@@ -304,7 +368,9 @@ def _block(
     prior = None if prior_state is None else torch.cat([prior_state, ins_pri], dim=2)  # [B, Hd, M]
 
     def removal(ev: Tensor) -> tuple[Tensor, Tensor]:  # the step each column is evicted at, and its removal step
-        at = torch.full((B, Hd, M + 1), never, device=dev).scatter_(2, ev, steps)[..., :M]
+        # the first step that evicts it: a "jacobi" selection cut short may name a column twice, and the verification
+        # must then see it gone from that first step on (the walk's prefix holds no repeat, so this is its removal)
+        at = torch.full((B, Hd, M + 1), never, device=dev).scatter_reduce_(2, ev, steps, "amin")[..., :M]
         return at, torch.minimum(rm0, at)
 
     if topk == 0:
@@ -329,7 +395,7 @@ def _block(
 
         # speculation: priorities as if the block evicted nothing
         pri, _ = _priorities_(logits, ins, rm0, real, pri0, ins_pri, score, prior)
-        ev = torch.where(decide, _select(keys(pri), enter, decide, stats), M)
+        ev = torch.where(decide, _select(keys(pri), enter, decide, stats, how=select), M)
         rounds = 0
         while True:
             # verification: the priorities under the held sets these evictions give, every step's decision
@@ -347,7 +413,7 @@ def _block(
                 stats["mismatch_rows"] = stats.get("mismatch_rows", 0) + int((first < T).sum())
                 stats.setdefault("first_mismatch", []).extend(first[first < T].tolist())
             # the steps before m are right and these priorities exact up to m: select again from m
-            ev = torch.where(decide, _select(key, enter, decide, stats, m, ev), M)
+            ev = torch.where(decide, _select(key, enter, decide, stats, m, ev, how=select), M)
         if stats is not None:
             stats["rounds"] = stats.get("rounds", 0) + rounds
             stats["blocks"] = stats.get("blocks", 0) + 1
@@ -389,6 +455,7 @@ def dynamic_walk_parallel(
     stats: dict | None = None,
     slot_prior: Tensor | None = None,  # [B, H, N]
     fused: bool = False,
+    select: str = "kernel",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """See `ops.dynamic.dynamic_walk` (its four outputs); the slots must pass `supported`. `block`: tokens per
     block (`BLOCK_T` by device). `stats`, if given, counts per call (with a few host syncs more): blocks with long-range
@@ -396,7 +463,10 @@ def dynamic_walk_parallel(
     and skips (competitors passed over because an earlier step of their block evicted them). `fused`: the
     priorities' dozen elementwise passes over `[B, H, G, T, M]` compiled into few kernels by inductor (opt-in,
     for the bench: its floats are inductor's, so it is held to the same contract as this walk's own, not to
-    its bits)."""
+    its bits). `select`: "kernel" (the default: one step after another) or "jacobi" (every step at once, a few
+    passes; opt-in until timed on a GPU), the same decisions (`SELECTS`)."""
+    if select not in SELECTS:
+        raise ValueError(f"select={select!r} must be one of {', '.join(SELECTS)}")
     B, Hq, C, D = query.shape
     H, N = key.shape[1], slot_pos.shape[-1]
     G = Hq // H
@@ -420,7 +490,7 @@ def dynamic_walk_parallel(
         ins_pri = priority[:, :Hd, blk].float()
         ev[:, :, blk], pos, pri, col = _block(
             logits, cand_pos, pri, position[:, blk], valid[:, blk], slot[:, blk], ins_pri,
-            sink, window, topk, score, stats, prior, _fused_priorities() if fused else None)
+            sink, window, topk, score, stats, prior, _fused_priorities() if fused else None, select)
         if prior is not None:  # each slot's prior is its token's
             prior = torch.cat([prior, ins_pri], dim=2).gather(2, col)
         keys = cand.gather(2, col.expand(B, H, N)[..., None].expand(B, H, N, D))
