@@ -534,8 +534,8 @@ def test_parallel_walk_with_jacobi_selection_makes_the_same_decisions(score, ite
     assert (seen["jacobi"] > 0 or iters == 1) and (iters is None) == (seen["jacobi_unsettled"] == 0), seen
 
 
-def _jacobi_fixed(select, iters, cand, dec, known, start, M, _iters):
-    return select(cand, dec, known, start, M, iters)
+def _jacobi_fixed(select, iters, cand, dec, known, start, M, _iters, guess=None):
+    return select(cand, dec, known, start, M, iters, guess)
 
 
 def test_jacobi_selection_is_the_sequential_selection():
@@ -570,6 +570,13 @@ def test_jacobi_selection_is_the_sequential_selection():
         assert not bool(settled) or torch.equal(one, want)
         many, _, settled = _select_jacobi(cand, dec, known, start, M, T - start + 1)
         assert bool(settled) and torch.equal(many, want)
+        # from any first choices: here every step's last competitor, and the answer itself (settles in one pass)
+        last = cand.gather(2, ((cand >= 0).sum(-1, keepdim=True) - 1))[..., 0]
+        for guess in (last, want[:, start:]):
+            got, _, settled = _select_jacobi(cand, dec, known, start, M, None, guess)
+            assert bool(settled) and torch.equal(got, want)
+        _, _, settled = _select_jacobi(cand, dec, known, start, M, 1, want[:, start:])
+        assert bool(settled)
 
 
 def test_parallel_walk_redoes_blocks_from_a_mismatch():

@@ -208,8 +208,8 @@ every step at once, repeatedly (`_select_jacobi`)."""
 JACOBI_ITERS = 4
 """Passes of the "jacobi" selection on CUDA before one host sync asks whether the last changed nothing (then the
 choices are exact; else the steps go one by one). Off CUDA it passes until nothing changes. On the CPU at the 8B
-shape's heads and blocks of 256 (2048 tokens, B = 512), "mean" settled in 1-3 passes, "sum" in 10-12, and a block
-that fills empty slots in one pass per step (2026-12-06)."""
+shape's heads and blocks of 256 (2048 tokens, B = 512), from `_select`'s guesses, "mean" settled in 1-3 passes and
+"sum" in 1-12 (2026-12-06)."""
 
 
 def _select(
@@ -220,9 +220,11 @@ def _select(
     start: int = 0,
     known: Tensor | None = None,  # [B, Hd, T]
     how: str = "kernel",
+    empty: Tensor | None = None,  # [B, Hd]
 ) -> Tensor:
     """Each step's eviction under these keys from step `start` on, the steps before it keeping their `known`
-    evictions: [B, Hd, T] columns (`M`: none). `how`: one of `SELECTS`."""
+    evictions: [B, Hd, T] columns (`M`: none). `how`: one of `SELECTS`; "jacobi" starts from a guess (`empty`:
+    the empty long-range slots at the block's start)."""
     B, Hd, T, M = key.shape
     R = B * Hd
     if known is None:
@@ -235,7 +237,17 @@ def _select(
     dec = decide.reshape(R, T)
     known = known.reshape(R, T)
     if how == "jacobi":
-        ev, skips, settled = _select_jacobi(cand, dec, known, start, M, JACOBI_ITERS if key.is_cuda else None)
+        if start > 0:
+            # a redone round: the last round's choices from `start` on are a near guess (its keys differ a little)
+            guess = known[:, start:]
+        else:
+            # a block that fills empty slots: they are every step's weakest competitors, in slot order, so the
+            # d-th deciding step takes the d-th while there are any (`empty` [B, Hd] of them)
+            taken = dec.long().cumsum(-1) - dec.long()  # [R, T] deciding steps before each
+            fill = taken < (0 if empty is None else empty.reshape(R, 1))
+            guess = torch.where(fill, cand.gather(2, taken.clamp(max=T - 1)[..., None])[..., 0], cand[..., 0])
+        ev, skips, settled = _select_jacobi(cand, dec, known, start, M, JACOBI_ITERS if key.is_cuda else None,
+                                            guess)
         # a long chain (a block filling empty slots: every step wants the next one) needs a pass per step: then
         # the steps one by one (one host sync here, beside the round's own)
         if bool(settled):
@@ -262,7 +274,7 @@ def _select(
 
 
 def _select_jacobi(cand: Tensor, dec: Tensor, known: Tensor, start: int, M: int,
-                   iters: int | None) -> tuple[Tensor, Tensor, Tensor]:
+                   iters: int | None, guess: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """`_select`'s choices for all steps at once: (evictions [R, T], entries skipped and whether the last pass
     changed nothing, 0-dim tensors).
 
@@ -272,7 +284,8 @@ def _select_jacobi(cand: Tensor, dec: Tensor, known: Tensor, start: int, M: int,
     `scatter_reduce` over the columns), so a competitor is gone for step `j` iff that step is below `j`. The exact
     choices are this pass's fixed point, and pass `p` makes at least the first `p` steps from `start` exact (step
     `j` depends only on the steps before it), so passes repeat until nothing changes (`iters` None) or `iters`
-    times; at `iters >= 1` step `start` is always exact, which is all a round needs to progress."""
+    times; at `iters >= 1` step `start` is always exact, which is all a round needs to progress. Any first
+    choices will do (`guess` [R, T - start], else each step's weakest competitor); a near one saves passes."""
     R, T = dec.shape
     S = T - start
     steps = torch.arange(T, device=dec.device)
@@ -280,7 +293,7 @@ def _select_jacobi(cand: Tensor, dec: Tensor, known: Tensor, start: int, M: int,
     real = cand >= 0
     col = cand.clamp(min=0)
     decided = dec[:, start:]
-    ev = torch.where(decided, cand[..., 0], M)
+    ev = torch.where(decided, cand[..., 0] if guess is None else guess, M)
     first = torch.zeros(R, S, dtype=torch.long, device=dec.device)
     settled = torch.ones((), dtype=torch.bool, device=dec.device)
     for _ in range(S + 1 if iters is None else iters):
@@ -395,7 +408,8 @@ def _block(
 
         # speculation: priorities as if the block evicted nothing
         pri, _ = _priorities_(logits, ins, rm0, real, pri0, ins_pri, score, prior)
-        ev = torch.where(decide, _select(keys(pri), enter, decide, stats, how=select), M)
+        empty = (cand_pos[..., sink + window : N] < 0).sum(-1) if select == "jacobi" else None
+        ev = torch.where(decide, _select(keys(pri), enter, decide, stats, how=select, empty=empty), M)
         rounds = 0
         while True:
             # verification: the priorities under the held sets these evictions give, every step's decision
