@@ -295,7 +295,7 @@ def _select_jacobi(cand: Tensor, dec: Tensor, known: Tensor, start: int, M: int,
     decided = dec[:, start:]
     ev = torch.where(decided, cand[..., 0] if guess is None else guess, M)
     first = torch.zeros(R, S, dtype=torch.long, device=dec.device)
-    settled = torch.ones((), dtype=torch.bool, device=dec.device)
+    settled = torch.zeros((), dtype=torch.bool, device=dec.device)  # no pass, nothing shown
     for _ in range(S + 1 if iters is None else iters):
         whole = torch.cat([known[:, :start], ev], dim=1)  # [R, T]
         when = torch.full((R, M + 1), T, dtype=torch.long, device=dec.device).scatter_reduce_(
@@ -381,8 +381,9 @@ def _block(
     prior = None if prior_state is None else torch.cat([prior_state, ins_pri], dim=2)  # [B, Hd, M]
 
     def removal(ev: Tensor) -> tuple[Tensor, Tensor]:  # the step each column is evicted at, and its removal step
-        # the first step that evicts it: a "jacobi" selection cut short may name a column twice, and the verification
-        # must then see it gone from that first step on (the walk's prefix holds no repeat, so this is its removal)
+        # the first step that evicts it: no selection names a column twice (a "jacobi" one returns only when
+        # settled), but should one, the verification sees the column gone from that first step on and redoes the
+        # later one as a mismatch
         at = torch.full((B, Hd, M + 1), never, device=dev).scatter_reduce_(2, ev, steps, "amin")[..., :M]
         return at, torch.minimum(rm0, at)
 
