@@ -29,7 +29,7 @@ def decode_attention(
 ) -> Tensor:
     """A decode step's attention over its occupied slots: on CUDA split over the slots (`decode_kernel.py`),
     elsewhere one SDPA call (`sdpa.decode_attention`); reference: `masked_attention`."""
-    if query.is_cuda:
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from kvpop.ops.attention import decode_kernel
 
         if decode_kernel.available(query):
