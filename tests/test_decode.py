@@ -83,6 +83,38 @@ def test_compiled_step_equals_eager(name):
             assert torch.equal(a.pos, b.pos) and torch.equal(a.seen, b.seen)
 
 
+@pytest.mark.parametrize("name", ["kvpop", "dense"])
+def test_a_new_prompt_length_does_not_compile_the_step_again(name):
+    # the first token sliced from the prompt is a view whose row stride is the prompt's length: dynamo guards on it,
+    # so each prompt length compiled the step again (76 s at the 8B shape) until `step` gave its inputs plain strides
+    from kvpop.decode import Decoder
+
+    model = _model(name)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        for S in (19, 23):
+            ids = torch.randint(3, 300, (1, S), generator=torch.Generator().manual_seed(S))
+            # one static length for both prompts: a dense `StaticCache` of another size is another graph
+            decoder = Decoder(model, _cache(model, name, 30), compile=True, backend=backend)
+            with quiet(), torch.no_grad():
+                decoder.prefill(ids, chunk=8)
+                position = torch.full((1, 1), S)
+                with decoder.decoding():
+                    token = ids[:, -1:]  # stride (S, 1)
+                    for _ in range(3):
+                        token = decoder.step(token, position).argmax(-1, keepdim=True)
+                        position += 1
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1, f"{len(graphs)} graphs for two prompt lengths"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["kvpop", "mlstm", "evidence", "cascade", "dense"])

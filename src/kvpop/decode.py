@@ -65,6 +65,16 @@ def cache_tensors(cache) -> list[Tensor]:
     return out
 
 
+def _plain_strides(t: Tensor) -> Tensor:
+    """`t` with the strides of a new tensor of its shape (a copy only where they differ).
+
+    Dynamo guards a compiled step on its inputs' strides, size-1 dimensions included, so a first token sliced from
+    the prompt (`ids[:, -1:]`, row stride = the prompt's length) compiled the step again for every prompt length
+    (the fifteenth session's 76 s at a new context); `contiguous()` keeps such a view as it is."""
+    plain = torch.empty(t.shape, device="meta").stride()
+    return t if t.stride() == plain else t.clone(memory_format=torch.contiguous_format)
+
+
 class Decoder:
     """Prefill eagerly, then decode one token per step with a compiled (CUDA-graph) step on one fixed cache.
 
@@ -204,7 +214,11 @@ class Decoder:
             # a new replay begins: the previous step's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
         args = (input_ids, position, position[0] if cache_position is None else cache_position)
-        return self.step_fn(*args) if attention_mask is None else self.step_fn(*args, attention_mask)
+        if attention_mask is not None:
+            args = (*args, attention_mask)
+        if self.compiled and self.backend != CUDA_GRAPH:
+            args = tuple(_plain_strides(a) for a in args)
+        return self.step_fn(*args)
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, *, attention_mask: Tensor | None = None,
