@@ -115,6 +115,42 @@ def test_a_new_prompt_length_does_not_compile_the_step_again(name):
     assert len(graphs) == 1, f"{len(graphs)} graphs for two prompt lengths"
 
 
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "evidence", "cascade", "cascade-mean"])
+def test_compiled_step_takes_each_cache_tensor_once_at_a_static_address(name):
+    # a view of a mutated buffer read in the step (`layer.keys`, `layer.pos`, ...) was a second graph input aliasing
+    # it: AOT autograd merged the two into a synthetic base, and inductor's CUDA graphs then skipped the step for the
+    # stateful and cascade policies ("mutated inputs", the H100). The cache's inputs must be its own tensors, static
+    from kvpop.decode import Decoder, cache_tensors
+
+    model = _model(name)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append([t for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(0))
+        cache = _cache(model, name, 30)
+        decoder = Decoder(model, cache, compile=True, backend=backend)
+        with quiet(), torch.no_grad():
+            decoder.prefill(ids, chunk=8)
+            position = torch.full((2, 1), 19)
+            with decoder.decoding():
+                for _ in range(2):
+                    decoder.step(ids[:, -1:], position)
+                    position += 1
+    finally:
+        torch._dynamo.reset()
+    own = cache_tensors(cache)
+    storages = {t.untyped_storage().data_ptr() for t in own}
+    assert len(seen) == 1
+    inputs = [t for t in seen[0] if t.untyped_storage().data_ptr() in storages]
+    assert len(inputs) == len(own), f"{len(inputs)} graph inputs share the {len(own)} cache tensors' memory"
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in inputs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["kvpop", "mlstm", "evidence", "cascade", "dense"])

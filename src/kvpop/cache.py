@@ -110,6 +110,15 @@ class KVpopLayerCache(CacheLayerMixin):
             self.length = torch.zeros((), dtype=torch.long, device=device)
         return self.length
 
+    def _slots_of(self, i: int) -> Tensor:
+        """Buffer `i` without its scratch slot, sliced from the buffer itself (the decode step's reads).
+
+        In a compiled step the buffers are then its only inputs among the cache's tensors. A view attribute (`keys`,
+        `pos`, ...) read there would be a second graph input aliasing its mutated buffer: AOT autograd merges such
+        inputs into a synthetic base, and inductor's CUDA graphs skipped the stateful and cascade policies' steps
+        ("mutated inputs", tests/test_decode.py)."""
+        return self.buffers[i][:, :, : self.slots]
+
     def _views(self) -> None:
         self.keys, self.values, self.pos, self.pri = (b[:, :, : self.slots] for b in self.buffers[:4])
         self.prior = self.buffers[4][:, :, : self.slots] if len(self.buffers) > 4 else None
@@ -242,9 +251,10 @@ class KVpopLayerCache(CacheLayerMixin):
         if policy.evidence:
             cache_evidence.decode_accumulate(self, query, key, p, real, scale, policy, rope)
         if policy.dynamic:
-            occupied = self.pos >= 0
-            updated = policy.update(self.pri, probs, occupied, self.prior)
-            self.pri.copy_(torch.where(real[:, None, None], updated, self.pri))
+            pri = self._slots_of(3)
+            occupied = self._slots_of(2) >= 0
+            updated = policy.update(pri, probs, occupied, self._slots_of(4) if len(self.buffers) > 4 else None)
+            pri.copy_(torch.where(real[:, None, None], updated, pri))
         return out
 
     def _advance_decode(self, key, value, p: Tensor, real: Tensor, pri_new: Tensor, policy: LayerPolicy) -> Tensor:
@@ -264,8 +274,9 @@ class KVpopLayerCache(CacheLayerMixin):
         if d == 0:
             rk, rv = key, value
         else:
-            rk = self.keys.gather(2, rslot[..., None].expand(-1, -1, -1, D))
-            rv = self.values.gather(2, rslot[..., None].expand(-1, -1, -1, self.values.shape[-1]))
+            keys, values = self._slots_of(0), self._slots_of(1)
+            rk = keys.gather(2, rslot[..., None].expand(-1, -1, -1, D))
+            rv = values.gather(2, rslot[..., None].expand(-1, -1, -1, values.shape[-1]))
         state, pri = policy.advance(self.state, key, value, real[:, None], rk, rv, x.clamp(min=0)[:, None])
         self._store_state(state)
         pri = pri.detach()  # [B, H, 1]

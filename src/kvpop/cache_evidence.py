@@ -40,8 +40,10 @@ def decode_readout(layer, p: Tensor, real: Tensor, policy: EvidencePolicy) -> No
     state: EvidenceState = layer.state
     x = p - w  # [B]
     j = ((x - s).clamp(min=0) % w)[:, None]  # [B, 1] its ring index
-    key = _gather(state.key, j) if policy.pre_rope else _gather(layer.keys, s + j)
-    pri = policy.readout(key, _gather(layer.values, s + j), _gather(state.acc, j), x.clamp(min=0)[:, None])
+    # slot views sliced from the buffers: a compiled step's only cache inputs (`KVpopLayerCache._slots_of`)
+    keys, values = layer._slots_of(0), layer._slots_of(1)
+    key = _gather(state.key, j) if policy.pre_rope else _gather(keys, s + j)
+    pri = policy.readout(key, _gather(values, s + j), _gather(state.acc, j), x.clamp(min=0)[:, None])
     due = (real & (x >= s))[:, None, None]
     slot = (s + j)[:, None].expand(-1, pri.shape[1], -1)
     write_slot(layer.buffers[3], torch.where(due, slot, layer.slots), pri.detach())
@@ -58,7 +60,7 @@ def decode_accumulate(layer, query: Tensor, key: Tensor, p: Tensor, real: Tensor
     s, w = layer.sink, layer.window
     n = s + w
     state: EvidenceState = layer.state
-    probs = window_probs(query, layer.keys[:, :, :n], layer.pos[:, :, :n] >= 0, scale)[..., s:]  # [B, H, G, w]
+    probs = window_probs(query, layer.buffers[0][:, :, :n], layer.buffers[2][:, :, :n] >= 0, scale)[..., s:]  # [B, H, G, w]
     probs = probs.transpose(-1, -2)  # [B, H, w, G]
     j = (p - s).clamp(min=0) % w
     # the new token's slot starts afresh (it held the token that just left)
