@@ -71,8 +71,11 @@ def _plain_strides(t: Tensor) -> Tensor:
     Dynamo guards a compiled step on its inputs' strides, size-1 dimensions included, so a first token sliced from
     the prompt (`ids[:, -1:]`, row stride = the prompt's length) compiled the step again for every prompt length
     (the fifteenth session's 76 s at a new context); `contiguous()` keeps such a view as it is."""
-    plain = torch.empty(t.shape, device="meta").stride()
-    return t if t.stride() == plain else t.clone(memory_format=torch.contiguous_format)
+    plain, size = [], 1
+    for n in reversed(t.shape):
+        plain.insert(0, size)
+        size *= max(n, 1)
+    return t if t.stride() == tuple(plain) else t.clone(memory_format=torch.contiguous_format)
 
 
 class Decoder:
