@@ -40,6 +40,10 @@ CHECK = textwrap.dedent(
             k, v = kbuf[:, :, :N], vbuf[:, :, :N]
             scale = D ** -0.5
             want, _ = masked_attention(q, k, v, occupied[:, :, None, :], scale)
+            # the occupancy as a strided view too (every other column of a wider mask)
+            wide = torch.stack([occupied, ~occupied], dim=-1).flatten(-2)
+            assert torch.equal(decode_attention_split(q, k, v, wide[..., ::2], scale, split=split),
+                               decode_attention_split(q, k, v, occupied, scale, split=split))
             got = decode_attention_split(q, k, v, occupied, scale, split=split)
             G = Hq // Hkv
             assert got.shape == want.shape and got.dtype == dtype, (got.shape, got.dtype)

@@ -110,18 +110,18 @@ class KVpopLayerCache(CacheLayerMixin):
             self.length = torch.zeros((), dtype=torch.long, device=device)
         return self.length
 
-    def _slots_of(self, i: int) -> Tensor:
-        """Buffer `i` without its scratch slot, sliced from the buffer itself (the decode step's reads).
+    def _slots_of(self, i: int) -> Tensor | None:
+        """Buffer `i` without its scratch slot, sliced from the buffer itself (the decode step's reads); None for a
+        prior buffer (4) the policy does not keep.
 
         In a compiled step the buffers are then its only inputs among the cache's tensors. A view attribute (`keys`,
         `pos`, ...) read there would be a second graph input aliasing its mutated buffer: AOT autograd merges such
         inputs into a synthetic base, and inductor's CUDA graphs skipped the stateful and cascade policies' steps
         ("mutated inputs", tests/test_decode.py)."""
-        return self.buffers[i][:, :, : self.slots]
+        return self.buffers[i][:, :, : self.slots] if i < len(self.buffers) else None
 
     def _views(self) -> None:
-        self.keys, self.values, self.pos, self.pri = (b[:, :, : self.slots] for b in self.buffers[:4])
-        self.prior = self.buffers[4][:, :, : self.slots] if len(self.buffers) > 4 else None
+        self.keys, self.values, self.pos, self.pri, self.prior = (self._slots_of(i) for i in range(5))
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         # the real work needs priorities and padding, which only the attention call has: see `attend`
@@ -253,7 +253,7 @@ class KVpopLayerCache(CacheLayerMixin):
         if policy.dynamic:
             pri = self._slots_of(3)
             occupied = self._slots_of(2) >= 0
-            updated = policy.update(pri, probs, occupied, self._slots_of(4) if len(self.buffers) > 4 else None)
+            updated = policy.update(pri, probs, occupied, self._slots_of(4))
             pri.copy_(torch.where(real[:, None, None], updated, pri))
         return out
 

@@ -49,7 +49,7 @@ if triton is not None:
 
     @triton.jit
     def decode_split_fwd_kernel(
-        q_ptr, k_ptr, v_ptr, occ_ptr,  # q [B, Hkv, G, D]; k, v [B, Hkv, N, D]; occ [B, Hkv, N] int8
+        q_ptr, k_ptr, v_ptr, occ_ptr,  # q [B, Hkv, G, D]; k, v [B, Hkv, N, D]; occ [B, Hkv, N] bool
         m_ptr, l_ptr, acc_ptr,  # out, float32: [B * Hkv, S, BG] twice and [B * Hkv, S, BG, DV]
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h,
         Hkv, G, N, D, DV, n_splits, scale,
@@ -149,7 +149,8 @@ def _split_op(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale
         q = q.contiguous()
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
-    occ = occupied.to(torch.int8)
+    # the occupancy as it comes (bool, loaded as int1): a conversion would be one more launch per layer and step
+    occ = occupied if occupied.stride(-1) == 1 else occupied.contiguous()
     n_splits = triton.cdiv(N, split)
     # tl.dot needs at least 16 rows and 16 columns
     BG = max(16, triton.next_power_of_2(G))
