@@ -24,7 +24,28 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from kvpop.ops.attention.block_mask import sparse_block_mask
 
+try:
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # torch without `return_aux`: `return_lse`
+    AuxRequest = None
+
 _compiled_flex = None
+
+
+def flex_with_lse(fn, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    """(out, lse) of `fn`, FlexAttention compiled or not, by `return_aux` where torch has it.
+
+    torch >= 2.9 deprecates `return_lse`, and its warn-once check is a guard of the compiled function: the
+    second call compiled it again (seen in `generate` on an H100, twenty-first session), one of the 8
+    recompiles dynamo allows before it falls back to eager FlexAttention.
+    """
+    with warnings.catch_warnings():
+        # eager flex warns that it is unfused; off CUDA that is the intended, test-only path
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        if AuxRequest is None:
+            return fn(*args, return_lse=True, **kwargs)
+        out, aux = fn(*args, return_aux=AuxRequest(lse=True), **kwargs)
+        return out, aux.lse
 
 
 def _flex_for(device: torch.device):
@@ -102,13 +123,8 @@ def flex_sparse_attention(
     _check(query, key, value, q_pos, q_valid, k_pos, k_valid, evict)
     Hq = query.shape[1]
     block_mask = sparse_block_mask(q_pos, q_valid, k_pos, k_valid, evict, sink, window, Hq, block_size)
-    with warnings.catch_warnings():
-        # torch >= 2.9 deprecates `return_lse` for `return_aux`; it still works in 2.11 and 2.13 alike
-        warnings.filterwarnings("ignore", message=".*return_lse is deprecated.*", category=FutureWarning)
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        out, lse = _flex_for(query.device)(
-            query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True
-        )
+    out, lse = flex_with_lse(_flex_for(query.device), query, key, value, block_mask=block_mask, scale=scale,
+                             enable_gqa=True)
     return out, (lse.float() if return_lse else None)
 
 

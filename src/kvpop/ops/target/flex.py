@@ -12,16 +12,12 @@ scores and is meant for tests.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-try:
-    from torch.nn.attention.flex_attention import AuxRequest
-except ImportError:  # torch without `return_aux`: fall back to `return_lse`
-    AuxRequest = None
+from kvpop.ops.attention.flex import flex_with_lse
 
 # the compiled kernels want head dims of at least 16 (query/key and value)
 MIN_HEAD_DIM = 16
@@ -139,12 +135,5 @@ def log_future_mass_flex(
         fn = _compiled_flex()
     else:
         fn = flex_attention
-    with warnings.catch_warnings():
-        # eager flex warns that it is unfused; off CUDA that is the intended, test-only path
-        warnings.filterwarnings("ignore", message=".*without torch.compile.*")
-        if AuxRequest is not None:
-            _, aux = fn(rows, query, value, return_aux=AuxRequest(lse=True), **kwargs)
-            out = aux.lse
-        else:
-            _, out = fn(rows, query, value, return_lse=True, **kwargs)
+    _, out = flex_with_lse(fn, rows, query, value, **kwargs)
     return out.float()

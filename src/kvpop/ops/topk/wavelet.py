@@ -99,11 +99,12 @@ def eviction_positions(
         valid: bool [B, H, N], False for padding and empty slots (their result is meaningless).
         sink, window, topk: the budget split of `KVPOP.md` Sec. 1.
         ordered: the valid tokens are stored in increasing position order (a teacher-forced
-            sequence, padding anywhere); this lets the GPU use the Triton kernel (`kernel.py`).
-        backend: "auto" (the two-level Triton kernel for `ordered` CUDA inputs, else the wavelet
-            matrix), "wavelet", "triton" (the two-level kernel, `kernel.kth_beater_tiled`) or
-            "triton_scan" (the earlier tile-scan kernel, `kernel.kth_beater`, kept for comparison);
-            the Triton ones also run on CPU under `TRITON_INTERPRET=1` and need `ordered`.
+            sequence, padding anywhere). The Triton kernels (`kernel.py`) need that order: without
+            it they run on a copy of each row sorted by position (one sort, two gathers, a scatter).
+        backend: "auto" (the two-level Triton kernel on CUDA, else the wavelet matrix), "wavelet",
+            "triton" (the two-level kernel, `kernel.kth_beater_tiled`) or "triton_scan" (the earlier
+            tile-scan kernel, `kernel.kth_beater`, kept for comparison); the Triton ones also run on
+            CPU under `TRITON_INTERPRET=1`.
     Returns:
         int64 [B, H, N]; sinks and invalid tokens get `NEVER`.
     """
@@ -115,8 +116,19 @@ def eviction_positions(
     ranked = eligible & (priority > float("-inf"))
     if topk == 0:
         return torch.where(eligible, position + window, NEVER)
-    if _use_kernel(priority, ordered, backend):
-        evict = _eviction_ordered_kernel(priority, position, ranked, window, topk, scan=backend == "triton_scan")
+    if _use_kernel(priority, backend):
+        scan = backend == "triton_scan"
+        if ordered:
+            evict = _eviction_ordered_kernel(priority, position, ranked, window, topk, scan=scan)
+        else:
+            # a cache's slots plus a chunk: the kernel on each row sorted by position, ranked tokens first (the
+            # kernel skips the others wherever they sit). On CUDA that is about 5 launches where the wavelet
+            # matrix takes some 380 (SmolLM2's prefill at 4096 tokens, counted on the CPU), and a prefill in
+            # `generate` runs eagerly, bound by its launches
+            by_pos = torch.argsort(torch.where(ranked, position, NEVER), dim=-1, stable=True)
+            evict = torch.empty_like(by_pos).scatter_(-1, by_pos, _eviction_ordered_kernel(
+                priority.gather(-1, by_pos), position.gather(-1, by_pos), ranked.gather(-1, by_pos), window, topk,
+                scan=scan))
         return torch.where(eligible & ~ranked, position + window, evict)
 
     pri = priority.reshape(B * H, N)
@@ -139,17 +151,15 @@ def eviction_positions(
     return torch.where(eligible & ~ranked, position + window, evict)
 
 
-def _use_kernel(priority: Tensor, ordered: bool, backend: str) -> bool:
+def _use_kernel(priority: Tensor, backend: str) -> bool:
     from kvpop.ops.topk import kernel
 
     if backend == "auto":
-        return ordered and priority.is_cuda and kernel.available(priority)
+        return priority.is_cuda and kernel.available(priority)
     if backend == "wavelet":
         return False
     if backend not in ("triton", "triton_scan"):
         raise ValueError(f"backend={backend!r} must be 'auto', 'wavelet', 'triton' or 'triton_scan'")
-    if not ordered:
-        raise ValueError(f"backend={backend!r} needs ordered=True (tokens stored in position order)")
     if not kernel.available(priority):
         raise RuntimeError(f"the Triton top-k kernel cannot run on {priority.device} here: it needs `triton` and "
                            "CUDA, or TRITON_INTERPRET=1 on the CPU")
