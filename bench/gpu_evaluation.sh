@@ -23,6 +23,8 @@
 #   bash bench/gpu_evaluation.sh speed OUT    # issue 18, no staging: the cutoffs' sort and tile sweep (item 4), the
 #                                             # 36-layer 8B-shape decode step under inductor, cold (item 3)
 #   bash bench/gpu_evaluation.sh speed2 OUT   # the same step from the inductor cache; dense StaticCache + inductor
+#   bash bench/gpu_evaluation.sh generate OUT # issue 18 item 2, no staging: a bf16 prefill's profile, then `generate`
+#                                             # at SmolLM2's shape, batch 1 and 4 (GEN_BATCHES), against StaticCache
 #
 # A run carried back (`cat resume.tar.part_* | tar x`: config.json, train_log.jsonl, checkpoints/step-N; 32 MB each,
 # so one per call beside the working tree) goes into .stage_d/ or .stage_e/ and resumes exactly on any CUDA machine:
@@ -41,8 +43,8 @@
 # before the curve, 330), CURVE_S (the curve's seconds, 120), SIDE_S (a suite or fidelity process's, 420), LONG (1000),
 # DISTILL (the full distillation's steps after the scorer-only phase, 60), TWIN (1: the delay-0 twin too).
 set -uo pipefail
-phase=${1:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2 OUT_DIR}
-dest=${2:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2 OUT_DIR}
+phase=${1:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2|generate OUT_DIR}
+dest=${2:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2|generate OUT_DIR}
 # the device returns at most 8 files: everything goes to a work folder, packed into OUT/callN.tgz at the end
 # a machine can keep $HOME from an earlier session (the tenth found the ninth's files): the call's folder starts empty
 out=$HOME/call$phase
@@ -198,7 +200,19 @@ speed|speed2)  # issue 18 (no staging): `speed` times the cutoffs' sort and tile
     step decode_dense "${DENSE_S:-300}" "${dec[@]}" --caches dense --contexts 4096 --json-out "$out/decode_dense.json"
   fi
   ;;
+generate)  # issue 18 item 2 (no staging): where a bf16 prefill's time goes (`profile_prefill.py`), then `generate` at
+  # SmolLM2's shape and the 8B shape (12 layers), batch 1 and 4, against transformers' compiled StaticCache; bf16,
+  # since that StaticCache is 4.7x slower in float32 (twenty-first session). SmolLM2 has 8192 positions: 7680 + 128
+  step prefill_smollm2 "${PRE_S:-90}" python bench/profile_prefill.py --model smollm2-135m-shape --dtype bfloat16 \
+    --context 4096 --budget 1024 --out "$out/prefill_smollm2"
+  gen=(python bench/bench_generate.py --device cuda --dtype bfloat16 --caches dense,static,kvpop --new-tokens 128
+       --repeats 2)
+  for b in ${GEN_BATCHES:-1 4}; do
+    step "gen_smollm2_b$b" "${GEN_S:-150}" "${gen[@]}" --model smollm2-135m-shape --contexts 4096,7680 --budget 1024 \
+      --batch "$b" --json-out "$out/gen_smollm2_b$b.json"
+  done
+  ;;
 *)
-  echo "unknown phase $phase (1, 2, 2s, 3, 4, resume, speed, speed2)"; exit 2
+  echo "unknown phase $phase (1, 2, 2s, 3, 4, resume, speed, speed2, generate)"; exit 2
   ;;
 esac

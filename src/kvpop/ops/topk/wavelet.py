@@ -100,7 +100,7 @@ def eviction_positions(
         sink, window, topk: the budget split of `KVPOP.md` Sec. 1.
         ordered: the valid tokens are stored in increasing position order (a teacher-forced
             sequence, padding anywhere). The Triton kernels (`kernel.py`) need that order: without
-            it they run on a copy of each row sorted by position (one sort, two gathers, a scatter).
+            it they run on a copy of each row sorted by position (one sort, three gathers, a scatter).
         backend: "auto" (the two-level Triton kernel on CUDA, else the wavelet matrix), "wavelet",
             "triton" (the two-level kernel, `kernel.kth_beater_tiled`) or "triton_scan" (the earlier
             tile-scan kernel, `kernel.kth_beater`, kept for comparison); the Triton ones also run on
