@@ -201,7 +201,8 @@ speed|speed2)  # issue 18 (no staging): `speed` times the cutoffs' sort and tile
   fi
   ;;
 generate)  # issue 18 item 2 (no staging): where a bf16 prefill's time goes (`profile_prefill.py`), then `generate` at
-  # SmolLM2's shape and the 8B shape (12 layers), batch 1 and 4, against transformers' compiled StaticCache; bf16,
+  # SmolLM2's shape, batch 1 and 4, against transformers' compiled StaticCache (the 8B shape: `bench_generate.py`
+  # --model qwen3-8b-shape --num-layers 12 --contexts 4096,16384 --budget 2048 in a call of its own); bf16,
   # since that StaticCache is 4.7x slower in float32 (twenty-first session). SmolLM2 has 8192 positions: 7680 + 128
   step prefill_smollm2 "${PRE_S:-90}" python bench/profile_prefill.py --model smollm2-135m-shape --dtype bfloat16 \
     --context 4096 --budget 1024 --out "$out/prefill_smollm2"

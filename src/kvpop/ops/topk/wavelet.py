@@ -122,7 +122,7 @@ def eviction_positions(
             evict = _eviction_ordered_kernel(priority, position, ranked, window, topk, scan=scan)
         else:
             # a cache's slots plus a chunk: the kernel on each row sorted by position, ranked tokens first (the
-            # kernel skips the others wherever they sit). On CUDA that is about 5 launches where the wavelet
+            # kernel skips the others wherever they sit). On CUDA that is about 20 launches where the wavelet
             # matrix takes some 380 (SmolLM2's prefill at 4096 tokens, counted on the CPU), and a prefill in
             # `generate` runs eagerly, bound by its launches
             by_pos = torch.argsort(torch.where(ranked, position, NEVER), dim=-1, stable=True)
