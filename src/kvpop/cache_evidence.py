@@ -60,7 +60,8 @@ def decode_accumulate(layer, query: Tensor, key: Tensor, p: Tensor, real: Tensor
     s, w = layer.sink, layer.window
     n = s + w
     state: EvidenceState = layer.state
-    probs = window_probs(query, layer.buffers[0][:, :, :n], layer.buffers[2][:, :, :n] >= 0, scale)[..., s:]  # [B, H, G, w]
+    keys, pos = layer._slots_of(0), layer._slots_of(2)  # from the buffers, as in `decode_readout`
+    probs = window_probs(query, keys[:, :, :n], pos[:, :, :n] >= 0, scale)[..., s:]  # [B, H, G, w]
     probs = probs.transpose(-1, -2)  # [B, H, w, G]
     j = (p - s).clamp(min=0) % w
     # the new token's slot starts afresh (it held the token that just left)

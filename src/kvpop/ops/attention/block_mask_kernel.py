@@ -12,26 +12,17 @@ Triton is optional: `available()` says whether this path can run (CUDA, or `TRIT
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs have no Triton; the torch form serves them
-    triton = None
+# `available` (re-exported) says whether these kernels can run; without Triton, `triton` and `tl` are None and
+# the torch form serves them
+from kvpop.ops.triton_support import available as available
+from kvpop.ops.triton_support import tl, triton
 
 _MIN = torch.iinfo(torch.int64).min
 _MAX = torch.iinfo(torch.int64).max
 
-
-def available(t: Tensor) -> bool:
-    """Whether the kernels can run on `t`'s device: Triton on CUDA, or Triton's interpreter on CPU."""
-    if triton is None:
-        return False
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:

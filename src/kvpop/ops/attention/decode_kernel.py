@@ -20,16 +20,13 @@ no occupied slot (padding before a row's first token) gives zeros.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs have no Triton: SDPA serves them
-    triton = tl = None
+# `available` (re-exported) says whether these kernels can run; without Triton, `triton` and `tl` are None and
+# SDPA serves them
+from kvpop.ops.triton_support import available as available
+from kvpop.ops.triton_support import tl, triton
 
 SPLIT = 128
 """Slots per program: 2048 slots at batch 1 with 8 KV heads give 128 programs, about one per SM of an H100."""
@@ -37,12 +34,6 @@ SPLIT = 128
 BLOCK_N = 64
 """Slots per inner step of a program."""
 
-
-def available(t: Tensor) -> bool:
-    """Whether the kernels can run on `t`'s device: Triton on CUDA, or Triton's interpreter on the CPU."""
-    if triton is None:
-        return False
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:

@@ -27,26 +27,17 @@ ties (equal keys, uniform attention) it resolves identically (newer token wins).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs have no Triton; the torch walk serves them
-    triton = tl = None
+# `available` (re-exported) says whether these kernels can run; without Triton, `triton` and `tl` are None and
+# the torch walk serves them
+from kvpop.ops.triton_support import available as available
+from kvpop.ops.triton_support import tl, triton
 
 SCORES = {"max": 0, "sum": 1, "mean": 2, "cascade": 3, "cascade_mean": 4}
 """The scores this module implements: `dynamic_walk_fwd_kernel`'s `SCORE` constant (4: `dynamic_walk_layer_fwd_kernel`)."""
 
-
-def available(t: Tensor) -> bool:
-    """Whether the kernel can run on `t`'s device: Triton on CUDA, or Triton's interpreter on CPU."""
-    if triton is None:
-        return False
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 BLOCK_C = 256

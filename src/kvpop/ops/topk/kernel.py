@@ -22,27 +22,19 @@ runs on CPU tensors (slowly), which is how the CPU test suite checks it against 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs have no Triton; the wavelet form serves them
-    triton = None
+# `available` (re-exported) says whether these kernels can run; without Triton, `triton` and `tl` are None and
+# the wavelet form serves them
+from kvpop.ops.triton_support import available as available
+from kvpop.ops.triton_support import tl, triton
 
 BLOCK_T = 32
 BLOCK_U = 128
 _FAR = 1 << 30  # larger than any token index
 
-
-def available(t: Tensor) -> bool:
-    """Whether the kernel can run on `t`'s device: Triton on CUDA, or Triton's interpreter on CPU."""
-    if triton is None:
-        return False
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
