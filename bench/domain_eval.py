@@ -39,6 +39,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--sequences", type=int, default=2, help="sequences per source (default 2)")
     p.add_argument("--out", type=Path, default=Path("runs/domains"))
+    p.add_argument("--force", action="store_true", help="replace the results of an earlier run in --out (kvpop eval's)")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                 "--out", str(out), "--seed", str(args.seed), "--no-progress",
                 *(["--split", "all"] if source in HELD_OUT_SOURCES else []),
                 *(a for d in args.trained for a in ("--trained", d)),
-                *(["--device", args.device] if args.device else [])]
+                *(["--device", args.device] if args.device else []), *(["--force"] if args.force else [])]
         print(f"domain_eval: kvpop {' '.join(argv)}", file=sys.stderr, flush=True)
         # each run's own table and JSON line go to stderr: stdout is the combined table, then one JSON line
         with contextlib.redirect_stdout(sys.stderr):

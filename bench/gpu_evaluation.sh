@@ -162,7 +162,7 @@ resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into thi
   [ -f "$d0/final/kvpop_config.json" ] && trained+=(--trained "mlstm-delay0-${long}=$d0/final")
   if [ ${#trained[@]} -gt 0 ]; then
     step table "${CURVE_S:-120}" "${kvpop[@]}" eval --model smollm2-135m --data champ --seq-len 8192 --sequences 8 \
-      --budgets 1024 --policies streaming_llm --no-progress --out "$HOME/table" "${trained[@]}"
+      --budgets 1024 --policies streaming_llm --no-progress --out "$HOME/table" --force "${trained[@]}"
     keep table
   fi
   wait

@@ -76,7 +76,7 @@ fidelity)
   timeout --signal=INT "${FID_S:-500}" python -m kvpop.cli eval --model smollm2-135m --generate "${FID_N:-4096}" \
     --problems "${FID_P:-8}" --samples "${FID_SAMPLES:-1}" --gen-batch "${FID_BATCH:-8}" --ignore-eos \
     --budgets 2048,1024 --policies streaming_llm,tova,tova_windowed,h2o,h2o_windowed "${trained[@]}" \
-    --out "$HOME/fidelity"
+    --out "$HOME/fidelity" --force  # a scratch folder a warm machine may keep from an earlier call
   for f in fidelity.json fidelity.txt fidelity.png generations.jsonl; do
     cp "$HOME/fidelity/$f" "$out/" 2>/dev/null
   done
@@ -95,7 +95,7 @@ domains)
   done
   timeout --signal=INT "${DOM_S:-500}" python bench/domain_eval.py --model smollm2-135m "${trained[@]}" \
     --policies "${DOM_POLICIES:-tova,h2o}" --budgets "${DOM_BUDGETS:-2048,1024}" --seq-len "${DOM_LEN:-8192}" \
-    --sequences "${DOM_SEQ:-2}" --out "$HOME/domains" | tee "$out/domains.txt"
+    --sequences "${DOM_SEQ:-2}" --out "$HOME/domains" --force | tee "$out/domains.txt"
   cp "$HOME/domains/domains.json" "$out/" 2>/dev/null
   ;;
 *)

@@ -218,8 +218,16 @@ def test_eval_shows_each_pass_and_announces_untrained_scorers(text_file, tmp_pat
     assert "--policies kvpop: its scorers are untrained (random)" in err
     # the dense pass, then each of the two entries: three ticks for the one sequence
     assert "3/3" in err and "pass" in err
-    assert main(_eval(text_file, tmp_path, "--budgets", "32", "--policies", "streaming_llm", "--no-progress")) == 0
+    # a second eval into the same --out: refused before any work, the first one's results kept; then --force
+    results = (tmp_path / "o" / "results.json").read_text()
+    assert main(_eval(text_file, tmp_path, "--budgets", "32", "--policies", "streaming_llm", "--no-progress")) == 1
+    err = capsys.readouterr().err
+    assert "holds the results of an earlier eval (table.txt, results.json): pass --force" in err
+    assert "Traceback" not in err and (tmp_path / "o" / "results.json").read_text() == results
+    assert main(_eval(text_file, tmp_path, "--budgets", "32", "--policies", "streaming_llm", "--no-progress",
+                      "--force")) == 0
     assert "kvpop eval" not in capsys.readouterr().err
+    assert (tmp_path / "o" / "results.json").read_text() != results
 
 
 def test_held_out_rows_begin_at_a_document_start_unless_concat():
@@ -280,7 +288,7 @@ def test_eval_runs_a_kvpop_mlp_directory_as_kvpop_cascade(text_file, tmp_path, c
     cascade = kvpop.load(tmp_path / "mlp", config=kvpop.KVpopConfig.for_budget(32, scorer_hidden=16, tova_pool=8))
     kvpop.save(cascade, tmp_path / "cascade", tokenizer=tok)
     base = ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--split", "all", "--seq-len", "128",
-            "--sequences", "2", "--policies", "none", "--out", str(tmp_path / "o")]
+            "--force", "--sequences", "2", "--policies", "none", "--out", str(tmp_path / "o")]
     assert main([*base, "--trained", f"mlp={tmp_path / 'mlp'}", "--tova-pool", "8,20",
                  "--trained", f"saved={tmp_path / 'cascade'}"]) == 0
     rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
@@ -308,7 +316,7 @@ def test_eval_runs_a_kvpop_mlp_directory_as_the_layer_wide_cascade(text_file, tm
     cfg = kvpop.KVpopConfig.for_budget(32, scorer_hidden=16, tova_pool=24, tova_head_average=True)
     kvpop.save(kvpop.load(tmp_path / "mlp", config=cfg), tmp_path / "layer", tokenizer=tok)
     base = ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--split", "all", "--seq-len", "128",
-            "--sequences", "2", "--policies", "none", "--out", str(tmp_path / "o")]
+            "--force", "--sequences", "2", "--policies", "none", "--out", str(tmp_path / "o")]
     assert main([*base, "--trained", f"mlp={tmp_path / 'mlp'}", "--tova-pool-layer", "24,31", "--tova-pool", "8",
                  "--trained", f"saved={tmp_path / 'layer'}"]) == 0
     rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
@@ -327,7 +335,8 @@ def test_eval_runs_a_kvpop_mlp_directory_as_the_layer_wide_cascade(text_file, tm
 def test_skip_sequences_gives_a_disjoint_development_set(text_file, tmp_path, capsys):
     # --skip-sequences N: the rows after the first N, exactly the later rows of a longer run
     base = ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--split", "all", "--seq-len", "128",
-            "--policies", "streaming_llm", "--budgets", "32", "--packing", "concat", "--out", str(tmp_path / "o")]
+            "--policies", "streaming_llm", "--budgets", "32", "--packing", "concat", "--out", str(tmp_path / "o"),
+            "--force"]
     def per_sequence():
         return json.loads((tmp_path / "o" / "results.json").read_text())["rows"][0]["kl_per_sequence"]
 

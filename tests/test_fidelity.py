@@ -129,13 +129,13 @@ def test_eval_generate_writes_fidelity(tmp_path, capsys):
     assert len(saved["generations"]) == 6 and "--generate 6" in saved["command"]
     assert (out / "fidelity.png").stat().st_size > 5000 and "NLL" in (out / "fidelity.txt").read_text()
     assert saved["args"]["gen_batch"] == 1  # the CPU's default
-    assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "4", "--data", "x.txt", "--out", str(out)]) == 1
+    assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "4", "--data", "x.txt", "--out", str(out), "--force"]) == 1
     assert "--data champ" in capsys.readouterr().err
-    assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "4", "--gen-batch", "0", "--out", str(out)]) == 1
+    assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "4", "--gen-batch", "0", "--out", str(out), "--force"]) == 1
     err = capsys.readouterr().err
     assert "--gen-batch 0" in err and "Traceback" not in err
     # more problems than champ's held-out split holds: refused with the count, not silently fewer rows
-    assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "4", "--problems", "1000", "--out", str(out)]) == 1
+    assert main(["eval", "--model", "tiny-random-qwen3", "--generate", "4", "--problems", "1000", "--out", str(out), "--force"]) == 1
     err = capsys.readouterr().err
     assert "--problems 1000" in err and "held-out split has" in err and "Traceback" not in err
 

@@ -604,6 +604,20 @@ def selfgen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_earlier_results(args: argparse.Namespace) -> None:
+    """Before any work: the summary files this kind of eval writes into --out must not hold an earlier run's results
+    (the default --out is shared by every run), unless --force. `generations.jsonl`, the store an interrupted
+    --generate run resumes from, is not one of them."""
+    from pathlib import Path
+
+    names = (("suite_table.txt", "suite.json") if args.suite else
+             ("fidelity.txt", "fidelity.json", "fidelity.png") if args.generate else ("table.txt", "results.json"))
+    found = [n for n in names if (Path(args.out) / n).exists()]
+    if found and not args.force:
+        raise ValueError(f"--out {args.out} holds the results of an earlier eval ({', '.join(found)}): pass --force to "
+                         "replace them, or choose another --out")
+
+
 @command("eval", "compare eviction policies and budgets side by side: teacher-forced on held-out text (+ pass@1), "
                  "long-context tasks (--suite), long generation (--generate)", [
     MODEL,
@@ -658,7 +672,10 @@ def selfgen(args: argparse.Namespace) -> int:
     arg("--gen-batch", type=int, default=None,
         help="--generate: generations decoded together, left-padded (default 1 on a CPU, 8 on a GPU, where a "
              "captured decode step of 8 rows takes about as long as one of 1)"),
-    arg("--out", default="runs/eval", help="output directory (default runs/eval)"),
+    arg("--out", default="runs/eval", help="output directory (default runs/eval); the results of an earlier eval of "
+        "the same kind there are refused unless --force"),
+    arg("--force", action="store_true",
+        help="replace the results of an earlier eval in --out (--generate reuses its finished generations either way)"),
     arg("--device", default=None),
     arg("--seed", type=int, default=0),
     NO_PROGRESS,
@@ -685,6 +702,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
     if not args.suite:
         parse_mixture(args.data)
+    _refuse_earlier_results(args)
     device = _device(args.device)
     torch.manual_seed(args.seed)
     trained = [_trained_arg(t) for t in args.trained]
