@@ -36,6 +36,7 @@ from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import attention_with_probs, decode_attention, sparse_attention
 from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
 from kvpop.ops.dynamic.reference import static_first_step, tova_first_step, write_slot
+from kvpop.ops.slots import write_slots
 from kvpop.ops.topk import eviction_positions
 from kvpop.policy import LayerPolicy
 
@@ -374,8 +375,8 @@ class KVpopLayerCache(CacheLayerMixin):
 
     def _chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float,
                policy: LayerPolicy, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Any number of tokens: the rule over `slots + chunk`, then the slots rewritten."""
-        s, w, n_slots = self.sink, self.window, self.slots
+        """Any number of tokens: the rule over `slots + chunk`, then the slots rewritten (`ops.slots`)."""
+        s, w = self.sink, self.window
         B, H, C, _ = key.shape
         new_pos = torch.where(valid, position, -1)[:, None, :].expand(B, H, C)
         # into a fresh cache the slots are all empty and the rule over the chunk alone gives the same answers,
@@ -400,34 +401,15 @@ class KVpopLayerCache(CacheLayerMixin):
             # the same argument: a token is read out by the query at which it becomes eligible
             cand_pri = cache_evidence.chunk_readout(self, query, key, value, position, valid, cand_pri, scale, policy,
                                                     rope)
-        evict = eviction_positions(cand_pri, cand_pos, cand_valid, s, w, self.topk)
+        # a fresh chunk's candidates are its tokens, in position order: the kernel needs no sort on CUDA
+        evict = eviction_positions(cand_pri, cand_pos, cand_valid, s, w, self.topk, ordered=alone)
         out = self._chunk_attention(query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict,
                                     scale)
 
         # what the rule retains after the chunk's last real token goes back into the slot layout
-        last = (self.seen + valid.sum(-1) - 1)[:, None, None]  # [B, 1, 1]
-        sink_kept = cand_valid & (cand_pos < s)
-        in_window = cand_valid & (cand_pos >= s) & (cand_pos > last - w)
-        top_kept = cand_valid & (cand_pos >= s) & (cand_pos <= last - w) & (last < evict)
-        top_slot = s + w + torch.cumsum(top_kept.long(), dim=-1) - 1
-        dest = torch.where(
-            sink_kept,
-            cand_pos,
-            torch.where(in_window, s + (cand_pos - s) % w, torch.where(top_kept, top_slot, n_slots)),
-        )
-        # each slot's candidate (-1: none, the slot is emptied); slot `n_slots` is a scratch column for
-        # everything dropped. Then one gather per buffer, of `slots` rows rather than a scatter of every candidate
-        n_cand = cand_pos.shape[-1]
-        src = torch.full((B, H, n_slots + 1), -1, dtype=torch.long, device=key.device)
-        src = src.scatter_(2, dest, torch.arange(n_cand, device=key.device).expand(B, H, n_cand))[..., :n_slots]
-        held, src = src >= 0, src.clamp(min=0)
-        for buf, cand, fill in ((self.keys, cand_k, 0.0), (self.values, cand_v, 0.0), (self.pos, cand_pos, -1),
-                                (self.pri, cand_pri, float("-inf"))):
-            if buf.dim() == 3:
-                buf.copy_(torch.where(held, cand.gather(2, src), fill))
-            else:
-                rows = cand.gather(2, src[..., None].expand(-1, -1, -1, buf.shape[-1]))
-                buf.copy_(torch.where(held[..., None], rows, fill))
+        last = self.seen + valid.sum(-1) - 1  # [B]
+        write_slots((self.keys, self.values, self.pos, self.pri), (cand_k, cand_v, cand_pos, cand_pri), evict, last,
+                    s, w)
         return out
 
 

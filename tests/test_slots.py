@@ -1,0 +1,102 @@
+"""The slot rewrite after a chunk (`ops/slots.py`): the Triton kernel against the PyTorch reference.
+
+The reference is what `KVpopCache._chunk` ran before the kernel (and still runs off CUDA); the cache tests check it
+against token-by-token decoding. Without CUDA the kernel runs under Triton's interpreter in a child process.
+"""
+
+import textwrap
+
+import pytest
+import torch
+
+from helpers import run_triton_check
+from kvpop.ops.slots import write_slots
+
+CHECK = textwrap.dedent(
+    """
+    import torch
+    from kvpop.ops.slots import write_slots_kernel, write_slots_reference
+    from kvpop.ops.topk import eviction_positions
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def case(B, H, sink, window, topk, prefix, C, D, DV, dtype, seed, ties=False, pad=True):
+        # slots holding `prefix` earlier tokens (some empty), then a chunk of C tokens, left-padded in rows > 0
+        g = torch.Generator().manual_seed(seed)
+        N = sink + window + topk
+        pos = torch.full((B, H, N), -1, dtype=torch.long)
+        pri = torch.full((B, H, N), float("-inf"))
+        seen = torch.zeros(B, dtype=torch.long)
+        if prefix:
+            # the prefix's survivors at random slots: positions below `prefix`, distinct per row
+            for b in range(B):
+                for h in range(H):
+                    n = min(N, prefix)
+                    pos[b, h, torch.randperm(N, generator=g)[:n]] = torch.randperm(prefix, generator=g)[:n]
+            pri = torch.where(pos >= 0, torch.randn(B, H, N, generator=g), float("-inf"))
+            seen[:] = prefix
+        valid = torch.ones(B, C, dtype=torch.bool)
+        if pad:
+            for b in range(1, B):
+                valid[b, : int(torch.randint(0, C, (1,), generator=g))] = False
+        position = seen[:, None] + valid.long().cumsum(-1) - 1
+        new_pos = torch.where(valid, position, -1)[:, None, :].expand(B, H, C)
+        cpos = torch.cat([pos, new_pos], dim=2)
+        cpri = torch.cat([pri, torch.randn(B, H, C, generator=g)], dim=2)
+        if ties:
+            cpri = torch.where(cpri > float("-inf"), cpri.round(), cpri)
+        # a few -inf priorities among the new tokens (DMS's evict decision)
+        cpri[..., -C:][torch.rand(B, H, C, generator=g) < 0.05] = float("-inf")
+        ev = eviction_positions(cpri, cpos, cpos >= 0, sink, window, topk)
+        last = seen + valid.sum(-1) - 1
+        ck = torch.randn(B, H, N + C, D, generator=g).to(dtype)
+        # values as a strided view (a transposed layout), keys contiguous
+        cv = torch.randn(B, N + C, H, DV, generator=g).to(dtype).transpose(1, 2)
+        cands = [t.to(device) for t in (ck, cv, cpos, cpri)]
+        return cands, ev.to(device), last.to(device), N
+
+    def slots_like(B, H, N, D, DV, dtype):
+        # the cache's views: buffers with one scratch slot more, sliced; garbage in them beforehand
+        bufs = (torch.randn(B, H, N + 1, D), torch.randn(B, H, N + 1, DV), torch.randint(0, 9, (B, H, N + 1)),
+                torch.randn(B, H, N + 1))
+        return [(b.to(dtype) if i < 2 else b).to(device) for i, b in enumerate(bufs)]
+
+    # (B, H, sink, window, topk, prefix, C, D, DV, dtype, ties): fresh and filled caches, padding, a chunk shorter
+    # than the window (empty slots), topk 0, sink 0, ties, bfloat16, tiles of the kernel cut mid-chunk
+    CASES = [
+        (2, 3, 4, 16, 24, 0, 300, 8, 8, torch.float32, False),
+        (2, 2, 4, 16, 24, 60, 200, 8, 4, torch.bfloat16, True),
+        (1, 2, 2, 64, 32, 0, 40, 16, 16, torch.float32, False),
+        (3, 1, 0, 8, 16, 30, 129, 4, 4, torch.float32, True),
+        (2, 2, 4, 32, 0, 10, 257, 8, 8, torch.float16, False),
+        (1, 1, 1, 1, 1, 0, 5, 2, 2, torch.float32, False),
+    ]
+    emptied = 0
+    for i, (B, H, sink, window, topk, prefix, C, D, DV, dtype, ties) in enumerate(CASES):
+        cands, ev, last, N = case(B, H, sink, window, topk, prefix, C, D, DV, dtype, seed=i, ties=ties)
+        want, got = slots_like(B, H, N, D, DV, dtype), [b.clone() for b in slots_like(B, H, N, D, DV, dtype)]
+        before = [b.clone() for b in got]
+        write_slots_reference([b[:, :, :N] for b in want], cands, ev, last, sink, window)
+        write_slots_kernel([b[:, :, :N] for b in got], cands, ev, last, sink, window, block_m=64)
+        for name, a, b, b0 in zip(("keys", "values", "pos", "pri"), want, got, before):
+            assert a.dtype == b.dtype and torch.equal(a[:, :, :N], b[:, :, :N]), (i, name)
+            # the scratch slot past the views is left as it was
+            assert torch.equal(b[:, :, N:], b0[:, :, N:]), (i, name)
+        emptied += int((got[2][:, :, :N] < 0).any())
+    # the cases reach empty slots (a chunk shorter than the budget) as well as full ones
+    assert 0 < emptied < len(CASES), emptied
+    print("ok")
+    """
+)
+
+
+def test_kernel_writes_the_reference_slots():
+    pytest.importorskip("triton", reason="the Triton kernels are optional (pip install triton)")
+    run_triton_check(CHECK, "slots kernel check")
+
+
+def test_write_slots_rejects_an_unknown_backend():
+    t = torch.zeros(1, 1, 2, 2)
+    p = torch.zeros(1, 1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="backend='tiled' must be"):
+        write_slots((t, t, p, p.float()), (t, t, p, p.float()), p, torch.zeros(1, dtype=torch.long), 1, 1, "tiled")
