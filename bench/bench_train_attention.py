@@ -9,7 +9,7 @@ Qwen3-4B's attention shape by default (32 query heads, 8 KV heads, head dim 128,
 Per sequence length it times, with CUDA events (`triton.testing.do_bench`, median):
 
 - `cutoffs`: the eviction positions of every key (`eviction_positions`, the training path's call:
-  the two-level Triton kernel on CUDA) and, beside it, the earlier tile-scan kernel
+  the two-level Triton kernel with its small operations fused, `kernel.evictions_ordered`) and, beside it, the earlier tile-scan kernel
   (`cutoffs_scan_ms`, backend "triton_scan") and the wavelet form;
 - `block_mask`: FlexAttention's `BlockMask` built from the eviction positions (`sparse_block_mask`:
   the two Triton launches on CUDA), beside its torch form (`block_mask_torch_ms`) and, for scale, `create_block_mask` evaluating the same `mask_mod` at every point (optional);

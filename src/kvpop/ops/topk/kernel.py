@@ -5,10 +5,12 @@ position order), by a different parallel formulation (derivation in `README.md` 
 
     e[t] = max(pos_t, P_k(t)) + w,   P_k(t) = position of the k-th oldest token u with rank_u < rank_t
 
-`kth_beater_tiled` (the default): a program owns `block_r` tokens of consecutive rank; a table
-built by a first launch gives, per block of ranks and position tile, how many better-ranked tokens
-lie in tiles `<= j`, so the tile where a token's count reaches `k` is found with one compare per
-(token, tile), and only that tile is scanned token by token. O(S^1.5) compares per row.
+`kth_beater_tiled`: a program owns `block_r` tokens of consecutive rank; a table built by a first
+launch gives, per block of ranks and position tile, how many better-ranked tokens lie in tiles
+`<= j`, so the tile where a token's count reaches `k` is found with one compare per (token, tile),
+and only that tile is scanned token by token. O(S^1.5) compares per row. `evictions_ordered` (the
+CUDA default of `eviction_positions`) runs the same two kernels with the small operations around
+them fused in: from priorities to eviction positions in four launches and one sort.
 
 `kth_beater` (backend "triton_scan", kept for comparison): one program owns a block of `BLOCK_T`
 tokens of one (batch, KV head) row and walks the row oldest first in tiles of `BLOCK_U`, counting
@@ -72,15 +74,47 @@ if triton is not None:
         tl.store(out_ptr + base + t, tl.where(kth < FAR, kth, -1), mask=t_in)
 
     @triton.jit
-    def _tile_count_kernel(order_ptr, ranked_ptr, cnt_ptr, S, n_tiles,
+    def _token_of_rank(order_ptr, base, o_r, m_r, S, SORTED: tl.constexpr):
+        # the token of each rank: `order` itself, or (SORTED) from the stable descending argsort of the row read back
+        # to front (`evictions_ordered`), and the rank table written by `_tile_count_kernel`
+        if SORTED:
+            return (S - 1 - tl.load(order_ptr + base + o_r, mask=m_r, other=S - 1)).to(tl.int32)
+        else:
+            return tl.load(order_ptr + base + o_r, mask=m_r, other=0)
+
+    @triton.jit
+    def _rank_keys_kernel(pri_ptr, pos_ptr, valid_ptr, key_ptr, ranked_ptr, elig_ptr, H, S, SINK,
+                          s_pb, s_ph, s_ob, s_oh, s_vb, s_vh,
+                          BLOCK: tl.constexpr):
+        # `evictions_ordered`'s first launch: per token whether it is eligible (valid, past the sinks) and ranked
+        # (eligible with a priority above -inf), and the sort key of the row read back to front (-inf: unranked)
+        i_t, i_row = tl.program_id(0), tl.program_id(1)
+        i_b, i_h = (i_row // H).to(tl.int64), (i_row % H).to(tl.int64)
+        o_t = i_t * BLOCK + tl.arange(0, BLOCK)
+        m_t = o_t < S
+        pri = tl.load(pri_ptr + i_b * s_pb + i_h * s_ph + o_t, mask=m_t, other=float("-inf"))
+        pos = tl.load(pos_ptr + i_b * s_ob + i_h * s_oh + o_t, mask=m_t, other=0)
+        valid = tl.load(valid_ptr + i_b * s_vb + i_h * s_vh + o_t, mask=m_t, other=0) != 0
+        elig = valid & (pos >= SINK)
+        ranked = elig & (pri > float("-inf"))
+        base = i_row.to(tl.int64) * S
+        tl.store(key_ptr + base + (S - 1 - o_t), tl.where(ranked, pri, float("-inf")), mask=m_t)
+        tl.store(ranked_ptr + base + o_t, ranked.to(tl.int8), mask=m_t)
+        tl.store(elig_ptr + base + o_t, elig.to(tl.int8), mask=m_t)
+
+    @triton.jit
+    def _tile_count_kernel(order_ptr, ranked_ptr, cnt_ptr, rank_ptr, S, n_tiles,
                            BLOCK_R: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_J: tl.constexpr,
-                           FAR: tl.constexpr):
-        # cnt[row, b, j] = #{ranked tokens of rank block b whose position tile is <= j}
+                           FAR: tl.constexpr, SORTED: tl.constexpr):
+        # cnt[row, b, j] = #{ranked tokens of rank block b whose position tile is <= j}; SORTED: `order_ptr` holds
+        # the argsort (`_token_of_rank`), and each token's rank goes to `rank_ptr`
         i_b, i_row = tl.program_id(0), tl.program_id(1)
         base = i_row.to(tl.int64) * S
         o_r = i_b * BLOCK_R + tl.arange(0, BLOCK_R)
         m_r = o_r < S
-        b_tok = tl.load(order_ptr + base + o_r, mask=m_r, other=0)
+        b_tok = _token_of_rank(order_ptr, base, o_r, m_r, S, SORTED)
+        if SORTED:
+            tl.store(rank_ptr + base + b_tok, o_r, mask=m_r)
         b_ok = m_r & (tl.load(ranked_ptr + base + b_tok, mask=m_r, other=0) != 0)
         # an unranked token lies in no tile, so it never counts as outranking anyone
         b_tile = tl.where(b_ok, b_tok // BLOCK_U, FAR)  # [BR]
@@ -94,19 +128,28 @@ if triton is not None:
 
     @triton.jit
     def _kth_beater_tiled_kernel(order_ptr, rank_ptr, ranked_ptr, before_ptr, out_ptr, S, n_tiles, topk,
+                                 pos_ptr, elig_ptr, H, s_ob, s_oh, WINDOW, NEVER,
                                  BLOCK_R: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_J: tl.constexpr,
-                                 BLOCK_E: tl.constexpr, FAR: tl.constexpr):
-        # one program: the BLOCK_R tokens of ranks [b * BLOCK_R, (b + 1) * BLOCK_R) of one row
+                                 BLOCK_E: tl.constexpr, FAR: tl.constexpr, SORTED: tl.constexpr):
+        # one program: the BLOCK_R tokens of ranks [b * BLOCK_R, (b + 1) * BLOCK_R) of one row. SORTED
+        # (`evictions_ordered`): `order_ptr` holds the argsort (`_token_of_rank`), `before_ptr` the inclusive
+        # cumulative counts (block b reads b - 1's), and `out_ptr` gets each token's eviction position
         i_b, i_row = tl.program_id(0), tl.program_id(1)
         base = i_row.to(tl.int64) * S
         o_r = i_b * BLOCK_R + tl.arange(0, BLOCK_R)  # each token's rank
         m_r = o_r < S
-        b_tok = tl.load(order_ptr + base + o_r, mask=m_r, other=0)
+        b_tok = _token_of_rank(order_ptr, base, o_r, m_r, S, SORTED)
         b_ok = m_r & (tl.load(ranked_ptr + base + b_tok, mask=m_r, other=0) != 0)
         b_tile = tl.where(b_ok, b_tok // BLOCK_U, FAR)  # [BR]
         # a token of rank < k can never be outranked k times
         todo = b_ok & (o_r >= topk)
-        p_before = before_ptr + (i_row.to(tl.int64) * tl.num_programs(0) + i_b) * n_tiles
+        if SORTED:
+            # inclusive counts: the ranks before block b are block b - 1's (none before block 0)
+            p_before = before_ptr + (i_row.to(tl.int64) * tl.num_programs(0) + i_b - 1) * n_tiles
+            has_before = i_b > 0
+        else:
+            p_before = before_ptr + (i_row.to(tl.int64) * tl.num_programs(0) + i_b) * n_tiles
+            has_before = i_b >= 0
 
         # level 1, whole position tiles: beaters of rank < b * BLOCK_R come from the table, the
         # block's own better-ranked tokens from an exclusive prefix count over the block
@@ -118,7 +161,7 @@ if triton is not None:
         while (j0 < n_tiles) & (tl.max(open_.to(tl.int32), axis=0) > 0):
             o_j = j0 + tl.arange(0, BLOCK_J)
             m_j = o_j < n_tiles
-            b_before = tl.load(p_before + o_j, mask=m_j, other=0)  # [BJ]
+            b_before = tl.load(p_before + o_j, mask=m_j & has_before, other=0)  # [BJ]
             b_le = (b_tile[:, None] <= o_j[None, :]).to(tl.int32)  # [BR, BJ]
             b_count = b_before[None, :] + tl.cumsum(b_le, axis=0) - b_le  # [BR, BJ] beaters in tiles <= j
             below = m_j[None, :] & (b_count < topk)
@@ -143,7 +186,17 @@ if triton is not None:
             running = tl.cumsum(beat, axis=1) + seen[:, None]
             kth = tl.minimum(kth, tl.min(tl.where((beat > 0) & (running == topk), u, FAR), axis=1))
             seen += tl.sum(beat, axis=1)
-        tl.store(out_ptr + base + b_tok, tl.where(kth < FAR, kth, -1), mask=m_r)
+        if SORTED:
+            # e = max(pos_t, pos of the k-th beater) + w; an eligible unranked token leaves with the window
+            p_row = pos_ptr + (i_row // H).to(tl.int64) * s_ob + (i_row % H).to(tl.int64) * s_oh
+            b_pos = tl.load(p_row + b_tok, mask=m_r, other=0)
+            k_pos = tl.load(p_row + kth, mask=m_r & (kth < FAR), other=0)
+            b_elig = tl.load(elig_ptr + base + b_tok, mask=m_r, other=0) != 0
+            evict = tl.where(b_ok & (kth < FAR), tl.maximum(b_pos, k_pos) + WINDOW, NEVER)
+            evict = tl.where(b_elig & ~b_ok, b_pos + WINDOW, evict)
+            tl.store(out_ptr + base + b_tok, evict, mask=m_r)
+        else:
+            tl.store(out_ptr + base + b_tok, tl.where(kth < FAR, kth, -1), mask=m_r)
 
 
 def kth_beater(rank: Tensor, ranked: Tensor, topk: int) -> Tensor:
@@ -229,11 +282,78 @@ def kth_beater_tiled(
     n_blocks, n_tiles = triton.cdiv(S, block_r), triton.cdiv(S, block_u)
     consts = dict(BLOCK_R=block_r, BLOCK_U=block_u, BLOCK_J=block_j, FAR=_FAR)
     cnt = torch.empty(R, n_blocks, n_tiles, dtype=torch.int32, device=rank.device)
-    _tile_count_kernel[(n_blocks, R)](order, ranked, cnt, S, n_tiles, **consts)
+    _tile_count_kernel[(n_blocks, R)](order, ranked, cnt, rank, S, n_tiles, SORTED=False, **consts)
     # before[row, b, j]: ranked tokens of rank < b * block_r in position tiles <= j
     before = torch.cumsum(cnt, dim=1, dtype=torch.int32) - cnt
     # 128 ranks a program with 4 warps: the fastest of 54 tile choices at S = 16384 on an H100 (0.088 ms against
     # 0.118 for the earlier 64 ranks with 8 warps; `bench_train_attention.py --sweep`, RESULTS, seventeenth session)
     _kth_beater_tiled_kernel[(n_blocks, R)](order, rank, ranked, before, out, S, n_tiles, topk,
+                                            out, ranked, 1, 0, 0, 0, 0,
+                                            BLOCK_E=min(block_e, block_u), num_warps=num_warps, SORTED=False, **consts)
+    return out
+
+
+def evictions_ordered(
+    priority: Tensor,  # [B, H, S]
+    position: Tensor,  # [B, H, S], may be expanded
+    valid: Tensor,  # [B, H, S] bool, may be expanded
+    sink: int,
+    window: int,
+    topk: int,
+    never: int,
+    block_r: int = 128,
+    block_u: int | None = None,
+    block_j: int = 32,
+    block_e: int = 64,
+    num_warps: int = 4,
+) -> Tensor:
+    """`wavelet.eviction_positions` for tokens in position order, in four launches and one sort.
+
+    The path `kth_beater_tiled` takes with the small operations around it fused: a first launch writes each
+    token's eligibility, rank membership and sort key (`_rank_keys_kernel`); one stable argsort ranks every row;
+    the tile counts also invert the permutation (each token's rank); a cumulative sum; and the two-level kernel
+    writes eviction positions directly (`e = max(pos_t, P_k(t)) + w`, an eligible unranked token's `pos_t + w`,
+    `never` otherwise) where `kth_beater_tiled` leaves `P_k`'s token to a dozen more operations. On CUDA those
+    operations were most of the cutoffs' time, which is bound by the host's launches (RESULTS, nineteenth session).
+
+    Args:
+        priority: float32 [B, H, S]; position: int64 [B, H, S]; valid: bool [B, H, S]; expanded views are read
+            as they are (a last dimension that is not contiguous is copied).
+        sink, window, topk: the budget split, `topk >= 1`.
+        never: the value of a token that is never evicted (`wavelet.NEVER`).
+    Returns:
+        int64 [B, H, S].
+    """
+    if triton is None:
+        raise RuntimeError("the Triton top-k kernel needs `triton` (pip install triton)")
+    if topk < 1:
+        raise ValueError(f"topk={topk} must be >= 1 for the kernel (topk 0 needs no ranking)")
+    B, H, S = priority.shape
+    position, valid = position.expand(B, H, S), valid.expand(B, H, S)
+    if priority.dtype != torch.float32:
+        priority = priority.float()
+    priority, position, valid = (t if t.stride(-1) == 1 else t.contiguous() for t in (priority, position, valid))
+    R, dev = B * H, priority.device
+    out = torch.empty(B, H, S, dtype=torch.long, device=dev)
+    if R * S == 0:
+        return out
+    block_u = _tile_size(S) if block_u is None else block_u
+    key = torch.empty(R, S, dtype=torch.float32, device=dev)
+    ranked = torch.empty(R, S, dtype=torch.int8, device=dev)
+    elig = torch.empty(R, S, dtype=torch.int8, device=dev)
+    _rank_keys_kernel[(triton.cdiv(S, 1024), R)](priority, position, valid, key, ranked, elig, H, S, sink,
+                                                 priority.stride(0), priority.stride(1), position.stride(0),
+                                                 position.stride(1), valid.stride(0), valid.stride(1), BLOCK=1024)
+    # best first, ties to the newer token: the stable descending sort of the row read back to front
+    by_key = torch.argsort(key, dim=-1, descending=True, stable=True)
+    n_blocks, n_tiles = triton.cdiv(S, block_r), triton.cdiv(S, block_u)
+    consts = dict(BLOCK_R=block_r, BLOCK_U=block_u, BLOCK_J=block_j, FAR=_FAR, SORTED=True)
+    rank = torch.empty(R, S, dtype=torch.int32, device=dev)
+    cnt = torch.empty(R, n_blocks, n_tiles, dtype=torch.int32, device=dev)
+    _tile_count_kernel[(n_blocks, R)](by_key, ranked, cnt, rank, S, n_tiles, **consts)
+    # inclusive: block b reads block b - 1's row, the ranked tokens of rank < b * block_r in position tiles <= j
+    cnt = torch.cumsum(cnt, dim=1, dtype=torch.int32)
+    _kth_beater_tiled_kernel[(n_blocks, R)](by_key, rank, ranked, cnt, out, S, n_tiles, topk,
+                                            position, elig, H, position.stride(0), position.stride(1), window, never,
                                             BLOCK_E=min(block_e, block_u), num_warps=num_warps, **consts)
     return out

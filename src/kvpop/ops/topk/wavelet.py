@@ -102,7 +102,7 @@ def eviction_positions(
             sequence, padding anywhere). The Triton kernels (`kernel.py`) need that order: without
             it they run on a copy of each row sorted by position (one sort, three gathers, a scatter).
         backend: "auto" (the two-level Triton kernel on CUDA, else the wavelet matrix), "wavelet",
-            "triton" (the two-level kernel, `kernel.kth_beater_tiled`) or "triton_scan" (the earlier
+            "triton" (the two-level kernel, `kernel.evictions_ordered`) or "triton_scan" (the earlier
             tile-scan kernel, `kernel.kth_beater`, kept for comparison); the Triton ones also run on
             CPU under `TRITON_INTERPRET=1`.
     Returns:
@@ -111,24 +111,34 @@ def eviction_positions(
     B, H, N = priority.shape
     position = position.expand(B, H, N)
     valid = valid.expand(B, H, N)
+    kernel = _use_kernel(priority, backend) and topk > 0
+    if kernel and backend != "triton_scan":
+        # the two-level kernel with its small operations fused (`kernel.evictions_ordered`): the cutoffs and a
+        # prefill in `generate` run eagerly on CUDA, bound by the host's launches
+        from kvpop.ops.topk.kernel import evictions_ordered
+
+        if ordered:
+            return evictions_ordered(priority, position, valid, sink, window, topk, NEVER)
+        # a cache's slots plus a chunk: the kernel on each row sorted by position, ranked tokens first (the kernel
+        # reads the others' own positions only, wherever they sit), the answers scattered back
+        ranked = valid & (position >= sink) & (priority > float("-inf"))
+        by_pos = torch.argsort(torch.where(ranked, position, NEVER), dim=-1, stable=True)
+        return torch.empty_like(by_pos).scatter_(-1, by_pos, evictions_ordered(
+            priority.gather(-1, by_pos), position.gather(-1, by_pos), valid.gather(-1, by_pos), sink, window, topk,
+            NEVER))
     eligible = valid & (position >= sink)
     # -inf tokens beat nobody, so leaving them out of the ranking changes no other token's eviction
     ranked = eligible & (priority > float("-inf"))
     if topk == 0:
         return torch.where(eligible, position + window, NEVER)
-    if _use_kernel(priority, backend):
-        scan = backend == "triton_scan"
+    if kernel:
+        # the earlier tile-scan kernel ("triton_scan"), kept for comparison
         if ordered:
-            evict = _eviction_ordered_kernel(priority, position, ranked, window, topk, scan=scan)
+            evict = _eviction_ordered_scan(priority, position, ranked, window, topk)
         else:
-            # a cache's slots plus a chunk: the kernel on each row sorted by position, ranked tokens first (the
-            # kernel skips the others wherever they sit). On CUDA that is about 20 launches where the wavelet
-            # matrix takes some 380 (SmolLM2's prefill at 4096 tokens, counted on the CPU), and a prefill in
-            # `generate` runs eagerly, bound by its launches
             by_pos = torch.argsort(torch.where(ranked, position, NEVER), dim=-1, stable=True)
-            evict = torch.empty_like(by_pos).scatter_(-1, by_pos, _eviction_ordered_kernel(
-                priority.gather(-1, by_pos), position.gather(-1, by_pos), ranked.gather(-1, by_pos), window, topk,
-                scan=scan))
+            evict = torch.empty_like(by_pos).scatter_(-1, by_pos, _eviction_ordered_scan(
+                priority.gather(-1, by_pos), position.gather(-1, by_pos), ranked.gather(-1, by_pos), window, topk))
         return torch.where(eligible & ~ranked, position + window, evict)
 
     pri = priority.reshape(B * H, N)
@@ -166,14 +176,9 @@ def _use_kernel(priority: Tensor, backend: str) -> bool:
     return True
 
 
-def _eviction_ordered_kernel(
-    priority: Tensor, position: Tensor, ranked: Tensor, window: int, topk: int, scan: bool = False
-) -> Tensor:
-    """`eviction_positions` for tokens in position order: one sort, then a Triton kernel.
-
-    `scan` picks the earlier tile-scan kernel (`kth_beater`) over the two-level one (`kth_beater_tiled`).
-    """
-    from kvpop.ops.topk.kernel import kth_beater, kth_beater_tiled
+def _eviction_ordered_scan(priority: Tensor, position: Tensor, ranked: Tensor, window: int, topk: int) -> Tensor:
+    """`eviction_positions` for tokens in position order by the earlier tile-scan kernel (`kernel.kth_beater`)."""
+    from kvpop.ops.topk.kernel import kth_beater
 
     B, H, N = priority.shape
     ranked = ranked.reshape(B * H, N)
@@ -181,10 +186,7 @@ def _eviction_ordered_kernel(
     key = torch.where(ranked, priority.reshape(B * H, N).float(), float("-inf")).flip(-1)
     order = (N - 1) - torch.argsort(key, dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=priority.device).expand(B * H, N))
-    if scan:
-        kth = kth_beater(rank, ranked, topk)
-    else:
-        kth = kth_beater_tiled(rank, ranked, topk, order=order)
+    kth = kth_beater(rank, ranked, topk)
     kth = kth.long()  # [B * H, N], -1 if fewer than k outrank the token
     pos = position.reshape(B * H, N)
     kth_pos = pos.gather(-1, kth.clamp(min=0))
