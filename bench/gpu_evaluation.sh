@@ -25,6 +25,8 @@
 #   bash bench/gpu_evaluation.sh speed2 OUT   # the same step from the inductor cache; dense StaticCache + inductor
 #   bash bench/gpu_evaluation.sh generate OUT # issue 18 item 2, no staging: a bf16 prefill's profile, then `generate`
 #                                             # at SmolLM2's shape, batch 1 and 4 (GEN_BATCHES), against StaticCache
+#   bash bench/gpu_evaluation.sh verify OUT   # issue 18 items 2, 4, no staging: the fused cutoffs' tests and share of
+#                                             # the sparse forward (twice), the prefill's profile (~450 s)
 #
 # A run carried back (`cat resume.tar.part_* | tar x`: config.json, train_log.jsonl, checkpoints/step-N; 32 MB each,
 # so one per call beside the working tree) goes into .stage_d/ or .stage_e/ and resumes exactly on any CUDA machine:
@@ -43,8 +45,8 @@
 # before the curve, 330), CURVE_S (the curve's seconds, 120), SIDE_S (a suite or fidelity process's, 420), LONG (1000),
 # DISTILL (the full distillation's steps after the scorer-only phase, 60), TWIN (1: the delay-0 twin too).
 set -uo pipefail
-phase=${1:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2|generate OUT_DIR}
-dest=${2:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2|generate OUT_DIR}
+phase=${1:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2|generate|verify OUT_DIR}
+dest=${2:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2|generate|verify OUT_DIR}
 # the device returns at most 8 files: everything goes to a work folder, packed into OUT/callN.tgz at the end
 # a machine can keep $HOME from an earlier session (the tenth found the ninth's files): the call's folder starts empty
 out=$HOME/call$phase
@@ -215,7 +217,18 @@ generate)  # issue 18 item 2 (no staging): where a bf16 prefill's time goes (`pr
       --budget 1024 --batch "$b" --json-out "$out/gen_smollm2_b$b.json"
   done
   ;;
+verify)  # issue 18 items 2, 4 (no staging): the twenty-second session's CPU-built fusion of the cutoffs on CUDA: the
+  # slot and top-k kernels' tests, the cutoffs' share of the sparse forward (twice: it follows the host), the prefill's
+  # profile, then `generate` at SmolLM2's shape (the `generate` phase, which fits a call of its own after this one)
+  step kernel_tests "${TEST_S:-150}" python -m pytest -q tests/test_slots.py tests/test_topk_kernel.py
+  for r in 1 2; do
+    step "cutoffs_$r" "${CUT_S:-150}" python bench/bench_train_attention.py --lengths 16384 --budget 2048 --quick \
+      --json-out "$out/cutoffs_$r.json"
+  done
+  step prefill_smollm2 "${PRE_S:-90}" python bench/profile_prefill.py --model smollm2-135m-shape --dtype bfloat16 \
+    --context 4096 --budget 1024 --out "$out/prefill_smollm2"
+  ;;
 *)
-  echo "unknown phase $phase (1, 2, 2s, 3, 4, resume, speed, speed2, generate)"; exit 2
+  echo "unknown phase $phase (1, 2, 2s, 3, 4, resume, speed, speed2, generate, verify)"; exit 2
   ;;
 esac
