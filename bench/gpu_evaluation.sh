@@ -218,7 +218,8 @@ generate)  # issue 18 item 2 (no staging): where a bf16 prefill's time goes (`pr
   done
   ;;
 verify)  # issue 18 items 2, 4 (no staging): the twenty-second session's CPU-built fusion of the cutoffs on CUDA: the
-  # slot and top-k kernels' tests, the cutoffs' share of the sparse forward (twice: it follows the host), the prefill's
+  # slot and top-k kernels' tests, the cutoffs' share of the sparse forward (twice: it follows the host; the unfused
+  # cutoffs timed beside them, `cutoffs_unfused_ms`), the prefill's
   # profile, then `generate` at SmolLM2's shape (the `generate` phase, which fits a call of its own after this one)
   step kernel_tests "${TEST_S:-150}" python -m pytest -q tests/test_slots.py tests/test_topk_kernel.py
   for r in 1 2; do

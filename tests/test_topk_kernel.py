@@ -154,3 +154,33 @@ def test_kernel_is_the_cuda_default_at_long_length():
     wave = eviction_positions(pri, pos, ones, 4, 256, 1788, backend="wavelet")
     scan = eviction_positions(pri, pos, ones, 4, 256, 1788, ordered=True, backend="triton_scan")
     assert torch.equal(auto, wave) and torch.equal(scan, wave)
+
+
+UNFUSED = textwrap.dedent(
+    """
+    import sys
+    import torch
+    sys.path.insert(0, BENCH)
+    from bench_train_attention import cutoffs_unfused
+    from kvpop.ops.topk import eviction_positions
+
+    g = torch.Generator().manual_seed(1)
+    # the bench's same-run baseline of the fused cutoffs computes what they compute (padding, -inf, ties, sink 0)
+    for S, sink, window, topk, ties in [(300, 4, 20, 60, False), (257, 0, 16, 100, True), (5, 1, 2, 1, False)]:
+        pri = torch.randint(0, 3, (2, 3, S), generator=g).float() if ties else torch.randn(2, 3, S, generator=g)
+        pri[torch.rand(2, 3, S, generator=g) < 0.1] = float("-inf")
+        valid = torch.rand(2, 1, S, generator=g) > 0.2
+        position = valid.long().cumsum(-1) - 1
+        want = eviction_positions(pri, position, valid, sink, window, topk, backend="wavelet")
+        got = cutoffs_unfused(pri, position, valid, sink, window, topk)
+        m = valid.expand_as(want)
+        assert torch.equal(want[m], got[m]), (S, sink, window, topk, ties)
+    print("ok")
+    """
+)
+
+
+def test_bench_unfused_cutoffs_equal_the_wavelet_form():
+    from pathlib import Path
+
+    _run(UNFUSED.replace("BENCH", repr(str(Path(__file__).resolve().parents[1] / "bench"))))
