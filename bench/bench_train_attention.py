@@ -10,8 +10,8 @@ Per sequence length it times, with CUDA events (`triton.testing.do_bench`, media
 
 - `cutoffs`: the eviction positions of every key (`eviction_positions`, the training path's call:
   the two-level Triton kernel with its small operations fused, `kernel.evictions_ordered`) and, beside it,
-  the same kernel with those operations unfused (`cutoffs_unfused_ms`, the path before the twenty-second
-  session), the earlier tile-scan kernel (`cutoffs_scan_ms`, backend "triton_scan") and the wavelet form;
+  the same kernel with those operations unfused (`cutoffs_unfused_ms`, backend "triton_unfused": the path
+  before the twenty-second session), the earlier tile-scan kernel (`cutoffs_scan_ms`, backend "triton_scan") and the wavelet form;
 - `block_mask`: FlexAttention's `BlockMask` built from the eviction positions (`sparse_block_mask`:
   the two Triton launches on CUDA), beside its torch form (`block_mask_torch_ms`) and, for scale, `create_block_mask` evaluating the same `mask_mod` at every point (optional);
 - `sparse_fwd`, `sparse_fwd_bwd`: compiled FlexAttention with that block mask (mask prebuilt);
@@ -99,27 +99,6 @@ def sweep_cutoffs(pri: torch.Tensor, topk: int, rep: int) -> dict:
     return out
 
 
-def cutoffs_unfused(priority, position, valid, sink: int, window: int, topk: int):
-    """The cutoffs as they ran before `kernel.evictions_ordered` fused them (the twenty-second session): the same
-    two-level kernel (`kth_beater_tiled`) with its masks, sort key, rank scatter and epilogue as separate PyTorch
-    operations. Kept here as the same-run baseline of the fusion."""
-    from kvpop.ops.topk import NEVER
-    from kvpop.ops.topk.kernel import kth_beater_tiled
-
-    B, H, N = priority.shape
-    position, valid = position.expand(B, H, N), valid.expand(B, H, N)
-    eligible = valid & (position >= sink)
-    ranked = eligible & (priority > float("-inf"))
-    r = ranked.reshape(B * H, N)
-    key = torch.where(r, priority.reshape(B * H, N).float(), float("-inf")).flip(-1)
-    order = (N - 1) - torch.argsort(key, dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=priority.device).expand(B * H, N))
-    kth = kth_beater_tiled(rank, r, topk, order=order).long()
-    p = position.reshape(B * H, N)
-    evict = torch.where((kth >= 0) & r, torch.maximum(p, p.gather(-1, kth.clamp(min=0))) + window, NEVER)
-    return torch.where(eligible & ~ranked, position + window, evict.reshape(B, H, N))
-
-
 def run(S: int, args) -> dict:
     from kvpop.config import KVpopConfig
     from kvpop.ops.attention.block_mask import retention_mask_mod, sparse_block_mask
@@ -169,12 +148,11 @@ def run(S: int, args) -> dict:
     _note(row, "cutoffs_equal_wavelet")
     row["cutoffs_equal_scan"] = bool(torch.equal(evict, cutoffs("triton_scan")))
     _note(row, "cutoffs_equal_scan")
-    row["cutoffs_equal_unfused"] = bool(torch.equal(evict, cutoffs_unfused(pri, pos[:, None], valid[:, None], s, w,
-                                                                          topk)))
+    row["cutoffs_equal_unfused"] = bool(torch.equal(evict, cutoffs("triton_unfused")))
     _note(row, "cutoffs_equal_unfused")
     row["cutoffs_ms"] = _bench(cutoffs, args.rep)
     _note(row, "cutoffs_ms")
-    row["cutoffs_unfused_ms"] = _bench(lambda: cutoffs_unfused(pri, pos[:, None], valid[:, None], s, w, topk), args.rep)
+    row["cutoffs_unfused_ms"] = _bench(lambda: cutoffs("triton_unfused"), args.rep)
     _note(row, "cutoffs_unfused_ms")
     row["cutoffs_scan_ms"] = _bench(lambda: cutoffs("triton_scan"), args.rep)
     _note(row, "cutoffs_scan_ms")

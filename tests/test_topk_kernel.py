@@ -49,9 +49,10 @@ CHECK = textwrap.dedent(
         valid = (torch.rand(2, 1, S, generator=g) > 0.25).to(device)
         position = torch.cumsum(valid.long(), -1) - 1  # padding anywhere, as the training path has it
         a = eviction_positions(pri, position, valid, sink, window, topk, backend="wavelet")
-        b = eviction_positions(pri, position, valid, sink, window, topk, ordered=True, backend="triton")
         m = valid.expand_as(a)
-        assert torch.equal(a[m], b[m]), (S, sink, window, topk, ties, seed)
+        for backend in ("triton", "triton_unfused"):
+            b = eviction_positions(pri, position, valid, sink, window, topk, ordered=True, backend=backend)
+            assert torch.equal(a[m], b[m]), (S, sink, window, topk, ties, seed, backend)
 
     @settings(max_examples=MAX_EXAMPLES, deadline=None)
     @given(S=st.integers(1, 300), sink=st.integers(0, 5), window=st.integers(1, 20), topk=st.integers(1, 200),
@@ -64,7 +65,7 @@ CHECK = textwrap.dedent(
         valid = torch.rand(2, 3, S, generator=g) > 0.2
         pri, position, valid = pri.to(device), position.to(device), valid.to(device)
         a = eviction_positions(pri, position, valid, sink, window, topk, backend="wavelet")
-        for backend in ("triton", "triton_scan"):
+        for backend in ("triton", "triton_unfused", "triton_scan"):
             b = eviction_positions(pri, position, valid, sink, window, topk, backend=backend)
             assert torch.equal(a[valid], b[valid]), (S, sink, window, topk, ties, neg_inf, seed, backend)
 
@@ -155,32 +156,3 @@ def test_kernel_is_the_cuda_default_at_long_length():
     scan = eviction_positions(pri, pos, ones, 4, 256, 1788, ordered=True, backend="triton_scan")
     assert torch.equal(auto, wave) and torch.equal(scan, wave)
 
-
-UNFUSED = textwrap.dedent(
-    """
-    import sys
-    import torch
-    sys.path.insert(0, BENCH)
-    from bench_train_attention import cutoffs_unfused
-    from kvpop.ops.topk import eviction_positions
-
-    g = torch.Generator().manual_seed(1)
-    # the bench's same-run baseline of the fused cutoffs computes what they compute (padding, -inf, ties, sink 0)
-    for S, sink, window, topk, ties in [(300, 4, 20, 60, False), (257, 0, 16, 100, True), (5, 1, 2, 1, False)]:
-        pri = torch.randint(0, 3, (2, 3, S), generator=g).float() if ties else torch.randn(2, 3, S, generator=g)
-        pri[torch.rand(2, 3, S, generator=g) < 0.1] = float("-inf")
-        valid = torch.rand(2, 1, S, generator=g) > 0.2
-        position = valid.long().cumsum(-1) - 1
-        want = eviction_positions(pri, position, valid, sink, window, topk, backend="wavelet")
-        got = cutoffs_unfused(pri, position, valid, sink, window, topk)
-        m = valid.expand_as(want)
-        assert torch.equal(want[m], got[m]), (S, sink, window, topk, ties)
-    print("ok")
-    """
-)
-
-
-def test_bench_unfused_cutoffs_equal_the_wavelet_form():
-    from pathlib import Path
-
-    _run(UNFUSED.replace("BENCH", repr(str(Path(__file__).resolve().parents[1] / "bench"))))

@@ -102,9 +102,10 @@ def eviction_positions(
             sequence, padding anywhere). The Triton kernels (`kernel.py`) need that order: without
             it they run on a copy of each row sorted by position (one sort, three gathers, a scatter).
         backend: "auto" (the two-level Triton kernel on CUDA, else the wavelet matrix), "wavelet",
-            "triton" (the two-level kernel, `kernel.evictions_ordered`) or "triton_scan" (the earlier
-            tile-scan kernel, `kernel.kth_beater`, kept for comparison); the Triton ones also run on
-            CPU under `TRITON_INTERPRET=1`.
+            "triton" (the two-level kernel, `kernel.evictions_ordered`), "triton_unfused" (the same kernel
+            with its masks, sort key and epilogue as separate PyTorch operations, as it ran before the fusion:
+            the fusion's same-run baseline) or "triton_scan" (the earlier tile-scan kernel, `kernel.kth_beater`,
+            kept for comparison); the Triton ones also run on CPU under `TRITON_INTERPRET=1`.
     Returns:
         int64 [B, H, N]; sinks and invalid tokens get `NEVER`.
     """
@@ -112,7 +113,7 @@ def eviction_positions(
     position = position.expand(B, H, N)
     valid = valid.expand(B, H, N)
     kernel = _use_kernel(priority, backend) and topk > 0
-    if kernel and backend != "triton_scan":
+    if kernel and backend not in ("triton_scan", "triton_unfused"):
         # the two-level kernel with its small operations fused (`kernel.evictions_ordered`): the cutoffs and a
         # prefill in `generate` run eagerly on CUDA, bound by the host's launches
         from kvpop.ops.topk.kernel import evictions_ordered
@@ -132,13 +133,15 @@ def eviction_positions(
     if topk == 0:
         return torch.where(eligible, position + window, NEVER)
     if kernel:
-        # the earlier tile-scan kernel ("triton_scan"), kept for comparison
+        # the kernels as separate launches: the earlier tile scan ("triton_scan"), or the two-level kernel unfused
+        tiled = backend == "triton_unfused"
         if ordered:
-            evict = _eviction_ordered_scan(priority, position, ranked, window, topk)
+            evict = _eviction_ordered_unfused(priority, position, ranked, window, topk, tiled)
         else:
             by_pos = torch.argsort(torch.where(ranked, position, NEVER), dim=-1, stable=True)
-            evict = torch.empty_like(by_pos).scatter_(-1, by_pos, _eviction_ordered_scan(
-                priority.gather(-1, by_pos), position.gather(-1, by_pos), ranked.gather(-1, by_pos), window, topk))
+            evict = torch.empty_like(by_pos).scatter_(-1, by_pos, _eviction_ordered_unfused(
+                priority.gather(-1, by_pos), position.gather(-1, by_pos), ranked.gather(-1, by_pos), window, topk,
+                tiled))
         return torch.where(eligible & ~ranked, position + window, evict)
 
     pri = priority.reshape(B * H, N)
@@ -168,17 +171,19 @@ def _use_kernel(priority: Tensor, backend: str) -> bool:
         return priority.is_cuda and kernel.available(priority)
     if backend == "wavelet":
         return False
-    if backend not in ("triton", "triton_scan"):
-        raise ValueError(f"backend={backend!r} must be 'auto', 'wavelet', 'triton' or 'triton_scan'")
+    if backend not in ("triton", "triton_unfused", "triton_scan"):
+        raise ValueError(f"backend={backend!r} must be 'auto', 'wavelet', 'triton', 'triton_unfused' or 'triton_scan'")
     if not kernel.available(priority):
         raise RuntimeError(f"the Triton top-k kernel cannot run on {priority.device} here: it needs `triton` and "
                            "CUDA, or TRITON_INTERPRET=1 on the CPU")
     return True
 
 
-def _eviction_ordered_scan(priority: Tensor, position: Tensor, ranked: Tensor, window: int, topk: int) -> Tensor:
-    """`eviction_positions` for tokens in position order by the earlier tile-scan kernel (`kernel.kth_beater`)."""
-    from kvpop.ops.topk.kernel import kth_beater
+def _eviction_ordered_unfused(priority: Tensor, position: Tensor, ranked: Tensor, window: int, topk: int,
+                              tiled: bool) -> Tensor:
+    """`eviction_positions` for tokens in position order: one sort, the tile-scan kernel (`kernel.kth_beater`) or
+    (`tiled`) the two-level one (`kernel.kth_beater_tiled`), and the small operations around it one by one."""
+    from kvpop.ops.topk.kernel import kth_beater, kth_beater_tiled
 
     B, H, N = priority.shape
     ranked = ranked.reshape(B * H, N)
@@ -186,7 +191,7 @@ def _eviction_ordered_scan(priority: Tensor, position: Tensor, ranked: Tensor, w
     key = torch.where(ranked, priority.reshape(B * H, N).float(), float("-inf")).flip(-1)
     order = (N - 1) - torch.argsort(key, dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(N, device=priority.device).expand(B * H, N))
-    kth = kth_beater(rank, ranked, topk)
+    kth = kth_beater_tiled(rank, ranked, topk, order=order) if tiled else kth_beater(rank, ranked, topk)
     kth = kth.long()  # [B * H, N], -1 if fewer than k outrank the token
     pos = position.reshape(B * H, N)
     kth_pos = pos.gather(-1, kth.clamp(min=0))
