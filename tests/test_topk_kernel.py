@@ -49,10 +49,9 @@ CHECK = textwrap.dedent(
         valid = (torch.rand(2, 1, S, generator=g) > 0.25).to(device)
         position = torch.cumsum(valid.long(), -1) - 1  # padding anywhere, as the training path has it
         a = eviction_positions(pri, position, valid, sink, window, topk, backend="wavelet")
+        b = eviction_positions(pri, position, valid, sink, window, topk, ordered=True, backend="triton")
         m = valid.expand_as(a)
-        for backend in ("triton", "triton_unfused"):
-            b = eviction_positions(pri, position, valid, sink, window, topk, ordered=True, backend=backend)
-            assert torch.equal(a[m], b[m]), (S, sink, window, topk, ties, seed, backend)
+        assert torch.equal(a[m], b[m]), (S, sink, window, topk, ties, seed)
 
     @settings(max_examples=MAX_EXAMPLES, deadline=None)
     @given(S=st.integers(1, 300), sink=st.integers(0, 5), window=st.integers(1, 20), topk=st.integers(1, 200),
