@@ -100,3 +100,16 @@ def test_write_slots_rejects_an_unknown_backend():
     p = torch.zeros(1, 1, 2, dtype=torch.long)
     with pytest.raises(ValueError, match="backend='tiled' must be"):
         write_slots((t, t, p, p.float()), (t, t, p, p.float()), p, torch.zeros(1, dtype=torch.long), 1, 1, "tiled")
+
+
+def test_write_slots_names_why_the_kernel_cannot_run(monkeypatch):
+    # the CPU without Triton's interpreter: backend="triton" says what it needs, "auto" takes the PyTorch form
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    t = torch.zeros(1, 1, 2, 2)
+    p = torch.full((1, 1, 2), -1, dtype=torch.long)
+    last = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="needs `triton` and CUDA"):
+        write_slots((t, t, p, p.float()), (t, t, p, p.float()), p, last, 1, 1, "triton")
+    pri = torch.zeros(1, 1, 2)
+    write_slots((t, t, p.clone(), pri), (t, t, p, p.float()), p, last, 1, 1)
+    assert torch.equal(pri, torch.full((1, 1, 2), float("-inf")))

@@ -154,6 +154,9 @@ def write_slots_kernel(
     Every tensor's last dimension must be contiguous (the slots and candidates of a cache are); the others may be
     strided, as the cache's slot views (without their scratch slot) and a chunk's transposed keys are.
     """
+    if not available(slots[0]):
+        raise RuntimeError(f"the Triton slot kernel cannot run on {slots[0].device} here: it needs `triton` and CUDA, "
+                           "or TRITON_INTERPRET=1 on the CPU")
     keys, values, pos, pri = slots
     ck, cv, cpos, cpri = cands
     B, H, N, D = keys.shape
@@ -190,11 +193,11 @@ def write_slots(
     """Rewrite the slots after a chunk (module docstring). `backend`: "auto" (the kernel on CUDA), "torch", "triton"."""
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend={backend!r} must be 'auto', 'torch' or 'triton'")
-    use_kernel = backend == "triton" or (backend == "auto" and slots[0].is_cuda and available(slots[0]))
-    if use_kernel and all(t.stride(-1) == 1 for t in (*slots, *cands, evict)):
+    # "auto" takes the kernel where it runs and its layout holds; "triton" lets the kernel say why it cannot
+    auto = (backend == "auto" and slots[0].is_cuda and available(slots[0])
+            and all(t.stride(-1) == 1 for t in (*slots, *cands, evict)))
+    if backend == "triton" or auto:
         write_slots_kernel(slots, cands, evict, last, sink, window)
-    elif backend == "triton":
-        raise ValueError("backend='triton' needs every last dimension contiguous (stride 1)")
     else:
         write_slots_reference(slots, cands, evict, last, sink, window)
 

@@ -1,5 +1,6 @@
 """Triton, where installed, and whether its kernels can run on a tensor's device: the one check the Triton paths
-(`topk/kernel.py`, `dynamic/kernel.py`, `attention/block_mask_kernel.py`, `attention/decode_kernel.py`) share.
+(`topk/kernel.py`, `dynamic/kernel.py`, `attention/block_mask_kernel.py`, `attention/decode_kernel.py`, `slots.py`)
+share.
 
 CPU installs have no Triton: each path then has its PyTorch form beside it. With `TRITON_INTERPRET=1` (set before
 Triton compiles anything) the kernels run on the CPU under Triton's interpreter, which is how the tests check them

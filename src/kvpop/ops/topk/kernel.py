@@ -287,6 +287,7 @@ def kth_beater_tiled(
     before = torch.cumsum(cnt, dim=1, dtype=torch.int32) - cnt
     # 128 ranks a program with 4 warps: the fastest of 54 tile choices at S = 16384 on an H100 (0.088 ms against
     # 0.118 for the earlier 64 ranks with 8 warps; `bench_train_attention.py --sweep`, RESULTS, seventeenth session)
+    # pos_ptr, elig_ptr, H, s_ob, s_oh, WINDOW, NEVER: read only by `evictions_ordered`'s launch (SORTED)
     _kth_beater_tiled_kernel[(n_blocks, R)](order, rank, ranked, before, out, S, n_tiles, topk,
                                             out, ranked, 1, 0, 0, 0, 0,
                                             BLOCK_E=min(block_e, block_u), num_warps=num_warps, SORTED=False, **consts)
