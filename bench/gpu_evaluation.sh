@@ -222,6 +222,8 @@ verify)  # issue 18 items 2, 4 (no staging): the twenty-second session's CPU-bui
   # cutoffs timed beside them, `cutoffs_unfused_ms`), the prefill's
   # profile, then `generate` at SmolLM2's shape (the `generate` phase, which fits a call of its own after this one)
   step kernel_tests "${TEST_S:-150}" python -m pytest -q tests/test_slots.py tests/test_topk_kernel.py
+  # the cache's prefill takes the fused cutoffs on CUDA: its captured steps against the teacher-forced pass
+  step cache_gpu_tests "${TEST_S:-150}" python -m pytest -q -m gpu tests/test_decode.py tests/test_retrofit.py
   for r in 1 2; do
     step "cutoffs_$r" "${CUT_S:-150}" python bench/bench_train_attention.py --lengths 16384 --budget 2048 --quick \
       --json-out "$out/cutoffs_$r.json"

@@ -1,4 +1,5 @@
-"""The slot rewrite after a chunk (`ops/slots.py`): the Triton kernel against the PyTorch reference.
+"""The slot rewrite after a chunk and a decode step's slot update (`ops/slots.py`): the Triton kernels against the
+PyTorch references.
 
 The reference is what `KVpopCache._chunk` ran before the kernel (and still runs off CUDA); the cache tests check it
 against token-by-token decoding. Without CUDA the kernel runs under Triton's interpreter in a child process.
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from helpers import run_triton_check
-from kvpop.ops.slots import write_slots
+from kvpop.ops.slots import step_slots, write_slots
 
 CHECK = textwrap.dedent(
     """
@@ -113,3 +114,86 @@ def test_write_slots_names_why_the_kernel_cannot_run(monkeypatch):
     pri = torch.zeros(1, 1, 2)
     write_slots((t, t, p.clone(), pri), (t, t, p, p.float()), p, last, 1, 1)
     assert torch.equal(pri, torch.full((1, 1, 2), float("-inf")))
+
+
+STEP = textwrap.dedent(
+    """
+    import torch
+    from kvpop.ops.slots import step_slots_kernel, step_slots_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def run(B, H, sink, window, topk, steps, D, DV, dtype, seed, ties, block_n, compiled=False):
+        # both from empty buffers (garbage in the scratch slot), token by token: padding steps in rows > 0, tied and
+        # -inf priorities (DMS's evict decision), keys and values given as strided views
+        g = torch.Generator().manual_seed(seed)
+        n = sink + window + topk + 1
+        bufs = [torch.zeros(B, H, n, D).to(dtype), torch.zeros(B, H, n, DV).to(dtype),
+                torch.full((B, H, n), -1, dtype=torch.long), torch.full((B, H, n), float("-inf"))]
+        bufs[0][:, :, -1] = 7.0
+        want = [b.to(device) for b in bufs]
+        got = [b.clone() for b in want]
+        kernel = step_slots_kernel
+        if compiled:
+            # the custom op inside a compiled function: it must write the caller's buffers in place
+            kernel = torch.compile(step_slots_kernel, fullgraph=True, backend="inductor")
+        seen = torch.zeros(B, dtype=torch.long)
+        promoted = 0
+        for t in range(steps):
+            real = torch.ones(B, dtype=torch.bool)
+            real[1:] = torch.rand(B - 1, generator=g) > 0.2
+            p = seen + real.long() - 1
+            seen += real.long()
+            pri = torch.randn(B, H, generator=g)
+            if ties:
+                pri = pri.round()
+            pri[torch.rand(B, H, generator=g) < 0.1] = float("-inf")
+            key = torch.randn(B, 1, H, D, generator=g).to(dtype).transpose(1, 2)
+            value = torch.randn(B, H, 1, DV, generator=g).to(dtype)
+            args = [x.to(device) for x in (key, value, p, real, pri)]
+            before = want[2].clone()
+            step_slots_reference(want, *args, sink, window, topk)
+            kernel(got, *args, sink, window, topk, block_n=block_n)
+            for name, a, b in zip(("keys", "values", "pos", "pri"), want, got):
+                assert torch.equal(a, b), (B, H, sink, window, topk, seed, t, name)
+            promoted += int((want[2][:, :, sink + window : -1] != before[:, :, sink + window : -1]).sum())
+        return promoted
+
+    # (B, H, sink, window, topk, steps, D, DV, dtype, ties, block_n): several reduction blocks, topk 0, sink 0,
+    # window 1 (TOVA's split), ties, bfloat16, a budget past the steps (empty long-range slots throughout)
+    CASES = [
+        (2, 3, 2, 4, 12, 60, 8, 8, torch.float32, True, 4),
+        (3, 2, 0, 1, 9, 50, 4, 8, torch.bfloat16, False, 2),
+        (1, 2, 4, 8, 0, 30, 8, 4, torch.float16, False, 16),
+        (2, 1, 1, 3, 40, 70, 16, 16, torch.float32, True, 1024),
+        (2, 2, 4, 16, 64, 30, 8, 8, torch.float32, False, 8),
+    ]
+    moves = [run(*c[:6], *c[6:9], seed=i, ties=c[9], block_n=c[10]) for i, c in enumerate(CASES)]
+    # the rule promoted tokens where it could (long-range slots changed), and never where there were none
+    assert all(m > 0 for m in moves[:2]) and moves[2] == 0 and moves[3] > 0, moves
+    run(2, 2, 2, 4, 12, 25, 8, 8, torch.float32, seed=9, ties=True, block_n=4, compiled=True)
+    print("ok")
+    """
+)
+
+
+def test_step_kernel_updates_the_slots_as_the_reference():
+    pytest.importorskip("triton", reason="the Triton kernels are optional (pip install triton)")
+    run_triton_check(STEP, "step kernel check")
+
+
+def test_step_slots_errors(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    t = torch.zeros(1, 1, 3, 2)
+    pos, pri = torch.full((1, 1, 3), -1, dtype=torch.long), torch.zeros(1, 1, 3)
+    new = torch.ones(1, 1, 1, 2)
+    args = (new, new, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.bool), torch.zeros(1, 1), 1, 1, 0)
+    with pytest.raises(ValueError, match="backend='fused' must be"):
+        step_slots((t, t, pos, pri), *args, backend="fused")
+    with pytest.raises(ValueError, match="four buffers"):
+        step_slots((t, t, pos, pri, pri), *args)
+    with pytest.raises(RuntimeError, match="needs `triton` and CUDA"):
+        step_slots((t, t, pos, pri), *args, backend="triton")
+    # "auto" off CUDA: the PyTorch form; the token goes to slot 0 with its position and priority
+    step_slots((t, t, pos, pri), *args)
+    assert pos[0, 0, 0] == 0 and pri[0, 0, 0] == 0 and torch.equal(t[0, 0, 0], new[0, 0, 0])

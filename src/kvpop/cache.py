@@ -11,7 +11,8 @@ real tokens (left padding is skipped), so every sequence's sinks are its own fir
 
 Two update paths, both equal to the rule (tests check them against the teacher-forced forward):
 - decode (one new token): the token leaving the window replaces the weakest top-k slot if it beats
-  it; O(slots) work, no host sync, no loop over heads;
+  it; O(slots) work, no host sync, no loop over heads (on CUDA one Triton launch per layer for the rule
+  and the writes, `ops.slots.step_slots`, where the rule has one pool);
 - chunk (prefill, any length): the rule is evaluated over `slots + chunk` with `eviction_positions`,
   each query attends what the rule keeps for it, then the slots are rewritten with what is retained
   at the chunk's last token.
@@ -36,7 +37,7 @@ from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import attention_with_probs, decode_attention, sparse_attention
 from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
 from kvpop.ops.dynamic.reference import static_first_step, tova_first_step, write_slot
-from kvpop.ops.slots import write_slots
+from kvpop.ops.slots import new_token_slot, step_slots, write_new_token, write_slots
 from kvpop.ops.topk import eviction_positions
 from kvpop.policy import LayerPolicy
 
@@ -451,22 +452,19 @@ def decode_step(
     keys, values, pos, pri = (b[:, :, :slots] for b in buffers[:4])
     s, w, k = sink, window, topk
     B, H = kbuf.shape[:2]
-    # a padding step (p = -1) writes nothing; any in-range slot will do for its index
-    slot = torch.where(p < s, p.clamp(min=0), s + (p - s).clamp(min=0) % w)  # [B]
-    idx = slot[:, None, None].expand(B, H, 1)
     pool = k if pool is None else pool
     static = k - pool  # KVpop-cascade: the first `static` long-range slots are ranked by the carried prior
-    if k > 0:
-        leaving = (real & (p >= s + w))[:, None, None]
-        step = tova_first_step if tova_first else static_first_step
-        step(buffers, buffers[2], buffers[3], buffers[4] if len(buffers) > 4 else None, idx, leaving, s + w, static,
-             pool)
-    dst = torch.where(real[:, None, None], idx, slots)
-    new_pos = p[:, None, None].expand(B, H, 1)
-    # a prior buffer (KVpop-TOVA, KVpop-cascade) takes the new token's priority too: its prior is its priority at
-    # insertion
-    for buf, new in zip(buffers, (key, value, new_pos, pri_new[..., None], pri_new[..., None])):
-        write_slot(buf, dst, new.to(buf.dtype))
+    if len(buffers) == 4 and not static and not tova_first:
+        # one pool, no prior: the rule and the writes in one kernel on CUDA (`ops.slots.step_slots`)
+        step_slots(buffers, key, value, p, real, pri_new, s, w, k)
+    else:
+        idx = new_token_slot(p, s, w)[:, None, None].expand(B, H, 1)
+        if k > 0:
+            leaving = (real & (p >= s + w))[:, None, None]
+            step = tova_first_step if tova_first else static_first_step
+            step(buffers, buffers[2], buffers[3], buffers[4] if len(buffers) > 4 else None, idx, leaving, s + w,
+                 static, pool)
+        write_new_token(buffers, idx, key, value, p, real, pri_new)
     occupied = pos >= 0
     if not with_probs:
         return decode_attention(query, keys, values, occupied, scale), None

@@ -14,6 +14,13 @@ clears its row, then scatters each held candidate's key, value, position and pri
 `write_slots` picks: the kernel on CUDA, where `generate`'s eager prefill is bound by its launches (twenty-first
 and twenty-second sessions, docs/RESULTS.md), the reference elsewhere. Both write the same bytes: each slot's
 fields are copied from one candidate or filled.
+
+One decode step (`step_slots`) is the same rule for a single new token (`KVPOP.md` Sec. 7): the token leaving the
+window replaces the weakest long-range slot if it beats it, then the new token takes its sink or ring slot.
+`step_slots_reference` is what `cache.decode_step` runs (`ops.dynamic.reference.static_first_step` and one write per
+buffer: a reduction, gathers, compares and eight `index_put_`s, each its own kernel inside a captured step);
+`step_slots_kernel` does it in one launch, a program per (row, KV head). At SmolLM2's size a decode step is bound
+by the number of kernels per layer, not by their bytes (twenty-second session).
 """
 
 from __future__ import annotations
@@ -140,6 +147,211 @@ if triton is not None:
             m0 += BLOCK_M
 
 
+def step_slots_reference(
+    buffers: tuple[Tensor, Tensor, Tensor, Tensor],  # keys [B, H, N + 1, D], values, pos, pri: slots + scratch slot
+    key: Tensor,  # [B, H, 1, D]
+    value: Tensor,  # [B, H, 1, Dv]
+    p: Tensor,  # [B] int64, the new token's position (-1: a padding step)
+    real: Tensor,  # [B] bool
+    pri_new: Tensor,  # [B, H] float32, its priority
+    sink: int,
+    window: int,
+    topk: int,
+) -> None:
+    """One decode step's slot update, in place (module docstring): the rule's move, then the new token's write.
+
+    Masked writes go to the scratch slot (the last), as `cache.decode_step` has them: a step that promotes nothing
+    copies the leaving slot there, and a padding step writes its token there.
+    """
+    from kvpop.ops.dynamic.reference import static_first_step
+
+    B, H = buffers[0].shape[:2]
+    s, w, k = sink, window, topk
+    idx = new_token_slot(p, s, w)[:, None, None].expand(B, H, 1)
+    if k > 0:
+        leaving = (real & (p >= s + w))[:, None, None]
+        static_first_step(buffers, buffers[2], buffers[3], None, idx, leaving, s + w, 0, k)
+    write_new_token(buffers, idx, key, value, p, real, pri_new)
+
+
+def new_token_slot(p: Tensor, sink: int, window: int) -> Tensor:
+    """The slot a decode step's new token takes ([B] int64): its sink slot, or its window ring slot (a padding step,
+    p = -1, writes nothing: any in-range slot will do for its index)."""
+    return torch.where(p < sink, p.clamp(min=0), sink + (p - sink).clamp(min=0) % window)
+
+
+def write_new_token(buffers: tuple[Tensor, ...], idx: Tensor, key: Tensor, value: Tensor, p: Tensor, real: Tensor,
+                    pri_new: Tensor) -> None:
+    """The new token into slot `idx` ([B, H, 1]) of every buffer, a padding step's into the scratch slot (the last);
+    a prior buffer (the fifth: KVpop-TOVA, KVpop-cascade) takes its priority too, its prior at insertion."""
+    from kvpop.ops.dynamic.reference import write_slot
+
+    B, H, n = buffers[0].shape[:3]
+    dst = torch.where(real[:, None, None], idx, n - 1)
+    new_pos = p[:, None, None].expand(B, H, 1)
+    for buf, new in zip(buffers, (key, value, new_pos, pri_new[..., None], pri_new[..., None])):
+        write_slot(buf, dst, new.to(buf.dtype))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _step_slots_kernel(
+        k_ptr, v_ptr, pos_ptr, pri_ptr,  # the buffers, strided [B, H, N + 1(, D)]: slots, then the scratch slot
+        nk_ptr, nv_ptr, p_ptr, real_ptr, npri_ptr,  # the new token: [B, H, 1, D] twice, [B], [B], [B, H]
+        H, N, D, DV, SINK, WINDOW, TOPK,
+        sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sp_b, sp_h, sq_b, sq_h,
+        nk_b, nk_h, nv_b, nv_h, nq_b, nq_h,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        # program = one row of slots (batch, KV head); `N` slots, slot `N` is the scratch slot
+        i_bh = tl.program_id(0)
+        i_b, i_h = i_bh // H, i_bh % H
+        i_b64, i_h64 = i_b.to(tl.int64), i_h.to(tl.int64)
+        o_d = tl.arange(0, BLOCK_D)
+        o_dv = tl.arange(0, BLOCK_DV)
+        m_d = o_d < D
+        m_dv = o_dv < DV
+        k_row = k_ptr + i_b64 * sk_b + i_h64 * sk_h
+        v_row = v_ptr + i_b64 * sv_b + i_h64 * sv_h
+        pos_row = pos_ptr + i_b64 * sp_b + i_h64 * sp_h
+        pri_row = pri_ptr + i_b64 * sq_b + i_h64 * sq_h
+        p = tl.load(p_ptr + i_b)
+        real = tl.load(real_ptr + i_b) != 0
+        # the new token's slot: its sink slot, or its window ring slot (a padding step: any slot; it writes nothing)
+        slot = tl.where(p < SINK, tl.maximum(p, 0), SINK + tl.maximum(p - SINK, 0) % WINDOW)
+        if TOPK > 0:
+            # 1. the weakest long-range slot by (priority, position, slot): empty slots (-inf, -1) first, in slot order
+            lo = SINK + WINDOW
+            o_n = tl.arange(0, BLOCK_N)
+            big = tl.full([BLOCK_N], 9223372036854775807, tl.int64)
+            low = float("inf")
+            low_pos = tl.zeros([], tl.int64) + 9223372036854775807
+            low_idx = tl.zeros([], tl.int64) + N
+            n0 = lo
+            while n0 < N:
+                idx = n0 + o_n
+                m_n = idx < N
+                b_pri = tl.load(pri_row + idx, mask=m_n, other=float("inf"))
+                b_pos = tl.load(pos_row + idx, mask=m_n, other=9223372036854775807)
+                m1 = tl.min(b_pri, axis=0)
+                c_pos = tl.where(m_n & (b_pri == m1), b_pos, big)
+                m2 = tl.min(c_pos, axis=0)
+                m3 = tl.min(tl.where(m_n & (b_pri == m1) & (c_pos == m2), idx.to(tl.int64), big), axis=0)
+                # an earlier block keeps its slot on a full tie (the reference's argmin takes the first)
+                better = (m1 < low) | ((m1 == low) & (m2 < low_pos))
+                low = tl.where(better, m1, low)
+                low_pos = tl.where(better, m2, low_pos)
+                low_idx = tl.where(better, m3, low_idx)
+                n0 += BLOCK_N
+            # 2. the token leaving the window (in the ring slot the new token takes) takes it if it beats it: it is
+            # newer than every long-range token, so it wins ties; a -inf token never takes a long-range slot
+            leave_pos = tl.load(pos_row + slot)
+            leave_pri = tl.load(pri_row + slot)
+            beats = (leave_pri > low) | ((leave_pri == low) & (leave_pos > low_pos))
+            promote = real & (p >= SINK + WINDOW) & beats & (leave_pri > float("-inf"))
+            # the move (to the scratch slot when nothing is promoted, as the reference's masked write does)
+            dst = tl.where(promote, low_idx, N)
+            row_k = tl.load(k_row + slot * sk_n + o_d, mask=m_d)
+            row_v = tl.load(v_row + slot * sv_n + o_dv, mask=m_dv)
+            tl.store(k_row + dst * sk_n + o_d, row_k, mask=m_d)
+            tl.store(v_row + dst * sv_n + o_dv, row_v, mask=m_dv)
+            tl.store(pos_row + dst, leave_pos)
+            tl.store(pri_row + dst, leave_pri)
+            # the move's stores land before the new token's, which may target the same slot
+            tl.debug_barrier()
+        # 3. the new token into its slot (a padding step: the scratch slot)
+        dst = tl.where(real, slot, N)
+        new_k = tl.load(nk_ptr + i_b64 * nk_b + i_h64 * nk_h + o_d, mask=m_d)
+        new_v = tl.load(nv_ptr + i_b64 * nv_b + i_h64 * nv_h + o_dv, mask=m_dv)
+        tl.store(k_row + dst * sk_n + o_d, new_k.to(k_ptr.dtype.element_ty), mask=m_d)
+        tl.store(v_row + dst * sv_n + o_dv, new_v.to(v_ptr.dtype.element_ty), mask=m_dv)
+        tl.store(pos_row + dst, p)
+        tl.store(pri_row + dst, tl.load(npri_ptr + i_b64 * nq_b + i_h64 * nq_h).to(tl.float32))
+
+
+def step_slots_kernel(
+    buffers: tuple[Tensor, Tensor, Tensor, Tensor],
+    key: Tensor,
+    value: Tensor,
+    p: Tensor,
+    real: Tensor,
+    pri_new: Tensor,
+    sink: int,
+    window: int,
+    topk: int,
+    block_n: int = 1024,
+) -> None:
+    """`step_slots_reference` in one Triton launch (CUDA, or `TRITON_INTERPRET=1`); same arguments, and `block_n` the
+    long-range slots a program reduces at a time (a power of two; the tests make it small to walk several blocks).
+
+    A custom op (`kvpop::step_slots`), so that a compiled step (inductor, CUDA graphs, `generate`'s compile) takes
+    it as one call that writes the buffers in place."""
+    if not available(buffers[0]):
+        raise RuntimeError(f"the Triton step kernel cannot run on {buffers[0].device} here: it needs `triton` and "
+                           "CUDA, or TRITON_INTERPRET=1 on the CPU")
+    keys, values, pos, pri = buffers
+    if pos.dtype != torch.long or pri.dtype != torch.float32:
+        raise ValueError(f"slot positions ({pos.dtype}) and priorities ({pri.dtype}) must be int64 and float32")
+    if any(t.stride(-1) != 1 for t in (*buffers, key, value)):
+        raise ValueError("step_slots_kernel needs every last dimension contiguous (stride 1)")
+    if block_n < 1 or block_n & (block_n - 1):
+        raise ValueError(f"block_n={block_n} must be a power of two")
+    _step_slots_op(keys, values, pos, pri, key, value, p, real, pri_new, int(sink), int(window), int(topk),
+                   int(block_n))
+
+
+if triton is not None:
+
+    @torch.library.custom_op("kvpop::step_slots", mutates_args=("keys", "values", "pos", "pri"))
+    def _step_slots_op(keys: Tensor, values: Tensor, pos: Tensor, pri: Tensor, key: Tensor, value: Tensor, p: Tensor,
+                       real: Tensor, pri_new: Tensor, sink: int, window: int, topk: int, block_n: int) -> None:
+        B, H, n, D = keys.shape
+        if B * H == 0:
+            return
+        DV = values.shape[-1]
+        _step_slots_kernel[(B * H,)](
+            keys, values, pos, pri, key, value, p.contiguous(), real.contiguous(), pri_new,
+            H, n - 1, D, DV, sink, window, topk,
+            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+            pos.stride(0), pos.stride(1), pri.stride(0), pri.stride(1),
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1), pri_new.stride(0), pri_new.stride(1),
+            BLOCK_N=min(block_n, triton.next_power_of_2(max(topk, 1))), BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_DV=triton.next_power_of_2(DV),
+        )
+
+    @_step_slots_op.register_fake
+    def _(keys, values, pos, pri, key, value, p, real, pri_new, sink, window, topk, block_n) -> None:
+        return None
+
+
+def step_slots(
+    buffers: tuple[Tensor, ...],
+    key: Tensor,
+    value: Tensor,
+    p: Tensor,
+    real: Tensor,
+    pri_new: Tensor,
+    sink: int,
+    window: int,
+    topk: int,
+    backend: str = "auto",
+) -> None:
+    """One decode step's slot update (module docstring). `backend`: "auto" (the kernel on CUDA where it applies: the
+    four buffers of a one-pool rule), "torch", "triton"."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend={backend!r} must be 'auto', 'torch' or 'triton'")
+    if len(buffers) != 4:
+        raise ValueError(f"step_slots takes the four buffers of a one-pool rule (keys, values, pos, pri), got "
+                         f"{len(buffers)}: the rules with a prior buffer go through `cache.decode_step`'s own path")
+    auto = (backend == "auto" and buffers[0].is_cuda and available(buffers[0])
+            and all(t.stride(-1) == 1 for t in (*buffers, key, value)))
+    if backend == "triton" or auto:
+        step_slots_kernel(buffers, key, value, p, real, pri_new, sink, window, topk)
+    else:
+        step_slots_reference(buffers, key, value, p, real, pri_new, sink, window, topk)
+
+
 def write_slots_kernel(
     slots: tuple[Tensor, Tensor, Tensor, Tensor],
     cands: tuple[Tensor, Tensor, Tensor, Tensor],
@@ -202,4 +414,5 @@ def write_slots(
         write_slots_reference(slots, cands, evict, last, sink, window)
 
 
-__all__ = ["retained_slot", "write_slots", "write_slots_kernel", "write_slots_reference"]
+__all__ = ["new_token_slot", "retained_slot", "step_slots", "step_slots_kernel", "step_slots_reference", "write_slots",
+           "write_new_token", "write_slots_kernel", "write_slots_reference"]
