@@ -25,8 +25,8 @@
 #   bash bench/gpu_evaluation.sh speed2 OUT   # the same step from the inductor cache; dense StaticCache + inductor
 #   bash bench/gpu_evaluation.sh generate OUT # issue 18 item 2, no staging: a bf16 prefill's profile, then `generate`
 #                                             # at SmolLM2's shape, batch 1 and 4 (GEN_BATCHES), against StaticCache
-#   bash bench/gpu_evaluation.sh verify OUT   # issue 18 items 2, 4, no staging: the fused cutoffs' tests and share of
-#                                             # the sparse forward (twice), the prefill's profile (~450 s)
+#   bash bench/gpu_evaluation.sh verify OUT   # issue 18 items 2, 4, no staging: the new kernels' tests, the fused
+#                                             # cutoffs' share of the sparse forward (twice), the prefill's profile
 #
 # A run carried back (`cat resume.tar.part_* | tar x`: config.json, train_log.jsonl, checkpoints/step-N; 32 MB each,
 # so one per call beside the working tree) goes into .stage_d/ or .stage_e/ and resumes exactly on any CUDA machine:
@@ -217,11 +217,13 @@ generate)  # issue 18 item 2 (no staging): where a bf16 prefill's time goes (`pr
       --budget 1024 --batch "$b" --json-out "$out/gen_smollm2_b$b.json"
   done
   ;;
-verify)  # issue 18 items 2, 4 (no staging): the twenty-second session's CPU-built fusion of the cutoffs on CUDA: the
-  # slot and top-k kernels' tests, the cutoffs' share of the sparse forward (twice: it follows the host; the unfused
-  # cutoffs timed beside them, `cutoffs_unfused_ms`), the prefill's
-  # profile, then `generate` at SmolLM2's shape (the `generate` phase, which fits a call of its own after this one)
-  step kernel_tests "${TEST_S:-150}" python -m pytest -q tests/test_slots.py tests/test_topk_kernel.py
+verify)  # issue 18 items 2, 4 (no staging): the CPU-built kernels on CUDA (the twenty-second session's fused cutoffs,
+  # the twenty-third's decode-step slot update and split attention reading the positions): the slot, top-k and
+  # decode-attention kernels' tests, the captured steps against the teacher-forced pass, the cutoffs' share of the
+  # sparse forward (twice: it follows the host; the unfused cutoffs timed beside them, `cutoffs_unfused_ms`), the
+  # prefill's profile, then `generate` at SmolLM2's shape (the `generate` phase, in a call of its own after this one)
+  step kernel_tests "${TEST_S:-150}" python -m pytest -q tests/test_slots.py tests/test_topk_kernel.py \
+    tests/test_decode_kernel.py
   # the cache's prefill takes the fused cutoffs on CUDA: its captured steps against the teacher-forced pass
   step cache_gpu_tests "${TEST_S:-150}" python -m pytest -q -m gpu tests/test_decode.py tests/test_retrofit.py
   for r in 1 2; do

@@ -153,4 +153,6 @@ def test_decode_attention_matches_reference(dtype):
     want, _ = masked_attention(q, k, v, occupied[:, :, None, :], 0.25)
     got = decode_attention(q, k, v, occupied, 0.25)
     assert got.dtype == dtype and torch.isfinite(got).all() and (got[2, 3:] == 0).all()
+    # the slots' positions as the occupancy (-1: empty), as the cache's decode step passes them
+    assert torch.equal(decode_attention(q, k, v, torch.where(occupied, torch.arange(40), -1), 0.25), got)
     assert (got.float() - want.float()).abs().max() < (ATOL if dtype == torch.float32 else 2e-2)

@@ -45,6 +45,9 @@ CHECK = textwrap.dedent(
             assert torch.equal(decode_attention_split(q, k, v, wide[..., ::2], scale, split=split),
                                decode_attention_split(q, k, v, occupied, scale, split=split))
             got = decode_attention_split(q, k, v, occupied, scale, split=split)
+            # the occupancy as the slots' positions (-1: empty), as the cache's decode step passes it
+            pos = torch.where(occupied, torch.arange(N, device=device), -1)
+            assert torch.equal(decode_attention_split(q, k, v, pos, scale, split=split), got)
             G = Hq // Hkv
             assert got.shape == want.shape and got.dtype == dtype, (got.shape, got.dtype)
             assert torch.isfinite(got).all()

@@ -465,10 +465,10 @@ def decode_step(
             step(buffers, buffers[2], buffers[3], buffers[4] if len(buffers) > 4 else None, idx, leaving, s + w,
                  static, pool)
         write_new_token(buffers, idx, key, value, p, real, pri_new)
-    occupied = pos >= 0
     if not with_probs:
-        return decode_attention(query, keys, values, occupied, scale), None
-    return attention_with_probs(query, keys, values, occupied, scale)
+        # the positions as the occupancy: the CUDA kernel compares them itself (one launch less per layer)
+        return decode_attention(query, keys, values, pos, scale), None
+    return attention_with_probs(query, keys, values, pos >= 0, scale)
 
 
 _FUSED: dict[str, object] = {}

@@ -24,11 +24,11 @@ def decode_attention(
     query: Tensor,  # [B, Hq, 1, D]
     key: Tensor,  # [B, Hkv, N, D]
     value: Tensor,  # [B, Hkv, N, D]
-    occupied: Tensor,  # [B, Hkv, N] bool
+    occupied: Tensor,  # [B, Hkv, N] bool, or the slots' int64 positions (occupied where >= 0)
     scale: float,
 ) -> Tensor:
-    """A decode step's attention over its occupied slots: on CUDA split over the slots (`decode_kernel.py`),
-    elsewhere one SDPA call (`sdpa.decode_attention`); reference: `masked_attention`."""
+    """A decode step's attention over its occupied slots: on CUDA split over the slots (`decode_kernel.py`, which
+    reads the positions itself), elsewhere one SDPA call (`sdpa.decode_attention`); reference: `masked_attention`."""
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from kvpop.ops.attention import decode_kernel
 
@@ -36,7 +36,7 @@ def decode_attention(
             return decode_kernel.decode_attention_split(query, key, value, occupied, scale)
     from kvpop.ops.attention.sdpa import decode_attention as fused
 
-    return fused(query, key, value, occupied, scale)
+    return fused(query, key, value, occupied if occupied.dtype == torch.bool else occupied >= 0, scale)
 
 
 def sparse_attention(

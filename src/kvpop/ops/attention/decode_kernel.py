@@ -45,7 +45,7 @@ if triton is not None:
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h,
         Hkv, G, N, D, DV, n_splits, scale,
         SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-        F32: tl.constexpr, PRECISION: tl.constexpr,
+        F32: tl.constexpr, PRECISION: tl.constexpr, FROM_POS: tl.constexpr,
     ):
         i_bh = tl.program_id(0)
         i_s = tl.program_id(1)
@@ -70,7 +70,10 @@ if triton is not None:
             b_k = tl.load(p_k + o_n[:, None] * sk_n + o_d[None, :], mask=in_n[:, None] & (o_d[None, :] < D), other=0.0)
             b_v = tl.load(p_v + o_n[:, None] * sv_n + o_dv[None, :], mask=in_n[:, None] & (o_dv[None, :] < DV),
                           other=0.0)
-            keep = tl.load(p_occ + o_n, mask=in_n, other=0) != 0  # [BLOCK]
+            if FROM_POS:  # the slots' positions: a slot is occupied where its position is >= 0
+                keep = tl.load(p_occ + o_n, mask=in_n, other=-1) >= 0  # [BLOCK]
+            else:
+                keep = tl.load(p_occ + o_n, mask=in_n, other=0) != 0
             if F32:
                 b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale  # [BG, BLOCK] float32
@@ -116,11 +119,14 @@ def decode_attention_split(
     query: Tensor,  # [B, Hq, 1, D]
     key: Tensor,  # [B, Hkv, N, D]
     value: Tensor,  # [B, Hkv, N, Dv]
-    occupied: Tensor,  # [B, Hkv, N] bool
+    occupied: Tensor,  # [B, Hkv, N] bool, or the slots' int64 positions (occupied where >= 0)
     scale: float,
     split: int = SPLIT,
 ) -> Tensor:
     """`decode_attention` by splits of `split` slots (a multiple of `BLOCK_N`): out [B, Hq, 1, Dv].
+
+    The occupancy may come as the slots' positions: the kernel compares them itself, where a `pos >= 0` beforehand
+    would be one more launch per layer and step.
 
     Keys and values may be strided views (the cache's slot buffers without their scratch slot). A custom op, so
     that `torch.compile` (the fused decode step, the whole step under inductor) and CUDA graphs take it as one
@@ -140,8 +146,11 @@ def _split_op(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale
         q = q.contiguous()
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
-    # the occupancy as it comes (bool, loaded as int1): a conversion would be one more launch per layer and step
+    # the occupancy as it comes (bool, loaded as int1; or int64 positions): a conversion would be one more launch
+    # per layer and step
     occ = occupied if occupied.stride(-1) == 1 else occupied.contiguous()
+    if occ.dtype not in (torch.bool, torch.int64):
+        raise ValueError(f"occupied must be bool or the slots' int64 positions, got {occ.dtype}")
     n_splits = triton.cdiv(N, split)
     # tl.dot needs at least 16 rows and 16 columns
     BG = max(16, triton.next_power_of_2(G))
@@ -155,6 +164,7 @@ def _split_op(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale
         value.stride(0), value.stride(1), value.stride(2), occ.stride(0), occ.stride(1),
         Hkv, G, N, D, Dv, n_splits, scale,
         SPLIT_N=split, BLOCK=BLOCK_N, BG=BG, BD=BD, BDV=BDV, F32=not query.is_cuda,
+        FROM_POS=occ.dtype == torch.int64,
         # float32 products stay float32 (not TF32's 10-bit mantissa): a float32 model decodes as SDPA does
         PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32", num_warps=4)
     out = torch.empty(B, Hq, 1, Dv, dtype=query.dtype, device=query.device)
