@@ -216,6 +216,16 @@ generate)  # issue 18 item 2 (no staging): where a bf16 prefill's time goes (`pr
     step "gen_smollm2_b$b" "${GEN_S:-150}" "${gen[@]}" --model smollm2-135m-shape --contexts "${GEN_CONTEXTS:-4096}" \
       --budget 1024 --batch "$b" --json-out "$out/gen_smollm2_b$b.json"
   done
+  # GEN8B_BATCHES (e.g. "1 4"): the 8B shape's 12 layers at 4k too, one batch size per step (~150 s each)
+  for b in ${GEN8B_BATCHES:-}; do
+    step "gen_8b_b$b" "${GEN8B_S:-200}" "${gen[@]}" --model qwen3-8b-shape --num-layers 12 --contexts 4096 \
+      --budget 2048 --batch "$b" --json-out "$out/gen_8b_b$b.json"
+  done
+  # DECODE_PROFILE=1: which kernels a KVpop layer's decode step adds over dense, at SmolLM2's shape
+  if [ "${DECODE_PROFILE:-0}" = 1 ]; then
+    step decode_profile_smollm2 "${DPROF_S:-100}" python bench/profile_decode_step.py --model smollm2-135m-shape \
+      --num-layers 8 --context 4096 --budget 1024 --out "$out"
+  fi
   ;;
 verify)  # issue 18 items 2, 4 (no staging): the CPU-built kernels on CUDA (the twenty-second session's fused cutoffs,
   # the twenty-third's decode-step slot update and split attention reading the positions): the slot, top-k and
