@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpop.ops.dynamic.reference import static_first_step, write_slot
 from kvpop.ops.triton_support import available, tl, triton
 
 
@@ -163,8 +164,6 @@ def step_slots_reference(
     Masked writes go to the scratch slot (the last), as `cache.decode_step` has them: a step that promotes nothing
     copies the leaving slot there, and a padding step writes its token there.
     """
-    from kvpop.ops.dynamic.reference import static_first_step
-
     B, H = buffers[0].shape[:2]
     s, w, k = sink, window, topk
     idx = new_token_slot(p, s, w)[:, None, None].expand(B, H, 1)
@@ -184,8 +183,6 @@ def write_new_token(buffers: tuple[Tensor, ...], idx: Tensor, key: Tensor, value
                     pri_new: Tensor) -> None:
     """The new token into slot `idx` ([B, H, 1]) of every buffer, a padding step's into the scratch slot (the last);
     a prior buffer (the fifth: KVpop-TOVA, KVpop-cascade) takes its priority too, its prior at insertion."""
-    from kvpop.ops.dynamic.reference import write_slot
-
     B, H, n = buffers[0].shape[:3]
     dst = torch.where(real[:, None, None], idx, n - 1)
     new_pos = p[:, None, None].expand(B, H, 1)
