@@ -36,8 +36,8 @@ from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import attention_with_probs, decode_attention, sparse_attention
 from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
-from kvpop.ops.dynamic.reference import static_first_step, tova_first_step, write_slot
-from kvpop.ops.slots import new_token_slot, step_slots, write_new_token, write_slots
+from kvpop.ops.dynamic.reference import write_slot
+from kvpop.ops.slots import step_slots, step_slots_reference, write_slots
 from kvpop.ops.topk import eviction_positions
 from kvpop.policy import LayerPolicy
 
@@ -451,20 +451,13 @@ def decode_step(
     slots = kbuf.shape[2] - 1
     keys, values, pos, pri = (b[:, :, :slots] for b in buffers[:4])
     s, w, k = sink, window, topk
-    B, H = kbuf.shape[:2]
     pool = k if pool is None else pool
     static = k - pool  # KVpop-cascade: the first `static` long-range slots are ranked by the carried prior
     if len(buffers) == 4 and not static and not tova_first:
         # one pool, no prior: the rule and the writes in one kernel on CUDA (`ops.slots.step_slots`)
         step_slots(buffers, key, value, p, real, pri_new, s, w, k)
     else:
-        idx = new_token_slot(p, s, w)[:, None, None].expand(B, H, 1)
-        if k > 0:
-            leaving = (real & (p >= s + w))[:, None, None]
-            step = tova_first_step if tova_first else static_first_step
-            step(buffers, buffers[2], buffers[3], buffers[4] if len(buffers) > 4 else None, idx, leaving, s + w,
-                 static, pool)
-        write_new_token(buffers, idx, key, value, p, real, pri_new)
+        step_slots_reference(buffers, key, value, p, real, pri_new, s, w, k, static=static, tova_first=tova_first)
     if not with_probs:
         # the positions as the occupancy: the CUDA kernel compares them itself (one launch less per layer)
         return decode_attention(query, keys, values, pos, scale), None

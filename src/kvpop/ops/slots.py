@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvpop.ops.dynamic.reference import static_first_step, write_slot
+from kvpop.ops.dynamic.reference import static_first_step, tova_first_step, write_slot
 from kvpop.ops.triton_support import available, tl, triton
 
 
@@ -149,7 +149,7 @@ if triton is not None:
 
 
 def step_slots_reference(
-    buffers: tuple[Tensor, Tensor, Tensor, Tensor],  # keys [B, H, N + 1, D], values, pos, pri: slots + scratch slot
+    buffers: tuple[Tensor, ...],  # keys [B, H, N + 1, D], values, pos, pri (, prior): slots + scratch slot
     key: Tensor,  # [B, H, 1, D]
     value: Tensor,  # [B, H, 1, Dv]
     p: Tensor,  # [B] int64, the new token's position (-1: a padding step)
@@ -158,18 +158,24 @@ def step_slots_reference(
     sink: int,
     window: int,
     topk: int,
+    static: int = 0,
+    tova_first: bool = False,
 ) -> None:
     """One decode step's slot update, in place (module docstring): the rule's move, then the new token's write.
 
     Masked writes go to the scratch slot (the last), as `cache.decode_step` has them: a step that promotes nothing
-    copies the leaving slot there, and a padding step writes its token there.
+    copies the leaving slot there, and a padding step writes its token there. The kernel's case is the default (one
+    pool, four buffers); `cache.decode_step` also runs the others here: KVpop-cascade's two pools (`static` slots
+    ranked by the prior buffer, the fifth), the layer-wide cascade (`tova_first`), KVpop-TOVA's prior buffer.
     """
     B, H = buffers[0].shape[:2]
     s, w, k = sink, window, topk
     idx = new_token_slot(p, s, w)[:, None, None].expand(B, H, 1)
     if k > 0:
         leaving = (real & (p >= s + w))[:, None, None]
-        static_first_step(buffers, buffers[2], buffers[3], None, idx, leaving, s + w, 0, k)
+        step = tova_first_step if tova_first else static_first_step
+        step(buffers, buffers[2], buffers[3], buffers[4] if len(buffers) > 4 else None, idx, leaving, s + w, static,
+             k - static)
     write_new_token(buffers, idx, key, value, p, real, pri_new)
 
 
