@@ -53,6 +53,9 @@ def command(name: str, help: str, args: Sequence[tuple[tuple[str, ...], dict[str
 MODEL = arg("--model", required=True, metavar="PATH_OR_PRESET",
             help="a preset (tiny-random-qwen3, tiny-random-llama), a local Hugging Face model directory, "
                  "or a directory written by kvpop.save; nothing is downloaded")
+BASE = arg("--base", default=None, metavar="PATH_OR_PRESET",
+           help="for a --model saved without base weights (kvpop train --freeze-base's OUT/final): load its base "
+                "from this preset or local directory instead of the one it records (it must be the same model)")
 DEVICE = arg("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
 DTYPE = arg("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
             help="model dtype (default: float32 for presets, the checkpoint's own otherwise)")
@@ -133,6 +136,7 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
     arg("--tova-pool-layer", type=int, default=None, metavar="N",
         help="a trained KVpop-mlp directory as the layer-wide KVpop-cascade at TOVA's split of its budget: N slots "
              "ranked by TOVA's head average, the rest a per-head static pool (the thirteenth session's best row)"),
+    BASE,
     DEVICE,
     DTYPE,
     NO_PROGRESS,
@@ -161,7 +165,8 @@ def generate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     cfg = None if is_kvpop_dir(args.model) else _rule(args)  # bad flags fail before the model loads
     cascade = _cascade_config(args)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device), config=cascade)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device), config=cascade,
+                                  base=args.base)
     if cfg is None:
         _ignored_rule_flags(args)
     else:
@@ -310,6 +315,11 @@ def info(args: argparse.Namespace) -> int:
         "kvpop supports it": _supported(config),
     }
     if is_kvpop_dir(args.model):
+        from kvpop.retrofit import read_layout
+
+        layout = read_layout(args.model)
+        rows["base weights"] = ("in the directory" if layout.base_weights else
+                                f"from {layout.describe_base()} (the directory holds the scorers only)")
         c = read_config(args.model).to_dict()
         rows["retrofitted with"] = (f"sink={c['sink']} window={c['window']} topk={c['topk']} "
                                     f"(budget {c['sink'] + c['window'] + c['topk']}), policy {c['policy']}, "
@@ -1020,6 +1030,7 @@ def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -
     arg("--out", default="eviction_pattern.png", help="PNG path (default eviction_pattern.png); an existing file "
                                                       "needs --force"),
     arg("--force", action="store_true", help="replace an existing --out"),
+    BASE,
     arg("--device", default=None),
     NO_PROGRESS,
 ])
@@ -1032,7 +1043,7 @@ def viz(args: argparse.Namespace) -> int:
 
     refuse_existing(args.out, "--out", args.force)
     cfg = None if is_kvpop_dir(args.model) else _rule(args, policy=args.policy)
-    model, tokenizer = load_model(args.model, device=_device(args.device))
+    model, tokenizer = load_model(args.model, device=_device(args.device), base=args.base)
     if cfg is None:
         _ignored_rule_flags(args)
     else:
