@@ -255,6 +255,7 @@ class Layout:
         return None if self.base is None else next(iter(self.base.values()))
 
     def describe_base(self) -> str:
+        """Where the base weights come from, in words: "the preset smollm2-135m", "the model in /models/x"."""
         if self.base is None:
             return "the base weights it holds"
         kind, where = next(iter(self.base.items()))
