@@ -98,8 +98,10 @@ def read_weights(path: str | Path) -> TrainedWeights:
     """The trained weights at `path`: a run directory (its newest checkpoint), a checkpoint or a `kvpop.save` directory."""
     found = _locate(path)
     if isinstance(found, Path):
-        model = load(found, device="cpu")
-        return TrainedWeights(found, None, None, read_config(found), read_base(found), model.state_dict(), None)
+        # the saved config as it was trained (not the rule a load would run it under)
+        config = read_config(found)
+        model = load(found, device="cpu", config=config)
+        return TrainedWeights(found, None, None, config, read_base(found), model.state_dict(), None)
     state = found.read(parts=("model.pt",))
     run = found.path.parent if found.manifest is None else found.path.parent.parent
     step = state.get("step", found.step)
