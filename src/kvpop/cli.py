@@ -916,7 +916,7 @@ def _pool_decays(value: str | None) -> list[float | None]:
 def _layer_budget_entries(args: argparse.Namespace, entries: list) -> list:
     """`--layer-budgets FILE`: the same rows at per-layer budgets of equal memory (`<name>+layers`)."""
     from kvpop.eval.budgets import read
-    from kvpop.eval.evaluate import Entry, training_free, with_layer_budgets
+    from kvpop.eval.evaluate import training_free, with_layer_budgets
     from kvpop.retrofit import read_config
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip() not in ("", "none", "streaming_llm")]
@@ -928,7 +928,7 @@ def _layer_budget_entries(args: argparse.Namespace, entries: list) -> list:
         for e in entries:
             saved = read_config(e.trained)
             if e.budget == budget and saved.layer_topk is None and saved.policy == "kvpop" and not saved.tova_pool:
-                out.append(with_layer_budgets(Entry(e.name, e.budget, saved, trained=e.trained), per_layer))
+                out.append(with_layer_budgets(e, per_layer))
     return out
 
 

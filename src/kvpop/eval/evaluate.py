@@ -143,12 +143,14 @@ def check_base(path: str, base: nn.Module) -> bool:
 def with_layer_budgets(entry: Entry, budgets: Sequence[int]) -> Entry:
     """`entry` (a trained static scorer or a training-free policy) at per-layer budgets `B_l`, the same memory.
 
-    A static scorer ranks the same way whatever the top-k, so a trained directory needs no retraining.
+    A static scorer ranks the same way whatever the top-k, so a trained directory needs no retraining; it runs its
+    saved config (the static rule it was trained for) at those budgets.
     """
-    if entry.cfg.layer_topk is not None or entry.cfg.policy in ("streaming_llm", "streaming_llm_plus", "dms"):
+    cfg = read_config(entry.trained) if entry.trained else entry.cfg
+    if cfg.layer_topk is not None or cfg.policy in ("streaming_llm", "streaming_llm_plus", "dms"):
         raise ValueError(f"{entry.name}: per-layer budgets need a uniform ranked split, got policy "
-                         f"{entry.cfg.policy!r} with layer_topk={entry.cfg.layer_topk}")
-    return Entry(f"{entry.name}+layers", entry.budget, entry.cfg.with_layer_budgets(list(budgets)), trained=entry.trained)
+                         f"{cfg.policy!r} with layer_topk={cfg.layer_topk}")
+    return Entry(f"{entry.name}+layers", entry.budget, cfg.with_layer_budgets(list(budgets)), trained=entry.trained)
 
 
 def with_tova_pool(entry: Entry, pool: int, layer: bool = False, decay: float | None = None) -> Entry:
