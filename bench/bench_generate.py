@@ -6,9 +6,9 @@
 
 Cache kinds: "dense" (the plain model, transformers' default `DynamicCache`), "static" (the plain model
 with `cache_implementation="static"`: on CUDA transformers then compiles the decode step, the
-"StaticCache + torch.compile" baseline), and any KVpop policy ("kvpop", "tova", "h2o", ...; the
-retrofitted model with `cache=KVpopCache(model)`: on CUDA transformers compiles its step the same
-way). Per (context, kind) and repeat, interleaved: `generate` of 1 token (the prefill) and of
+"StaticCache + torch.compile" baseline), and any KVpop policy ("kvpop", "tova", "h2o", ...; "cascade": the
+recommended policy a trained KVpop-mlp runs by default; the retrofitted model with `cache=KVpopCache(model)`: on
+CUDA transformers compiles its step the same way). Per (context, kind) and repeat, interleaved: `generate` of 1 token (the prefill) and of
 `--new-tokens` tokens, greedy, every row forced to the full length. Reported, as medians over the
 repeats: ms per generated token with the prefill included (the user's view), the decode ms per token
 ((total - prefill) / (n - 1)), and each as a ratio to the "dense" row of the same repeat. Untimed
@@ -34,7 +34,7 @@ import torch
 
 import kvpop
 from kvpop.cache import cache_kwargs
-from kvpop.eval.bench import load_bench_model, sync
+from kvpop.eval.bench import load_bench_model, policy_config, sync
 
 PLAIN = ("dense", "static")
 
@@ -69,7 +69,7 @@ def bench_generate(model, contexts: list[int], kinds: list[str], new_tokens: int
                 if kind not in PLAIN:
                     with torch.random.fork_rng(devices=[]):
                         torch.manual_seed(seed)
-                        kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(budget, policy=kind))
+                        kvpop.retrofit(model, policy_config(kind, budget))
                 try:
                     if device.type == "cuda" and (context, kind) not in warm:
                         # the shapes of the timed run: transformers compiles the step of a compileable cache on

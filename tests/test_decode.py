@@ -28,6 +28,9 @@ CONFIGS = {
     "cascade": kvpop.KVpopConfig(sink=2, window=3, topk=9, tova_pool=4, scorer_hidden=16),
     # the layer-wide cascade: TOVA's head average takes each token first, a per-head static pool its evictions
     "cascade-mean": kvpop.KVpopConfig(sink=0, window=1, topk=13, tova_pool=8, tova_head_average=True, scorer_hidden=16),
+    # its pool ranked by the accumulated attention instead (each step 0.9 x the last plus the latest)
+    "cascade-sum": kvpop.KVpopConfig(sink=0, window=1, topk=13, tova_pool=8, tova_head_average=True, pool_decay=0.9,
+                                     scorer_hidden=16),
 }
 
 
@@ -67,7 +70,8 @@ def _decode(model, name: str, ids: torch.Tensor, compile: bool, backend: str | N
     return torch.cat(tokens, 1), torch.stack(logits, 1), cache
 
 
-@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "evidence", "cascade", "cascade-mean", "dense"])
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "evidence", "cascade", "cascade-mean", "cascade-sum",
+                                  "dense"])
 def test_compiled_step_equals_eager(name):
     model = _model(name)
     # long enough that the window and top-k slots fill and evict during the decode steps
@@ -115,7 +119,7 @@ def test_a_new_prompt_length_does_not_compile_the_step_again(name):
     assert len(graphs) == 1, f"{len(graphs)} graphs for two prompt lengths"
 
 
-@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "evidence", "cascade", "cascade-mean"])
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "evidence", "cascade", "cascade-mean", "cascade-sum"])
 def test_compiled_step_takes_each_cache_tensor_once_at_a_static_address(name):
     # a view of a mutated buffer read in the step (`layer.keys`, `layer.pos`, ...) was a second graph input aliasing
     # it: AOT autograd merged the two into a synthetic base, and inductor's CUDA graphs then skipped the step for the
@@ -172,7 +176,7 @@ def test_cuda_graph_step_equals_eager(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["kvpop", "mlstm", "evidence", "cascade", "cascade-mean", "dense"])
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "evidence", "cascade", "cascade-mean", "cascade-sum", "dense"])
 def test_captured_cuda_graph_step_equals_eager(name):
     """On CUDA: the eager step captured once with torch.cuda.CUDAGraph (the default backend) replays the eager decode."""
     model = _model(name).cuda()
@@ -370,13 +374,16 @@ def test_stepwise_logits_on_cuda_graphs_equal_the_teacher_forced_pass(policy, ba
     assert_close(got, expected, 1e-3, f"{policy} x{batch}: CUDA-graph steps vs teacher-forced logits")
 
 
-@pytest.mark.parametrize("policy", ["kvpop", "tova", "dms", "evidence", "cascade", "cascade-mean"])
+@pytest.mark.parametrize("policy", ["kvpop", "tova", "dms", "evidence", "cascade", "cascade-mean", "cascade-sum"])
 def test_fused_layer_step_equals_the_eager_step(policy):
     """`KVpopCache.fuse`: the per-layer decode step compiled once (here traced with aot_eager) changes nothing."""
     if policy == "cascade":
         cfg = kvpop.KVpopConfig(sink=2, window=3, topk=6, tova_pool=2, scorer_hidden=16)
     elif policy == "cascade-mean":
         cfg = kvpop.KVpopConfig(sink=0, window=1, topk=10, tova_pool=6, tova_head_average=True, scorer_hidden=16)
+    elif policy == "cascade-sum":
+        cfg = kvpop.KVpopConfig(sink=0, window=1, topk=10, tova_pool=6, tova_head_average=True, pool_decay=1.0,
+                                scorer_hidden=16)
     elif policy == "kvpop":
         cfg = kvpop.KVpopConfig(sink=2, window=4, topk=5, scorer="mlstm", mlstm_dim=8)
     elif policy == "evidence":

@@ -188,7 +188,7 @@ def test_ship_scorers_reports_sizes_and_bfloat16_agreement(tmp_path, capsys):
         assert 0.5 < result[key] <= 1, (key, result)
     assert 0 <= result["mean_kl"] < 0.1
     # the measure itself: a model agrees with itself everywhere
-    model = kvpop.load(final)
+    model = kvpop.load(final, rule="static")
     rows = torch.randint(3, 256, (1, 128), generator=torch.Generator().manual_seed(0))
     same = module.compare(model, model, rows)
     assert same["retention_agreement"] == same["eviction_time_agreement"] == same["top1_agreement"] == 1

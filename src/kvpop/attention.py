@@ -149,7 +149,7 @@ def kvpop_attention(
         priority = policy.priority(policy.scorer_key(key, kwargs.get("kvpop_rope")), value, position.clamp(min=0)).detach()
         with timed("kvpop.dynamic_walk"):
             evict = dynamic_eviction_positions(query, key, position, valid, priority, cfg.sink, cfg.window, cfg.topk,
-                                               scale, policy.score, pool=policy.pool)
+                                               scale, policy.score, pool=policy.pool, decay=policy.decay)
         out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict, cfg.sink, cfg.window,
                                   scale, backend=kwargs.get("kvpop_backend", "auto"), topk=cfg.topk)
         return out.transpose(1, 2), None

@@ -339,7 +339,7 @@ class KVpopLayerCache(CacheLayerMixin):
         B, H, C, D = key.shape
         evicted, pos, pri, prior = dynamic_walk(query, key, self.keys, self.pos, self.pri, position, valid, priority,
                                                 s, w, self.topk, scale, policy.score, slot_prior=self.prior,
-                                                pool=policy.pool)
+                                                pool=policy.pool, decay=policy.decay)
         new_pos = torch.where(valid, position, -1)[:, None, :].expand(B, H, C)
         cand_pos = torch.cat([self.pos, new_pos], dim=2)  # [B, H, slots + C]
         cand_k = torch.cat([self.keys, key.to(self.keys.dtype)], dim=2)
@@ -441,7 +441,7 @@ def decode_step(
     KVpop-cascade (`pool` an int, score "cascade"): the last `pool` long-range slots are ranked by `pri`, the
     others by the static priority in the prior buffer; the leaving token meets the static pool first and
     whichever loses meets the `pri` pool (`ops.dynamic.dynamic_walk`). None: one pool ranked by `pri`. With
-    `tova_first` (the layer-wide cascade, score "cascade_mean") the leaving token meets the `pri` pool first, and
+    `tova_first` (the layer-wide cascades, scores "cascade_mean" and "cascade_sum") the leaving token meets the `pri` pool first, and
     whichever loses meets the static pool (`ops.dynamic.reference.tova_first_step`).
 
     Returns:

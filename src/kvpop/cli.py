@@ -74,6 +74,10 @@ RULE = [
     arg("--topk", type=int, default=None, help="slots for the best-scored older tokens (default: the rest of the budget)"),
 ]
 RULE_FLAGS = ("budget", "sink", "window", "topk")
+POLICY_RULE = arg("--rule", choices=("cascade", "static"), default=None,
+                  help="how a trained KVpop-mlp directory runs: cascade, the recommended policy (the layer-wide "
+                       "KVpop-cascade, 3/4 of its budget - 1 long-range slots ranked by TOVA's head-averaged attention, "
+                       "the rest per KV head by the learned priority; the default), or static, the paper's static rule")
 
 
 def _device(name: str | None) -> str:
@@ -155,11 +159,15 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
              "default) or a torch.compile backend for the whole step (inductor, the CPU default; on CUDA about 15 "
              "%% faster per token at the Qwen3-8B shape, and tens of seconds to compile the first time: "
              "TORCHINDUCTOR_CACHE_DIR keeps the result for the next run)"),
+    POLICY_RULE,
     arg("--tova-pool", type=int, default=None, metavar="N",
         help="a trained KVpop-mlp directory as KVpop-cascade: N of its top-k slots ranked by TOVA per KV head"),
     arg("--tova-pool-layer", type=int, default=None, metavar="N",
-        help="a trained KVpop-mlp directory as the layer-wide KVpop-cascade at TOVA's split of its budget: N slots "
-             "ranked by TOVA's head average, the rest a per-head static pool (the thirteenth session's best row)"),
+        help="a trained KVpop-mlp directory as the layer-wide KVpop-cascade at TOVA's split of its budget with N pool "
+             "slots (the recommended policy's pool is 3/4 of budget - 1), the rest a per-head static pool"),
+    arg("--pool-decay", type=float, default=None, metavar="D",
+        help="with --tova-pool-layer: rank the pool by the head-averaged attention accumulated over the steps, each "
+             "step D x the last plus the latest (1: H2O's accumulated attention) instead of TOVA's latest"),
     SCORERS,
     BASE,
     DEVICE,
@@ -190,8 +198,8 @@ def generate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     _shipped_scorers(args)
     cfg = None if is_kvpop_dir(args.model) else _rule(args)  # bad flags fail before the model loads
-    cascade = _cascade_config(args)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device), config=cascade,
+    trained = _trained_config(args)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device), config=trained,
                                   base=args.base)
     if cfg is None:
         _ignored_rule_flags(args)
@@ -233,24 +241,46 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cascade_config(args: argparse.Namespace):
-    """`generate --tova-pool N` / `--tova-pool-layer N`: the directory's config as KVpop-cascade, checked before loading."""
+def _trained_config(args: argparse.Namespace):
+    """The config `generate` runs a trained directory under, checked before loading, and said on stderr: its rule
+    (`--rule`; by default the recommended policy for a KVpop-mlp), or `--tova-pool N` / `--tova-pool-layer N`
+    (`--pool-decay D`) over its weights. None for a model that is not a kvpop directory."""
     from kvpop.models import is_kvpop_dir
     from kvpop.retrofit import read_config
 
     asked = [(flag, n, layer) for flag, n, layer in (("--tova-pool", args.tova_pool, False),
                                                      ("--tova-pool-layer", args.tova_pool_layer, True)) if n is not None]
-    if not asked:
-        return None
     if len(asked) > 1:
         raise ValueError("give --tova-pool or --tova-pool-layer, not both")
-    flag, n, layer = asked[0]
+    if asked and args.rule is not None:
+        raise ValueError(f"give --rule or {asked[0][0]}, not both ({asked[0][0]} sets the pool of the cascade it runs)")
+    if args.pool_decay is not None and not (asked and asked[0][2]):
+        raise ValueError("--pool-decay ranks the pool of --tova-pool-layer N: give it with --tova-pool-layer")
     if not is_kvpop_dir(args.model):
-        raise ValueError(f"{flag} runs a trained KVpop-mlp directory (kvpop train's OUT/final) as KVpop-cascade; "
-                         f"--model {args.model} is not one")
+        if asked:
+            raise ValueError(f"{asked[0][0]} runs a trained KVpop-mlp directory (kvpop train's OUT/final) as "
+                             f"KVpop-cascade; --model {args.model} is not one")
+        if args.rule == "cascade":
+            raise ValueError(f"--rule cascade runs a trained KVpop-mlp directory (kvpop train's OUT/final); --model "
+                             f"{args.model} has no trained scorers")
+        return None
     saved = read_config(args.model)
-    _check_pool(flag, n, saved, layer, args.model)
-    return saved.with_tova_pool(n, layer=layer)
+    if asked:
+        flag, n, layer = asked[0]
+        _check_pool(flag, n, saved, layer, args.model)
+        _check_decay("--pool-decay", args.pool_decay)
+        cfg, why = saved.with_tova_pool(n, layer=layer, decay=args.pool_decay), flag
+    else:
+        cfg = saved.for_rule(args.rule)
+        why = f"--rule {args.rule}" if args.rule else "the default" + (
+            ", the recommended policy; --rule static runs the paper's static rule" if cfg != saved else "")
+    _note(args, f"{args.model} runs {cfg.describe()} ({why})")
+    return cfg
+
+
+def _check_decay(flag: str, decay: float | None) -> None:
+    if decay is not None and not 0 < decay <= 1:
+        raise ValueError(f"{flag} {decay} must lie in (0, 1] (1: H2O's accumulated attention)")
 
 
 def _check_pool(flag: str, n: int, cfg, layer: bool, where: str) -> None:
@@ -356,7 +386,10 @@ def info(args: argparse.Namespace) -> int:
                                        else "")
                                     + (f", KVpop-cascade with {c['tova_pool']} TOVA slots"
                                        + (" (layer-wide: TOVA's head average, fed first)" if c.get("tova_head_average")
-                                          else "") if c.get("tova_pool") else ""))
+                                          else "")
+                                       + (f", pool decay {c['pool_decay']}" if c.get("pool_decay") is not None else "")
+                                       if c.get("tova_pool") else ""))
+        rows["runs as"] = read_config(args.model).for_rule().describe()
         if c.get("scorer") == "mlstm":
             matched = c.get("extra", {}).get("match_mlp_memory")
             rows["retrofitted with"] += (f", delay {c['window'] if c.get('delay') is None else c['delay']}"
@@ -692,6 +725,12 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
              "budget (no sinks, window 1): N slots ranked by TOVA's paper score (the layer's head average), which "
              "takes each token first, the other budget - 1 - N a per-head static pool that keeps the best of its "
              "evictions (rows NAME+lpoolN; the same weights)"),
+    arg("--pool-decay", default=None, metavar="D[,D]",
+        help="the --tova-pool-layer rows with their pool ranked by the head-averaged attention accumulated over the "
+             "steps, each step D x the last plus the latest: 1 is H2O's accumulated attention (rows NAME+lpoolN+h2o), "
+             "below 1 older steps fade (NAME+lpoolN+dD); 'none' keeps TOVA's latest attention (NAME+lpoolN) "
+             "(default: none)"),
+    POLICY_RULE,
     arg("--layer-budgets", action="append", default=[], metavar="FILE",
         help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
              "(the same total memory as the uniform row); repeatable"),
@@ -735,6 +774,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
     from kvpop.eval.evaluate import Evaluator, check_base, format_table, from_directory, headline, held_out_rows
     from kvpop.models import load_model
+    from kvpop.retrofit import read_config
     from kvpop.train.mix import parse_mixture
 
     if not args.suite:
@@ -744,16 +784,20 @@ def evaluate(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     trained = [_shipped_entry(args, *_trained_arg(t)) for t in args.trained]
     args.trained = [d for _, d in trained]
-    entries = [from_directory(d, name) for name, d in trained]
+    entries = [from_directory(d, name, rule=args.rule) for name, d in trained]
     seen: dict[tuple[str, int], str] = {}
     for (_, d), e in zip(trained, entries):
         if (e.name, e.budget) in seen:
             raise ValueError(f"--trained {seen[e.name, e.budget]} and {d} are both {e.name!r} at budget {e.budget}: "
                              f"label them, e.g. --trained mine={d}")
         seen[e.name, e.budget] = d
-    entries += _tova_pool_entries(args, entries)
+        _note(args, f"--trained {d} ({e.name}) runs {e.cfg.describe()}"
+                    + ("" if args.rule else " (the default: the recommended policy; --rule static runs the paper's "
+                                            "static rule)" if e.cfg.tova_pool and not read_config(d).tova_pool else ""))
+    directories = list(entries)
+    entries += _tova_pool_entries(args, directories)
     entries += _training_free_entries(args)
-    entries += _layer_budget_entries(args, entries)
+    entries += _layer_budget_entries(args, directories)
     base, tokenizer = load_model(args.model, device=device)
     if getattr(base, "kvpop", None) is not None:
         raise ValueError(f"--model must be the base model; pass kvpop directories with --trained ({args.model})")
@@ -801,7 +845,7 @@ def evaluate(args: argparse.Namespace) -> int:
         for entry, row in zip(evaluator.entries, rows):
             if entry.cfg.policy == "oracle":
                 continue
-            model = load(entry.trained, device=device) if entry.trained else retrofit(base, entry.cfg)
+            model = load(entry.trained, device=device, config=entry.cfg) if entry.trained else retrofit(base, entry.cfg)
             row["pass_at_1"], _ = rollouts_pass_at_1(model, tokenizer, problems, args.rollouts, args.max_new_tokens,
                                                      seed=args.seed)
             if not entry.trained:
@@ -880,10 +924,15 @@ def _held_out_problems(args: argparse.Namespace) -> list[dict]:
 
 
 def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
-    """`--tova-pool N[,N]`: each trained KVpop-mlp directory also as KVpop-cascade with N TOVA slots (`NAME+poolN`);
-    `--tova-pool-layer N[,N]`: as the layer-wide cascade at TOVA's split (`NAME+lpoolN`)."""
+    """`--tova-pool N[,N]`: each trained KVpop-mlp directory (`entries`, saved for the static rule) also as
+    KVpop-cascade with N TOVA slots (`NAME+poolN`); `--tova-pool-layer N[,N]`: as the layer-wide cascade at TOVA's
+    split (`NAME+lpoolN`), for each `--pool-decay` (`NAME+lpoolN+h2o`, `NAME+lpoolN+dD`)."""
     from kvpop.eval.evaluate import with_tova_pool
+    from kvpop.retrofit import read_config
 
+    decays = _pool_decays(args.pool_decay)
+    if args.pool_decay is not None and args.tova_pool_layer is None:
+        raise ValueError("--pool-decay ranks the pools of --tova-pool-layer rows: give --tova-pool-layer N[,N]")
     out = []
     for flag, value, layer in (("--tova-pool", args.tova_pool, False),
                                ("--tova-pool-layer", args.tova_pool_layer, True)):
@@ -893,13 +942,28 @@ def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
             pools = [int(n) for n in value.split(",") if n.strip()]
         except ValueError:
             raise ValueError(f"{flag}={value!r} must be comma-separated integers") from None
-        static = [e for e in entries if e.cfg.static_mlp]
+        static = [(e, read_config(e.trained)) for e in entries]
+        static = [(e, saved) for e, saved in static if saved.static_mlp]
         if not static:
             raise ValueError(f"{flag} needs a --trained KVpop-mlp directory (the static rule) to run as KVpop-cascade")
-        for e in static:
+        for e, saved in static:
             for n in pools:
-                _check_pool(flag, n, e.cfg, layer, f"--trained {e.trained}")
-                out.append(with_tova_pool(e, n, layer=layer))
+                _check_pool(flag, n, saved, layer, f"--trained {e.trained}")
+                out += [with_tova_pool(e, n, layer=layer, decay=d) for d in (decays if layer else [None])]
+    return out
+
+
+def _pool_decays(value: str | None) -> list[float | None]:
+    """`--pool-decay D[,D]` -> decays, None for 'none' (TOVA's latest attention)."""
+    if value is None:
+        return [None]
+    out = []
+    for d in (x.strip() for x in value.split(",") if x.strip()):
+        try:
+            out.append(None if d == "none" else float(d))
+        except ValueError:
+            raise ValueError(f"--pool-decay={value!r} must be comma-separated decays in (0, 1] or 'none'") from None
+        _check_decay("--pool-decay", out[-1])
     return out
 
 
@@ -907,6 +971,7 @@ def _layer_budget_entries(args: argparse.Namespace, entries: list) -> list:
     """`--layer-budgets FILE`: the same rows at per-layer budgets of equal memory (`<name>+layers`)."""
     from kvpop.eval.budgets import read
     from kvpop.eval.evaluate import training_free, with_layer_budgets
+    from kvpop.retrofit import read_config
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip() not in ("", "none", "streaming_llm")]
     out = []
@@ -914,9 +979,10 @@ def _layer_budget_entries(args: argparse.Namespace, entries: list) -> list:
         budget, per_layer = read(path)
         out += [training_free(p, budget, sink=args.sink, layer_budgets=per_layer) for p in policies]
         # a trained static scorer ranks the same way at any top-k: the same weights, per-layer slots
-        out += [with_layer_budgets(e, per_layer) for e in entries
-                if e.trained and e.budget == budget and e.cfg.layer_topk is None and e.cfg.policy == "kvpop"
-                and not e.cfg.tova_pool]
+        for e in entries:
+            saved = read_config(e.trained)
+            if e.budget == budget and saved.layer_topk is None and saved.policy == "kvpop" and not saved.tova_pool:
+                out.append(with_layer_budgets(e, per_layer))
     return out
 
 
@@ -961,7 +1027,8 @@ def budgets(args: argparse.Namespace) -> int:
     if getattr(base, "kvpop", None) is not None:
         raise ValueError(f"--model must be a base model, not a kvpop directory ({args.model}); use --trained DIR")
     if args.trained:
-        model = kvpop.load(args.trained, device=_device(args.device))
+        # where the scorer's own ranking loses mass: the static rule it was trained for
+        model = kvpop.load(args.trained, device=_device(args.device), rule="static")
         cfg, measured = model.kvpop.config, model
     else:
         cfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window)

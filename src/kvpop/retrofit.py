@@ -432,12 +432,16 @@ def load_base(path: str | Path, base: str | Path | nn.Module | None = None, *,
 
 
 def load(path: str | Path, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
-         config: KVpopConfig | None = None, base: str | Path | nn.Module | None = None) -> nn.Module:
+         config: KVpopConfig | None = None, rule: str | None = None,
+         base: str | Path | nn.Module | None = None) -> nn.Module:
     """Load a directory written by `save`: the base model, retrofitted, with its trained scorers.
 
-    `config`: run the saved weights under another config with the same parameters instead of the saved one, e.g.
-    a KVpop-mlp run as KVpop-cascade (`tova_pool`) or at per-layer budgets (`layer_topk`); its scorer, its
-    hidden size and its keys must be the saved ones, or the weights do not fit.
+    A KVpop-mlp trained for the static rule runs as the recommended policy, the layer-wide KVpop-cascade with
+    `recommended_pool(budget)` slots (`KVpopConfig.for_rule`); `rule="static"` runs the paper's static rule, and
+    `rule="cascade"` insists on the recommended policy. Every other directory runs its saved config.
+    `config`: run the saved weights under another config with the same parameters instead, e.g. a KVpop-mlp run as
+    KVpop-cascade with another pool (`tova_pool`) or at per-layer budgets (`layer_topk`); its scorer, its hidden
+    size and its keys must be the saved ones, or the weights do not fit.
 
     `base`: for a directory saved without base weights (an adapter), where its base is loaded from instead of the
     recorded place, or the base model itself (retrofitted in place); its identity must be the recorded one.
@@ -445,7 +449,9 @@ def load(path: str | Path, *, device: str | torch.device | None = None, dtype: t
     path = Path(path)
     if not (path / CONFIG_FILE).exists():
         raise FileNotFoundError(f"{path} is not a complete kvpop model directory: {CONFIG_FILE} is missing")
-    cfg = read_config(path) if config is None else config
+    if config is not None and rule is not None:
+        raise ValueError(f"rule={rule!r} and config: give one of them (config is the whole rule)")
+    cfg = read_config(path).for_rule(rule) if config is None else config
     recorded = read_base(path)
     if read_layout(path).base_weights:
         if base is not None:

@@ -55,6 +55,18 @@ from kvpop.retrofit import KVpopModules, detach, retrofit
 DENSE = "dense"
 
 
+RECOMMENDED = "cascade"
+"""The benchmarks' name for the recommended policy of a trained KVpop-mlp (`KVpopConfig.for_rule`)."""
+
+
+def policy_config(name: str, budget: int) -> KVpopConfig:
+    """The config a benchmark runs for a policy name at `budget`: `cascade`, the recommended policy (the layer-wide
+    KVpop-cascade a trained KVpop-mlp directory runs by default), else `KVpopConfig.for_budget(budget, policy=name)`."""
+    if name == RECOMMENDED:
+        return KVpopConfig.for_budget(budget).for_rule()
+    return KVpopConfig.for_budget(budget, policy=name)
+
+
 def cache_bytes(cache) -> int:
     """Bytes held by a cache: every tensor its decode step updates (`kvpop.decode.cache_tensors`).
 

@@ -188,11 +188,14 @@ def new_token_slot(p: Tensor, sink: int, window: int) -> Tensor:
 def write_new_token(buffers: tuple[Tensor, ...], idx: Tensor, key: Tensor, value: Tensor, p: Tensor, real: Tensor,
                     pri_new: Tensor) -> None:
     """The new token into slot `idx` ([B, H, 1]) of every buffer, a padding step's into the scratch slot (the last);
-    a prior buffer (the fifth: KVpop-TOVA, KVpop-cascade) takes its priority too, its prior at insertion."""
+    with a prior buffer (the fifth: KVpop-TOVA, KVpop-cascade) its priority is its prior at insertion, and its score
+    in the priority buffer starts at 0, no attention seen yet (`ops.dynamic.score`)."""
     B, H, n = buffers[0].shape[:3]
     dst = torch.where(real[:, None, None], idx, n - 1)
     new_pos = p[:, None, None].expand(B, H, 1)
-    for buf, new in zip(buffers, (key, value, new_pos, pri_new[..., None], pri_new[..., None])):
+    new_pri = pri_new[..., None]
+    news = (key, value, new_pos, new_pri) if len(buffers) == 4 else (key, value, new_pos, torch.zeros_like(new_pri), new_pri)
+    for buf, new in zip(buffers, news):
         write_slot(buf, dst, new.to(buf.dtype))
 
 

@@ -292,7 +292,7 @@ class Distiller:
         if tcfg.batch_size % self.dist.world:
             raise ValueError(f"--batch-size {tcfg.batch_size} must be a multiple of the number of ranks ({self.dist.world})")
         torch.manual_seed(tcfg.seed)
-        model, self.tokenizer = load_model(tcfg.model, device=self.device)
+        model, self.tokenizer = load_model(tcfg.model, device=self.device, config=as_trained(tcfg.model))
         pretrained = getattr(model, "kvpop", None)
         source = None
         if init_from is not None:
@@ -731,7 +731,7 @@ class Distiller:
             state = self._full_state_dict()
             if self.dist.main:
                 # an unsharded copy to hold the gathered weights
-                model, _ = load_model(self.tcfg.model, device="cpu")
+                model, _ = load_model(self.tcfg.model, device="cpu", config=as_trained(self.tcfg.model))
                 if getattr(model, "kvpop", None) is None:
                     retrofit(model, self.kcfg)
                 model.kvpop.base = kvpop_modules(self.model).base
@@ -874,6 +874,15 @@ def _device_type(name: str) -> str:
 def _same_place(a: str, b: str) -> bool:
     """The same preset, or the same file or directory however it is spelled (`./runs/x` and `runs/x`)."""
     return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
+
+
+def as_trained(model: str) -> KVpopConfig | None:
+    """A kvpop directory's saved config, which training continues (not the rule `kvpop.load` runs it under by
+    default); None for a base model."""
+    from kvpop.models import is_kvpop_dir
+    from kvpop.retrofit import read_config
+
+    return read_config(model) if is_kvpop_dir(model) else None
 
 
 def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, overwrite: bool = False,

@@ -102,12 +102,14 @@ def read_weights(path: str | Path) -> TrainedWeights:
         from kvpop.files import read_safetensors
         from kvpop.retrofit import SCORERS_FILE, read_layout
 
+        # the saved config as it was trained (not the rule a load would run it under)
+        config = read_config(found)
         if read_layout(found).base_weights:
-            state = load(found, device="cpu").state_dict()
+            state = load(found, device="cpu", config=config).state_dict()
         else:
             # an adapter: the scorers alone, on the base `check_base` matches
             state = {SCORERS + k: v for k, v in read_safetensors(found / SCORERS_FILE, "the scorer weights").items()}
-        return TrainedWeights(found, None, None, read_config(found), read_base(found), state, None)
+        return TrainedWeights(found, None, None, config, read_base(found), state, None)
     state = found.read(parts=("model.pt",))
     run = found.path.parent if found.manifest is None else found.path.parent.parent
     step = state.get("step", found.step)
