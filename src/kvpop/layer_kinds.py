@@ -76,7 +76,7 @@ def describe_layers(config: Any) -> str:
 
 
 def layer_kinds(config: Any) -> list[str]:
-    """Per decoder layer: `FULL` or `SLIDING` (as `layer_windows` decides; it raises what it raises)."""
+    """Per decoder layer: `FULL` or `SLIDING`, as `layer_windows` decides (and refuses)."""
     return [FULL if w is None else SLIDING for w in layer_windows(config)]
 
 
