@@ -425,6 +425,18 @@ def _load(args: argparse.Namespace, device: str):
     return load_bench_model(args.model, device, args.dtype, args.num_layers, args.seed)
 
 
+def _layers_note(config) -> str:
+    """For the header of a hybrid model: the budget holds in its full-attention layers, the others keep their window."""
+    from kvpop.layer_kinds import describe_layers, layer_windows
+
+    try:
+        hybrid = any(layer_windows(config))
+    except ValueError:
+        # a model kvpop refuses (its dense rows may still run): nothing to add
+        return ""
+    return f" in the full-attention layers ({describe_layers(config)})" if hybrid else ""
+
+
 def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
     """`kvpop bench`: print the header and table, then the JSON line; write --json-out and --plot.
 
@@ -452,7 +464,7 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
           f"{c.num_attention_heads} query / {kv_heads} KV heads of dim {head_dim}, {str(dtype).removeprefix('torch.')}) "
           f"on {device}; batch {args.batch}, {args.new_tokens} timed steps after {args.warmup}; "
           f"cache filled by {args.fill}{'; eager and compiled' if args.compile else ''}; "
-          f"KVpop sink={rule.sink} window={rule.window} topk={rule.topk} (budget {rule.budget})")
+          f"KVpop sink={rule.sink} window={rule.window} topk={rule.topk} (budget {rule.budget}){_layers_note(c)}")
     rows = bench_decode(model, contexts, kinds, new_tokens=args.new_tokens, batch=args.batch, warmup=args.warmup,
                         device=device, config=config, prefill_chunk=args.prefill_chunk, seed=args.seed,
                         compile=args.compile, fill=args.fill, compile_backend=args.compile_backend)

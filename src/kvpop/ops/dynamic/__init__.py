@@ -47,6 +47,7 @@ def dynamic_walk(
     slot_prior: Tensor | None = None,  # [B, H, N]
     pool: int | None = None,
     decay: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Insert `C` tokens into the slots of a dynamic policy, deciding each step's eviction.
 
@@ -82,6 +83,8 @@ def dynamic_walk(
             "cascade_mean", its pool ranked by the accumulated attention. None for every other score.
         decay: "cascade_sum" only, in [0, 1]: each step's score is `decay x` the last plus the step's head-averaged
             attention (1: H2O's accumulated attention; 0: TOVA's latest, "cascade_mean"'s decisions).
+        softcap: the model's logit soft-capping (Gemma 2), applied to the logits the probabilities come from, as the
+            decode step does. The Triton and parallel walks do not take it: "auto" runs the torch walk then.
     Returns:
         evicted: int64 [B, H, C], the position of the token step `j` evicted (-1: none);
         pos, pri: the slots' positions and priorities after the chunk, [B, H, N];
@@ -116,6 +119,17 @@ def dynamic_walk(
     if decay != 1.0 and not (score == "cascade_sum" and 0.0 <= decay <= 1.0):
         raise ValueError(f"decay={decay!r}: score 'cascade_sum' takes a decay in [0, 1]; the other scores none")
     args = (query, key, slot_keys, slot_pos, slot_pri, position, valid, priority, sink, window, topk, scale, score)
+    if softcap is not None:
+        if backend not in ("auto", "torch", "reference"):
+            raise ValueError(f"backend={backend!r} takes no logit soft-capping (softcap={softcap}): use 'auto', "
+                             "'torch' or 'reference'")
+        if backend == "reference":
+            from kvpop.ops.dynamic.reference import dynamic_walk_reference
+
+            return dynamic_walk_reference(*args, slot_prior, pool, decay, softcap=softcap)
+        from kvpop.ops.dynamic.walk import dynamic_walk_torch
+
+        return dynamic_walk_torch(*args, slot_prior, pool, decay, softcap=softcap)
     if score in CASCADES:
         # two pools per step: the parallel walk does not implement it; the kernel does (the CUDA default)
         if backend == "parallel":
@@ -212,6 +226,7 @@ def dynamic_eviction_positions(
     backend: Backend = "auto",
     pool: int | None = None,
     decay: float = 1.0,
+    softcap: float | None = None,
 ) -> Tensor:
     """Teacher-forced: the eviction position of every token of a sequence under a dynamic policy.
 
@@ -227,7 +242,7 @@ def dynamic_eviction_positions(
     evicted = dynamic_walk(
         query, key, key.new_zeros(B, H, N, D), position.new_full((B, H, N), -1), empty, position, valid, priority,
         sink, window, topk, scale, score, backend, slot_prior=empty if score in ("prior", *CASCADES) else None,
-        pool=pool, decay=decay,
+        pool=pool, decay=decay, softcap=softcap,
     )[0]
     return eviction_from_steps(evicted, position, torch.where(valid, position, -1)[:, None, :].expand(B, H, S))
 

@@ -63,6 +63,7 @@ def dynamic_walk_reference(
     slot_prior: Tensor | None = None,  # [B, H, N]
     pool: int | None = None,
     decay: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Insert `C` tokens into `N = sink + window + topk` slots step by step; see `dynamic_walk`."""
     s, w, k = sink, window, topk
@@ -101,7 +102,7 @@ def dynamic_walk_reference(
         if slot_prior is not None:
             bufs[1].scatter_(2, dst, new)
         occupied = pos[:, :, :N] >= 0
-        probs = step_probs(query[:, :, j : j + 1], keys[:, :, :N], occupied, scale)
+        probs = step_probs(query[:, :, j : j + 1], keys[:, :, :N], occupied, scale, softcap)
         prior = None if slot_prior is None else bufs[1][:, :, :N]
         updated = score_update(score, pri[:, :, :N], probs, occupied, prior, decay)
         pri[:, :, :N] = torch.where(real[:, None, None], updated, pri[:, :, :N])
