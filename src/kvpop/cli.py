@@ -51,8 +51,9 @@ def command(name: str, help: str, args: Sequence[tuple[tuple[str, ...], dict[str
 
 
 MODEL = arg("--model", required=True, metavar="PATH_OR_PRESET",
-            help="a preset (tiny-random-qwen3, tiny-random-llama), a local Hugging Face model directory, "
-                 "or a directory written by kvpop.save; nothing is downloaded")
+            help="a preset (tiny-random-qwen3, tiny-random-llama, smollm2-135m, gemma3-270m, ...), a local Hugging Face "
+                 "model directory, a directory written by kvpop.save, or a GGUF file (converted once into the cache); "
+                 "nothing is downloaded")
 DEVICE = arg("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
 DTYPE = arg("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
             help="model dtype (default: float32 for presets, the checkpoint's own otherwise)")
