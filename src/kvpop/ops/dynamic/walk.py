@@ -42,6 +42,7 @@ def dynamic_walk_torch(
     score: Score,
     slot_prior: Tensor | None = None,  # [B, H, N]
     pool: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """See `ops.dynamic.dynamic_walk`."""
     s, w, k = sink, window, topk
@@ -152,7 +153,7 @@ def dynamic_walk_torch(
         if not full and may_fill[j]:
             full = bool((pos_n >= 0).all())
         occupied = None if full else pos_n >= 0
-        updated = score_update(score, pri_n, slot_probs(queries[j], keys_n, occupied), occupied,
+        updated = score_update(score, pri_n, slot_probs(queries[j], keys_n, occupied, softcap), occupied,
                                prior_n if has_prior else None)
         pri_n.copy_(torch.where(real[j], updated, pri_n) if padded else updated)
     return evicted[..., 0], pos_n, pri_n, (prior_n if has_prior else None)
