@@ -242,3 +242,35 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert gguf_models.cache_root() == tmp_path / "xdg" / "kvpop"
 
+
+
+def test_an_older_transformers_is_refused_for_a_gemma_tokenizer_only(files, cache, monkeypatch, tmp_path):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    gemma, _, _ = files["gemma3"]
+    with pytest.raises(RuntimeError, match=r"tiny-gemma3.gguf: transformers 5.17.0 builds the tokenizer of a Gemma GGUF "
+                                           r"file wrongly .* >= 5.18"):
+        load_model(str(gemma))
+    assert not any(cache.iterdir())
+    # a byte-level vocabulary converts right, and so does a Gemma file given a tokenizer converted elsewhere
+    gguf_models.check_tokenizer_support(files["llama"][0])
+    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    good = gguf_models.ensure_file_converted(gemma)
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    out = tmp_path / "with-tokenizer"
+    gguf_models.convert(gemma, out, "0" * 64, tokenizer=good)
+    from transformers import AutoTokenizer
+
+    text = "naïve café, 你好 🙂 the thin"
+    ids = [AutoTokenizer.from_pretrained(d)(text)["input_ids"] for d in (out, good)]
+    assert ids[0] == ids[1] and ids[0][0] == 2, "Gemma's <bos> first, then the same pieces"
+
+
+def test_info_on_a_gguf_file(files, cache, capsys):
+    path, _, _ = files["gemma3"]
+    assert main(["info", "--model", str(path), "--length", "64", "--budget", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "layers:             6: full attention in 5; a 16-token sliding window in the other 5" in out
+    assert "KV cache at 64 tokens of one sequence (bfloat16):" in out
+    assert "full-attention layers compressed 87.5 %" in out

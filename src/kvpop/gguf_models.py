@@ -111,7 +111,31 @@ def fix_tokenizer(tokenizer, generation, max_positions: int) -> None:
     tokenizer.clean_up_tokenization_spaces = False
 
 
-def convert(gguf: Path, out: Path, sha: str, fix: Callable[[Any, Any, int], None] = fix_tokenizer) -> None:
+def check_tokenizer_support(gguf: Path) -> None:
+    """Raise unless this transformers builds the tokenizer of `gguf` right.
+
+    Before 5.18, transformers built a Gemma sentencepiece vocabulary's merges from the tokens' scores
+    (Gemma's follow the file's order) and added no `<bos>`: every prompt came out garbled, silently
+    (Gemma 3 270M's perplexity on plain English: about 190 instead of 39).
+    """
+    import transformers
+    from gguf import GGUFReader
+    from packaging.version import Version
+
+    if Version(transformers.__version__) >= Version("5.18"):
+        return
+    fields = GGUFReader(gguf).fields
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else "?"
+    model = fields["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in fields else "?"
+    if arch.startswith("gemma") and model == "llama":
+        raise RuntimeError(
+            f"{gguf}: transformers {transformers.__version__} builds the tokenizer of a Gemma GGUF file wrongly (merges "
+            f"out of order, no <bos>), which garbles every prompt; convert with transformers >= 5.18 "
+            f"(pip install 'transformers>=5.18'), or pass the tokenizer of a conversion made with it")
+
+
+def convert(gguf: Path, out: Path, sha: str, fix: Callable[[Any, Any, int], None] = fix_tokenizer,
+            tokenizer: Path | None = None) -> None:
     """Dequantise `gguf` into a plain float32 model directory `out` (safetensors, tokenizer, marker).
 
     Args:
@@ -119,6 +143,8 @@ def convert(gguf: Path, out: Path, sha: str, fix: Callable[[Any, Any, int], None
         out: the directory to write (it must not exist).
         sha: the file's SHA-256, written into the marker.
         fix: `fix(tokenizer, generation_config, max_positions)` mends the tokenizer before it is saved.
+        tokenizer: a directory holding the tokenizer of an earlier conversion of the same file, used
+            instead of the one this transformers builds from the file (see `check_tokenizer_support`).
     """
     missing = missing_converters()
     if missing:
@@ -127,8 +153,13 @@ def convert(gguf: Path, out: Path, sha: str, fix: Callable[[Any, Any, int], None
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     src, name = str(gguf.parent), gguf.name
+    if tokenizer is None:
+        check_tokenizer_support(gguf)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name, local_files_only=True)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
         # dequantize=True: plain Linear weights even where transformers could keep GGUF blocks
         loaded = AutoModelForCausalLM.from_pretrained(
             src, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True),
