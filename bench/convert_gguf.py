@@ -1,6 +1,6 @@
 """Convert a GGUF preset's file into its cache directory with a tokenizer converted on another machine.
 
-transformers before 5.18 builds the tokenizer of a Gemma GGUF file wrongly (`kvpop.gguf_models.check_tokenizer_support`),
+transformers before 5.23 builds the tokenizer of a Gemma GGUF file wrongly (`kvpop.gguf_models.check_tokenizer_support`),
 and a machine without network cannot install a newer one. Its weights convert right, so this writes the preset's
 directory from the file's weights and the tokenizer of a conversion made where transformers is newer (its
 `tokenizer.json` and `tokenizer_config.json`); `--model gemma3-270m` then loads it like any other conversion.

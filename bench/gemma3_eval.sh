@@ -12,20 +12,25 @@
 # then, back to back while the machine stays warm (carry .stage_gN in the phase stageN):
 #   bash bench/gemma3_eval.sh stage1 OUT      # .. stage4: copy the piece; EXTRA, a command run afterwards
 #   bash bench/gemma3_eval.sh stage5 OUT      # join, check the SHA-256, convert once into $HOME/.cache/kvpop (with the
-#                                             # carried tokenizer where transformers < 5.18); `kvpop info` at 8k, 16k and
+#                                             # carried tokenizer where transformers < 5.23); `kvpop info` at 8k, 16k and
 #                                             # 32k; the KV cache measured at 8k-32k, dense against retrofitted
-#   bash bench/gemma3_eval.sh suite OUT 8k    # the suite at one length (8k, 16k or 32k), StreamingLLM, TOVA and H2O
-#   bash bench/gemma3_eval.sh table OUT 8k    # the teacher-forced table at one length (+ the oracle); at 32k the two
-#                                             # float32 logit tensors of a 262,144-token vocabulary take 69 GB: an H200
+#   bash bench/gemma3_eval.sh suite OUT 8k    # the suite at one length (8k, 16k or 32k): one eval per task, each with
+#                                             # the dense row first, then StreamingLLM, TOVA and H2O at the three budgets
+#   bash bench/gemma3_eval.sh table OUT 8k    # the teacher-forced table at one length, one eval per budget (+ the
+#                                             # oracle); at 32k the two float32 logit tensors of a 262,144-token
+#                                             # vocabulary take 69 GB: an H200
 #   bash bench/gemma3_eval.sh generate OUT    # long generation (GEN_N tokens) scored by the dense model; a rerun goes
 #                                             # on from the finished generations
 #   bash bench/gemma3_eval.sh train OUT       # KVpop-mlp scorers (base frozen) at TRAIN_LEN, one run per seed; a rerun
 #                                             # resumes from the checkpoints
 #   bash bench/gemma3_eval.sh trained OUT 8k  # the trained runs in the table and the suite beside the baselines
 #
-# Knobs: MODEL (gemma3-270m), SUITE_TASKS (all), SUITE_SAMPLES (1), SUITE_DEPTHS (0,0.5,1), POLICIES
-# (streaming_llm,tova,h2o), TABLE_SEQ (4 sequences), GEN_N (8192), GEN_P (4 problems), GEN_BATCH (4), GEN_BUDGETS (1/8
-# and 1/32 of GEN_N), TRAIN_LEN (8192), TRAIN_STEPS (300), SEEDS ("0 1"), PHASE_S (seconds a phase may run, 540).
+# A deadline ends a phase's work cleanly: the suite keeps the tasks done, the table the budgets done, generation its
+# finished generations, training its checkpoints (SIGTERM); the next run of the phase goes on where it can.
+# Knobs: MODEL (gemma3-270m), SUITE_TASKS (passkey,multikey,multivalue,vt,cwe,qa), SUITE_SAMPLES (1), SUITE_DEPTHS
+# (0,0.5,1), POLICIES (streaming_llm,tova,h2o), TABLE_SEQ (4 sequences), GEN_N (8192), GEN_P (4 problems), GEN_BATCH
+# (4), GEN_BUDGETS (1/8 and 1/32 of GEN_N), TRAIN_LEN (8192), TRAIN_STEPS (300), SEEDS ("0 1"), PHASE_S (seconds a
+# phase may run, 540).
 # QUICK=1 runs every phase on the CPU at 3/32 of the lengths on tiny-random-gemma3 (a smoke test, minutes a phase).
 set -uo pipefail
 usage="usage: bench/gemma3_eval.sh pack | stage1..stage5 OUT | suite|table|trained OUT 8k|16k|32k | generate|train OUT"
@@ -68,11 +73,35 @@ step() {  # step NAME SECONDS COMMAND...: a time limit, the log and the command 
   local step_name=$1 seconds=$2; shift 2
   echo "$*" > "$work/$step_name.command"
   echo "=== $step_name ($(date -u +%H:%M:%S), limit ${seconds}s): $*"
-  timeout --signal=INT --kill-after=20 "$seconds" "$@" > "$work/$step_name.log" 2>&1
+  # kvpop train checkpoints on SIGTERM (STEP_SIGNAL=TERM); an eval stops on SIGINT
+  timeout --signal="${STEP_SIGNAL:-INT}" --kill-after=60 "$seconds" "$@" > "$work/$step_name.log" 2>&1
   local rc=$?
   echo "=== $step_name exit $rc ($(date -u +%H:%M:%S))"; tail -n 30 "$work/$step_name.log"
 }
 need_len() { case $len in 8k|16k|32k) ;; *) echo "$usage"; exit 2 ;; esac; }
+start=$SECONDS
+left() { echo $(( limit - (SECONDS - start) )); }  # seconds of the phase left
+suite_by_task() {  # suite_by_task BUDGETS ARGS...: one eval per task (dense row first in each), so that a deadline
+  # keeps the tasks done; each in $work/suite_<task>/
+  local budgets_arg=$1; shift
+  local task
+  for task in $(echo "${SUITE_TASKS:-passkey,multikey,multivalue,vt,cwe,qa}" | tr , ' '); do
+    [ "$(left)" -gt 30 ] || { echo "no time left for the task $task"; break; }
+    step "suite_$task" "$(left)" "${kvpop[@]}" eval --model "$model" --device "$device" --suite "$task" \
+      --lengths "$(tokens "$len")" --depths "${SUITE_DEPTHS:-0,0.5,1}" --samples "${SUITE_SAMPLES:-1}" \
+      --policies "${POLICIES:-streaming_llm,tova,h2o}" --budgets "$budgets_arg" --prefill-chunk 4096 \
+      --no-progress --out "$work/suite_$task" --force "$@"
+  done
+}
+table_by_budget() {  # table_by_budget BUDGETS ARGS...: one teacher-forced eval per budget, in $work/table_b<B>/
+  local b
+  for b in $(echo "$1" | tr , ' '); do
+    [ "$(left)" -gt 30 ] || { echo "no time left for the budget $b"; break; }
+    step "table_b$b" "$(left)" "${kvpop[@]}" eval --model "$model" --device "$device" --data champ \
+      --seq-len "$(tokens "$len")" --sequences "${TABLE_SEQ:-4}" --policies "${POLICIES:-streaming_llm,tova,h2o},oracle" \
+      --budgets "$b" --no-progress --out "$work/table_b$b" --force "${@:2}"
+  done
+}
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"; git rev-parse HEAD;
   date -u +%FT%TZ; python -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; } \
   > "$work/machine.txt" 2>&1
@@ -95,7 +124,7 @@ stage5)
     python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/gguf-*.whl || exit 1
     export KVPOP_GEMMA3_GGUF=$gguf
     if [ -f "$stage/gemma3-tokenizer.tar.xz" ]; then
-      # transformers < 5.18 builds Gemma's GGUF tokenizer wrongly: the weights from the file, the tokenizer from here
+      # transformers < 5.23 builds Gemma's GGUF tokenizer wrongly: the weights from the file, the tokenizer from here
       mkdir -p "$stage/tokenizer" && tar xJf "$stage/gemma3-tokenizer.tar.xz" -C "$stage/tokenizer"
       step convert 300 python bench/convert_gguf.py gemma3-270m "$gguf" --tokenizer "$stage/tokenizer"
     fi
@@ -115,23 +144,18 @@ for p in ('Once upon a time, in a small village,', 'The Eiffel Tower is in the c
   ;;
 suite)
   need_len
-  step suite "$limit" "${kvpop[@]}" eval --model "$model" --device "$device" --suite "${SUITE_TASKS:-all}" \
-    --lengths "$(tokens "$len")" --depths "${SUITE_DEPTHS:-0,0.5,1}" --samples "${SUITE_SAMPLES:-1}" \
-    --policies "${POLICIES:-streaming_llm,tova,h2o}" --budgets "$(budgets "$len")" --prefill-chunk 4096 \
-    --no-progress --out "$work/suite" --force
+  suite_by_task "$(budgets "$len")"
   ;;
 table)
   need_len
-  step table "$limit" "${kvpop[@]}" eval --model "$model" --device "$device" --data champ --seq-len "$(tokens "$len")" \
-    --sequences "${TABLE_SEQ:-4}" --policies "${POLICIES:-streaming_llm,tova,h2o},oracle" --budgets "$(budgets "$len")" \
-    --no-progress --out "$work/table" --force
+  table_by_budget "$(budgets "$len")"
   ;;
 generate)
   # the finished generations live outside the work folder, so that a rerun goes on from them
   n=${GEN_N:-$(tokens 8k)}
   [ "$quick" = 1 ] && n=${GEN_N:-256}
   mkdir -p "$HOME/gemma3_runs/fidelity"
-  step generate "$limit" "${kvpop[@]}" eval --model "$model" --device "$device" --generate "$n" \
+  step generate "$(left)" "${kvpop[@]}" eval --model "$model" --device "$device" --generate "$n" \
     --problems "${GEN_P:-4}" --gen-batch "${GEN_BATCH:-4}" --ignore-eos --policies "${POLICIES:-streaming_llm,tova,h2o}" \
     --budgets "${GEN_BUDGETS:-$(( n / 8 )),$(( n / 32 ))}" --no-progress --out "$HOME/gemma3_runs/fidelity" --force
   cp "$HOME/gemma3_runs/fidelity"/fidelity.* "$HOME/gemma3_runs/fidelity/generations.jsonl" "$work/" 2>/dev/null
@@ -143,8 +167,9 @@ train)
     run=$runs/mlp_b${train_budget}_s$seed
     [ -d "$run/final" ] && continue
     resume=(); [ -d "$run/checkpoints" ] && resume=(--resume)
-    # the seeds share the time left: a run stopped at its limit writes a checkpoint the next phase resumes
-    step "train_s$seed" "$limit" "${kvpop[@]}" train --model "$model" --device "$device" --data champ \
+    [ "$(left)" -gt 60 ] || { echo "no time left for seed $seed"; break; }
+    # the seeds share the phase: a run stopped at its deadline writes a checkpoint that the next train phase resumes
+    STEP_SIGNAL=TERM step "train_s$seed" "$(left)" "${kvpop[@]}" train --model "$model" --device "$device" --data champ \
       --seq-len "$train_len" --budget "$train_budget" --scorer mlp --freeze-base --steps "$steps" --save-every 50 \
       --seed "$seed" --no-progress --out "$run" "${resume[@]}"
     cp "$run/train_log.jsonl" "$work/train_log_s$seed.jsonl" 2>/dev/null
@@ -157,14 +182,11 @@ trained)
     [ -d "$d" ] && trained+=(--trained "$(basename "$(dirname "$d")")=$d")
   done
   [ ${#trained[@]} -gt 0 ] || { echo "no trained run in $runs at budget $train_budget: run the train phase first"; exit 1; }
-  budget=$train_budget
-  step table "$(( limit / 2 ))" "${kvpop[@]}" eval --model "$model" --device "$device" --data champ \
-    --seq-len "$(tokens "$len")" --sequences "${TABLE_SEQ:-4}" --policies "${POLICIES:-streaming_llm,tova,h2o},oracle" \
-    --budgets "$budget" "${trained[@]}" --no-progress --out "$work/table" --force
-  step suite "$(( limit / 2 ))" "${kvpop[@]}" eval --model "$model" --device "$device" --suite "${SUITE_TASKS:-all}" \
-    --lengths "$(tokens "$len")" --depths "${SUITE_DEPTHS:-0,0.5,1}" --samples "${SUITE_SAMPLES:-1}" \
-    --policies "${POLICIES:-streaming_llm,tova,h2o}" --budgets "$budget" "${trained[@]}" --prefill-chunk 4096 \
-    --no-progress --out "$work/suite" --force
+  # the table in the first half of the phase, the suite in the rest
+  full=$limit; limit=$(( full / 2 ))
+  table_by_budget "$train_budget" "${trained[@]}"
+  limit=$full
+  suite_by_task "$train_budget" "${trained[@]}"
   ;;
 *)
   echo "$usage"; exit 2

@@ -25,8 +25,8 @@ from kvpop import gemma3, gguf_models
 from kvpop.models import PRESETS, load_config, load_model
 
 NAME = "gemma3-270m"
-SECOND_LOAD_SECONDS = 5.0
-IDS = torch.arange(300, 340)[None]
+SECOND_LOAD_SECONDS = 60.0  # a reconversion takes minutes; reading the 262,144-token tokenizer, seconds
+IDS = torch.arange(200, 240)[None]  # within the tiny file's 297 tokens
 
 needs_converters = pytest.mark.skipif(bool(gguf_models.missing_converters()),
                                       reason=f"reading GGUF files needs: {gguf_models.CONVERTER_INSTALL}")

@@ -37,6 +37,8 @@ MARKER = "kvpop_source.json"
 GGUF_MAGIC = b"GGUF"
 # transformers reads a gguf file with `gguf` and refuses to without `accelerate`
 CONVERTER_INSTALL = "pip install gguf accelerate"
+GEMMA_TOKENIZER_SINCE = "5.23"
+"""The first transformers that builds a Gemma GGUF file's tokenizer right (`check_tokenizer_support`)."""
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +117,14 @@ def check_tokenizer_support(gguf: Path) -> None:
     """Raise unless this transformers builds the tokenizer of `gguf` right.
 
     Before 5.18, transformers built a Gemma sentencepiece vocabulary's merges from the tokens' scores
-    (Gemma's follow the file's order) and added no `<bos>`: every prompt came out garbled, silently
-    (Gemma 3 270M's perplexity on plain English: about 190 instead of 39).
+    (Gemma's follow the file's order), which garbles every prompt silently (Gemma 3 270M's perplexity
+    on English prose: about 190 instead of 39); before 5.23 it added no `<bos>`, which Gemma expects.
     """
     import transformers
     from gguf import GGUFReader
     from packaging.version import Version
 
-    if Version(transformers.__version__) >= Version("5.18"):
+    if Version(transformers.__version__) >= Version(GEMMA_TOKENIZER_SINCE):
         return
     fields = GGUFReader(gguf).fields
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else "?"
@@ -130,8 +132,9 @@ def check_tokenizer_support(gguf: Path) -> None:
     if arch.startswith("gemma") and model == "llama":
         raise RuntimeError(
             f"{gguf}: transformers {transformers.__version__} builds the tokenizer of a Gemma GGUF file wrongly (merges "
-            f"out of order, no <bos>), which garbles every prompt; convert with transformers >= 5.18 "
-            f"(pip install 'transformers>=5.18'), or pass the tokenizer of a conversion made with it")
+            f"out of order before 5.18, no <bos> before {GEMMA_TOKENIZER_SINCE}); convert with transformers >= "
+            f"{GEMMA_TOKENIZER_SINCE} (pip install 'transformers>={GEMMA_TOKENIZER_SINCE}'), or pass the tokenizer of a "
+            f"conversion made with it")
 
 
 def convert(gguf: Path, out: Path, sha: str, fix: Callable[[Any, Any, int], None] = fix_tokenizer,
