@@ -13,6 +13,8 @@ import kvpop
 LOGIT_ATOL = 1e-4  # teacher-forced vs. prefill + decode, float32 (the issue's bar)
 
 ARCHS = ("qwen3", "llama")
+HYBRID_ARCHS = ("gemma3", "gemma2")
+"""Sliding-window and full-attention layers: the presets `tiny-random-gemma3` and `tiny-random-gemma2`."""
 
 
 def tiny_model(arch: str = "qwen3", layers: int = 2, seed: int = 0, max_positions: int = 4096):
@@ -37,9 +39,17 @@ def tiny_model(arch: str = "qwen3", layers: int = 2, seed: int = 0, max_position
     return model_cls(config_cls(**common, **extra)).eval()
 
 
+def hybrid_model(arch: str = "gemma3"):
+    """The float32 random preset `tiny-random-<arch>` (its own fixed seed), with sliding-window layers."""
+    from kvpop.models import PRESETS
+
+    return PRESETS[f"tiny-random-{arch}"].build()[0]
+
+
 def retrofitted(arch: str = "qwen3", cfg: kvpop.KVpopConfig | None = None, seed: int = 0, **kw):
     cfg = cfg or kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16)
-    model = kvpop.retrofit(tiny_model(arch, seed=seed, **kw), cfg)
+    base = hybrid_model(arch) if arch in HYBRID_ARCHS else tiny_model(arch, seed=seed, **kw)
+    model = kvpop.retrofit(base, cfg)
     # a scorer at its random init ranks tokens too uniformly to exercise eviction; sharpen it
     torch.manual_seed(seed + 1)
     with torch.no_grad():
@@ -53,6 +63,27 @@ def retrofitted(arch: str = "qwen3", cfg: kvpop.KVpopConfig | None = None, seed:
                 policy.scorer.w_in[..., : 2 * d].mul_(0.5)
                 policy.scorer.b_in[:, : 2 * d].add_(1.0)
     return model
+
+
+def run_cached(model, ids, split, **fwd):
+    """Prefill in the chunks `split` (lengths), then decode the rest one token at a time: (logits, cache).
+
+    Checks on the way that no layer holds more than its budget (a sliding-window layer: its window) and that the
+    slots were allocated once."""
+    cache = kvpop.KVpopCache(model)
+    budgets = [model.kvpop.layer_config(i).budget for i in range(len(cache.layers))]
+    outs, start = [], 0
+    steps = list(split) + [1] * (ids.shape[1] - sum(split))
+    for n in steps:
+        sl = slice(start, start + n)
+        extra = {k: v[:, : start + n] if k == "attention_mask" else v[:, sl] for k, v in fwd.items()}
+        outs.append(model(ids[:, sl], **extra, **cache_kwargs(cache)).logits)
+        for used, budget in zip(cache.slots_used(), budgets):
+            assert used.max() <= budget
+        start += n
+    for layer, budget in zip(cache.layers, budgets):
+        assert layer.keys.shape[2] == budget  # preallocated, never grown
+    return torch.cat(outs, 1), cache
 
 
 def cache_kwargs(cache) -> dict:

@@ -18,9 +18,10 @@ execution, the training target's probabilities included), `sliding_window` (chec
 kind); learned sink logits (`s_aux`, gpt-oss) are refused.
 
 Extra keyword arguments a caller may pass to the model forward (they flow down to here):
-`kvpop_dense: bool`, `kvpop_capture: Capture` (receives one `LayerRecord` per layer, for training),
+`kvpop_dense: bool`, `kvpop_capture: Capture` (receives one `LayerRecord` per full-attention layer, for training),
 `kvpop_rope: (cos, sin)` (the layer's rotary embeddings, passed by the retrofit's hook: `scorer_keys="pre_rope"`),
-`kvpop_priority: list[Tensor]` (static priorities per layer, [B, Hkv, S], replacing the policy's: the oracle),
+`kvpop_priority: list[Tensor]` (static priorities per full-attention layer, in order, [B, Hkv, S], replacing the
+policy's: the oracle),
 `kvpop_backend: str` (`sparse_attention`'s backend for the teacher-forced rule; `kvpop train --attention`).
 """
 

@@ -196,11 +196,24 @@ def generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
 
     n_new = out.shape[1] - n_prompt
-    used = int(cache.slots_used()[0].max())
     print(f"[kvpop] {n_new} tokens in {elapsed:.2f} s ({n_new / elapsed:.1f} tokens/s, prefill included); "
-          f"cache: {used} of {cache.config.budget} slots per layer and KV head used for "
-          f"{int(cache.get_seq_length())} tokens seen", file=sys.stderr)
+          f"cache: {_slots_used(model, cache)} used for {int(cache.get_seq_length())} tokens seen", file=sys.stderr)
     return 0
+
+
+def _slots_used(model, cache) -> str:
+    """The slots a generation filled, of those each layer has, per layer kind (a hybrid model's sliding-window layers
+    hold their window)."""
+    from kvpop.modules import kvpop_modules
+
+    mods, used = kvpop_modules(model), [int(u.max()) for u in cache.slots_used()]
+    full = f"{max(used[i] for i in mods.policy_layers)} of {cache.config.budget} slots per"
+    if not mods.hybrid:
+        return f"{full} layer and KV head"
+    sliding = [i for i, w in enumerate(mods.windows) if w is not None]
+    return (f"{full} full-attention layer and KV head ({len(mods.policy_layers)} layers), "
+            f"{max(used[i] for i in sliding)} of {max(mods.windows[i] for i in sliding)} per sliding-window layer "
+            f"({len(sliding)} layers)")
 
 
 def _cascade_config(args: argparse.Namespace):
@@ -266,10 +279,9 @@ def _generate_compiled(args: argparse.Namespace, model, tokenizer, input_ids, ca
     elapsed = time.perf_counter() - start
     print(tokenizer.decode(new[0], skip_special_tokens=True))
     n_new = new.shape[1]
-    used = int(cache.slots_used()[0].max())
     print(f"[kvpop] {n_new} tokens in {elapsed:.2f} s ({n_new / elapsed:.1f} tokens/s, prefill and compilation "
-          f"included); cache: {used} of {cache.config.budget} slots per layer and KV head used for "
-          f"{int(cache.get_seq_length())} tokens seen", file=sys.stderr)
+          f"included); cache: {_slots_used(model, cache)} used for {int(cache.get_seq_length())} tokens seen",
+          file=sys.stderr)
     return 0
 
 

@@ -24,7 +24,7 @@ SLIDING = "sliding_attention"
 KINDS = (FULL, SLIDING)
 
 _OTHER_KINDS = {
-    "chunked_attention": "attention within fixed-size chunks (Llama 4), which no window or eviction rule expresses",
+    "chunked_attention": "attention within fixed-size chunks, as in Llama 4, which no window or eviction rule expresses",
     "linear_attention": "linear attention, which keeps a recurrent state instead of a KV cache",
 }
 
@@ -49,8 +49,8 @@ def layer_windows(config: Any) -> list[int | None]:
     types = list(types) if types is not None else [SLIDING if window is not None else FULL] * n
     others = sorted(set(types) - set(KINDS))
     if others:
-        why = "; ".join(f"{t}: {_OTHER_KINDS.get(t, 'an attention kvpop does not run')}" for t in others)
-        raise ValueError(f"it has layers of kind {', '.join(others)} ({why}); kvpop runs {FULL} and {SLIDING} layers")
+        what = ", ".join(f"{t} layers ({_OTHER_KINDS.get(t, 'an attention kvpop does not run')})" for t in others)
+        raise ValueError(f"it has {what}; kvpop runs {FULL} and {SLIDING} layers only")
     if SLIDING in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"it has {SLIDING} layers but sliding_window={window!r} (needs an integer >= 1)")
     limit = getattr(config, "max_position_embeddings", None)
@@ -62,6 +62,17 @@ def layer_windows(config: Any) -> list[int | None]:
             f"every layer attends a sliding window of {window} tokens: its cache is already bounded by that window, "
             "and kvpop's policies evict in full-attention layers, of which it has none")
     return windows
+
+
+def describe_layers(config: Any) -> str:
+    """One line for reports: where the layers attend in full and where through a window (`layer_windows`)."""
+    windows = layer_windows(config)
+    full = [i for i, w in enumerate(windows) if w is None]
+    if len(full) == len(windows):
+        return f"full attention in all {len(windows)} layers"
+    sliding = sorted({w for w in windows if w is not None})
+    return (f"full attention in layers {', '.join(map(str, full))}; a sliding window of "
+            f"{' / '.join(map(str, sliding))} tokens in the other {len(windows) - len(full)}")
 
 
 def layer_kinds(config: Any) -> list[str]:
@@ -128,4 +139,4 @@ def kv_bytes(config: Any, length: int, cfg: KVpopConfig | None = None,
     return {kind: KindKV(len(n), sum(n), sum(n) * per_token) for kind, n in held.items() if n}
 
 
-__all__ = ["FULL", "KINDS", "SLIDING", "KindKV", "check_layer_topk", "kv_bytes", "layer_kinds", "layer_windows", "window_config"]
+__all__ = ["FULL", "KINDS", "SLIDING", "KindKV", "check_layer_topk", "describe_layers", "kv_bytes", "layer_kinds", "layer_windows", "window_config"]

@@ -53,8 +53,8 @@ def _attention_modules(model: nn.Module) -> tuple[list[nn.Module], list[int | No
     error naming the model type and why."""
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     supported = (
-        f"kvpop supports decoder-only models whose attention goes through transformers' attention interface "
-        f"with (grouped-query) attention in every layer, full or in a sliding window, at least one layer full; "
+        f"kvpop supports decoder-only models whose attention goes through transformers' attention interface, with "
+        f"(grouped-query) full attention in every layer or in some layers and a sliding window in the others; "
         f"tested: {', '.join(TESTED_MODEL_TYPES)}"
     )
 

@@ -421,6 +421,7 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
     import transformers
 
     from kvpop.files import refuse_existing
+    from kvpop.layer_kinds import describe_layers, layer_windows
     from kvpop.models import is_kvpop_dir
 
     for flag, path in (("--json-out", args.json_out), ("--plot", args.plot)):
@@ -440,7 +441,8 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
           f"{c.num_attention_heads} query / {kv_heads} KV heads of dim {head_dim}, {str(dtype).removeprefix('torch.')}) "
           f"on {device}; batch {args.batch}, {args.new_tokens} timed steps after {args.warmup}; "
           f"cache filled by {args.fill}{'; eager and compiled' if args.compile else ''}; "
-          f"KVpop sink={rule.sink} window={rule.window} topk={rule.topk} (budget {rule.budget})")
+          f"KVpop sink={rule.sink} window={rule.window} topk={rule.topk} (budget {rule.budget})"
+          + ("" if not any(layer_windows(c)) else f" in the full-attention layers ({describe_layers(c)})"))
     rows = bench_decode(model, contexts, kinds, new_tokens=args.new_tokens, batch=args.batch, warmup=args.warmup,
                         device=device, config=config, prefill_chunk=args.prefill_chunk, seed=args.seed,
                         compile=args.compile, fill=args.fill, compile_backend=args.compile_backend)
