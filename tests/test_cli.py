@@ -59,7 +59,7 @@ def test_info(capsys, name, model_type):
     assert rc == 0
     fields = _fields(out)
     assert fields["model type"] == model_type
-    assert fields["layers"] == "2, all full attention"
+    assert fields["layers"] == "2: full attention in all 2 layers"
     assert fields["query heads"] == "4"
     assert fields["KV heads"].startswith("2")
     assert fields["head dim"] == "16"
@@ -87,7 +87,7 @@ def test_info_shows_the_layer_kinds_and_the_kv_each_holds(capsys):
     # tiny-random-gemma3: full attention in layers 2 and 5, a 16-token window in the other 4; 1 KV head of dim 16
     rc, out, _ = run(capsys, "info", "--model", "tiny-random-gemma3", "--length", "1000", "--budget", "40")
     assert rc == 0
-    assert _fields(out)["layers"] == "6: full attention in 2, 5; a 16-token sliding window in the other 4"
+    assert _fields(out)["layers"] == "6: full attention in layers 2, 5; a sliding window of 16 tokens in the other 4"
     assert "KV cache at 1000 tokens of one sequence (bfloat16):" in out
     per_token = 1 * 16 * 2 * 2  # KV heads x head dim x (key, value) x bytes
     full, sliding, bounded = 2 * 1000 * per_token, 4 * 16 * per_token, 2 * 40 * per_token

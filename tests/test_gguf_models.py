@@ -272,6 +272,6 @@ def test_info_on_a_gguf_file(files, cache, capsys):
     path, _, _ = files["gemma3"]
     assert main(["info", "--model", str(path), "--length", "64", "--budget", "8"]) == 0
     out = capsys.readouterr().out
-    assert "layers:             6: full attention in 5; a 16-token sliding window in the other 5" in out
+    assert "layers:             6: full attention in layers 5; a sliding window of 16 tokens in the other 5" in out
     assert "KV cache at 64 tokens of one sequence (bfloat16):" in out
     assert "full-attention layers compressed 87.5 %" in out

@@ -360,22 +360,14 @@ def info(args: argparse.Namespace) -> int:
 
 
 def _layer_summary(config) -> str:
-    """`18: full attention in 5, 11, 17; a 512-token sliding window in the other 15` (or why kvpop cannot tell)."""
-    from kvpop.layer_kinds import layer_windows
+    """`18: full attention in layers 5, 11, 17; a sliding window of 512 tokens in the other 15`, or the kinds named."""
+    from kvpop.layer_kinds import describe_layers
 
-    n = config.num_hidden_layers
     try:
-        windows = layer_windows(config)
+        return f"{config.num_hidden_layers}: {describe_layers(config)}"
     except ValueError:
-        kinds = sorted(set(getattr(config, "layer_types", None) or ["unknown"]))
-        return f"{n} ({', '.join(kinds)})"
-    full = [i for i, w in enumerate(windows) if w is None]
-    if len(full) == n:
-        return f"{n}, all full attention"
-    sliding = sorted({w for w in windows if w is not None})
-    span = " and ".join(f"{w}" for w in sliding)
-    return (f"{n}: full attention in {', '.join(map(str, full))}; a {span}-token sliding window in the other "
-            f"{n - len(full)}")
+        # the reason is in "kvpop supports it"
+        return f"{config.num_hidden_layers} ({', '.join(sorted(set(getattr(config, 'layer_types', None) or ['?'])))})"
 
 
 def _share(n: int, total: int) -> str:
