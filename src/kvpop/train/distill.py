@@ -7,8 +7,9 @@ The student is the model with KVpop attention in every layer. Its base weights l
 `KL(teacher || student)` against a frozen dense copy (the teacher); its scorers and decays learn
 only from the boundary loss on the future-attention target, computed from the student's own
 sparse attention. `--freeze-base` trains the scorers alone (no teacher copy, no KL): the mode a
-CPU runs in minutes. Under `torchrun` the same command runs data-parallel (DDP, or FSDP2 with
-`--fsdp`), each rank taking its share of every global batch.
+CPU runs in minutes; its `OUT/final` holds the scorers and where the base is found, not the base.
+Under `torchrun` the same command runs data-parallel (DDP, or FSDP2 with `--fsdp`), each rank
+taking its share of every global batch.
 
 Nothing is lost: a checkpoint (model, optimizer, scheduler, RNG states, step) is written
 atomically every `--save-every` steps and on Ctrl-C, the previous one kept until the new one is
@@ -736,10 +737,21 @@ class Distiller:
                     retrofit(model, self.kcfg)
                 model.kvpop.base = kvpop_modules(self.model).base
                 model.load_state_dict(state)
-                save(model, path, tokenizer=self.tokenizer)
+                save(model, path, **self._save_layout())
         elif self.dist.main:
-            save(self.model, path, tokenizer=self.tokenizer)
+            save(self.model, path, **self._save_layout())
         self._barrier()
+
+    def _save_layout(self) -> dict[str, Any]:
+        """`save`'s arguments: a base left as --model's is not written again (the directory records where it is
+        found), unless --model is a kvpop directory holding base weights of its own."""
+        from kvpop.models import is_kvpop_dir
+        from kvpop.retrofit import read_layout
+
+        model = self.tcfg.model
+        if self._holds_base or (is_kvpop_dir(model) and read_layout(model).base_weights):
+            return {"tokenizer": self.tokenizer}
+        return {"base_weights": False, "base": model}
 
     def save_checkpoint(self) -> None:
         """Write the checkpoint of this step (`kvpop.train.checkpoint.write`): the previous one stays until it is complete."""
