@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import quiet, tiny_gguf_model, write_gguf
+import kvpop
+from helpers import cache_kwargs, quiet, tiny_gguf_model, write_gguf
 from kvpop import gemma3, gguf_models
 from kvpop.models import PRESETS, load_config, load_model
 
@@ -237,6 +238,26 @@ def test_real_second_load_is_fast_and_does_not_reconvert(real, monkeypatch):
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
     print(f"second load: {seconds:.2f} s")
+
+
+@needs_package
+def test_real_model_retrofits_and_generates_with_the_bounded_cache(real):
+    model, tok, _ = real
+    model = kvpop.retrofit(model, kvpop.KVpopConfig(sink=2, window=4, topk=6, scorer_hidden=16))
+    try:
+        ids = tok("The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is",
+                  return_tensors="pt")
+        assert ids["input_ids"].shape[1] > 12, "eviction must act in the full-attention layers"
+        cache = kvpop.KVpopCache(model)
+        with torch.no_grad(), quiet():
+            out = model.generate(**ids, max_new_tokens=4, do_sample=False, **cache_kwargs(cache))
+        assert tok.decode(out[0, ids["input_ids"].shape[1]:]).strip()
+        used = [int(u.max()) for u in cache.slots_used()]
+        # the 3 full-attention layers hold the budget; the 15 sliding ones every token so far (window 512)
+        assert [i for i, u in enumerate(used) if u == 12] == [5, 11, 17]
+        assert all(u == out.shape[1] - 1 for i, u in enumerate(used) if i not in (5, 11, 17))
+    finally:
+        kvpop.detach(model)
 
 
 @pytest.mark.skipif(importlib.util.find_spec(gemma3.MODULE) is None, reason="the packages of Gemma 3 270M are not installed")
