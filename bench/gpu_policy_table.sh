@@ -7,17 +7,19 @@
 #   bash bench/gpu_policy_table.sh train OUT     # with .stage_b: assemble the model; under MPS the four training runs,
 #                                                # beside them every training-free row: the teacher-forced tables
 #                                                # (champ, pystdlib, pydoc; 8 x 8192 tokens), the task suite (every
-#                                                # family, 4k and 8000 tokens) and long generation (27 held-out problems,
-#                                                # 2048 tokens at B = 1024); the scorers come back (weights.tgz.part_*)
+#                                                # family, 4k and 8000 tokens) and the dense and StreamingLLM rows of long
+#                                                # generation (27 held-out problems, 2048 tokens at B = 1024); the
+#                                                # scorers come back (weights.tgz.part_*)
 #   bash bench/gpu_policy_table.sh trained OUT   # the trained rows of the same tables, suite and generations: the
 #                                                # recommended policy (its pool and ranking read from kvpop.config) and
 #                                                # the static rule of both seeds, the pool ranked by accumulated
-#                                                # attention beside it; development rows (champ 8-15) of the pool rankings
+#                                                # attention beside it; development rows (champ 8-15) of the pool
+#                                                # rankings; TOVA's and H2O's generations from the dense store
 #
 # The GPU machine has no network: .stage_a/.stage_b come from ../shared/tools/stage-smollm2, with the champ-dataset
 # and math-verify wheels (math-verify, latex2sympy2_extended, antlr4-python3-runtime) added to .stage_b.
 # Each phase fits a 10-minute call; the calls must follow each other while the machine is warm (results live under
-# $HOME there). Knobs: STEPS (120), TRAIN_S (420), SIDE_S (seconds of each evaluation process, 500), PROBLEMS (27).
+# $HOME there). Knobs: STEPS (120), TRAIN_S (360), SIDE_S (seconds of each evaluation process, 420), PROBLEMS (27).
 set -uo pipefail
 usage="usage: bench/gpu_policy_table.sh stage|train|trained OUT_DIR"
 phase=${1:?$usage}
@@ -47,7 +49,7 @@ keep() {  # keep NAME: the results of $HOME/NAME into the archive
 }
 eval_into() {  # eval_into NAME ARGS...: `kvpop eval ... --out $HOME/NAME`, kept
   local name=$1; shift
-  step "$name" "${SIDE_S:-500}" "${kvpop[@]}" eval --model smollm2-135m --no-progress --force --out "$HOME/$name" "$@"
+  step "$name" "${SIDE_S:-420}" "${kvpop[@]}" eval --model smollm2-135m --no-progress --force --out "$HOME/$name" "$@"
   keep "$name"
 }
 weights() {  # weights BUDGET SEED: a training run's final directory
@@ -97,7 +99,7 @@ git log -1 --format='commit %h %cI' 2>/dev/null || true
 case $phase in
 stage)
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
-  step kernel_tests 240 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_cascade.py tests/test_slots.py
+  step kernel_tests 150 python -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_cascade.py tests/test_slots.py
   ;;
 train)
   cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
@@ -105,14 +107,13 @@ train)
     || { echo "staging failed"; ls -la "$stage"; exit 1; }
   (cd "$stage" && sha256sum "$(basename "$gguf")" && cat SHA256)
   mps_on
-  step train "${TRAIN_S:-420}" python bench/quality_study.py --out "$study" --steps "${STEPS:-120}" --seeds 0,1 \
-    --rows "$run" --mix champ,pystdlib,prose --free-rows oracle --phase train --deadline-s "${TRAIN_S:-420}" \
+  step train $(( ${TRAIN_S:-360} + 60 )) python bench/quality_study.py --out "$study" --steps "${STEPS:-120}" --seeds 0,1 \
+    --rows "$run" --mix champ,pystdlib,prose --free-rows oracle --phase train --deadline-s "${TRAIN_S:-360}" \
     --concurrency 4 &
   tables free --policies tova,h2o,streaming_llm
   for b in "${budgets[@]}"; do suite "suite_b${b}_free" "$b" --policies tova,h2o,streaming_llm & done
-  ( eval_into gen_dense --generate 2048 --problems "${PROBLEMS:-27}" --samples 0 --gen-batch "${PROBLEMS:-27}" \
-      --ignore-eos --budgets 1024 --policies streaming_llm
-    generation gen_tova --policies tova & generation gen_h2o --policies h2o & wait ) &
+  eval_into gen_dense --generate 2048 --problems "${PROBLEMS:-27}" --samples 0 --gen-batch "${PROBLEMS:-27}" \
+    --ignore-eos --budgets 1024 --policies streaming_llm &
   wait
   cp "$study/train_status.json" "$out/" 2>/dev/null
   # the final scorers (adapters: scorers, config, base identity), in parts of at most 15 MB
@@ -129,6 +130,7 @@ trained)
       $(for s in "${seeds[@]}"; do echo "--trained mlp_s$s=$(weights "$b" "$s")"; done) &
   done
   for s in "${seeds[@]}"; do generation "gen_mlp_s$s" --policies none --trained "mlp_s$s=$(weights 1024 "$s")" & done
+  generation gen_tova --policies tova & generation gen_h2o --policies h2o &
   wait
   ;;
 *)
