@@ -204,9 +204,6 @@ def test_the_package_data_carries_a_shipped_directory():
         assert any(fnmatch.fnmatch(f"pretrained/smollm2-135m/{name}", p) for p in patterns), name
 
 
-@pytest.mark.skip(reason="enable once the GPU-trained smollm2-135m scorers are in src/kvpop/pretrained/smollm2-135m "
-                         "(python bench/ship_scorers.py RUN/final --preset smollm2-135m): it then fails whenever "
-                         "they are missing")
 def test_smollm2_ships_trained_scorers():
     from kvpop import smollm2
 
