@@ -678,6 +678,24 @@ def _refuse_other_config(args: argparse.Namespace, saved, what: str, consequence
                          f"drop {', '.join(conflicts)}, or {instead}")
 
 
+@command("convert-checkpoint", "convert checkpoints an earlier kvpop saved as pickles into data (JSON + safetensors), "
+                               "once: tensors and plain data are read, anything else is refused", [
+    arg("path", metavar="RUN_OR_CHECKPOINT",
+        help="a run directory (each of its pickled checkpoints), one OUT/checkpoints/step-NNNNNNNN directory, or an "
+             "OUT/checkpoint.pt; the pickles are kept beside the new checkpoint, renamed *.pickled"),
+])
+def convert_checkpoint(args: argparse.Namespace) -> int:
+    from kvpop.train.convert import convert
+
+    done = convert(args.path)
+    if not done:
+        _note(args, f"{args.path} holds no pickled checkpoint: nothing to convert")
+    for new, kept in done:
+        print(f"kvpop convert-checkpoint: wrote {new}; the pickles are kept as {kept} (kvpop no longer reads them: "
+              "delete them once the run resumes)", file=sys.stderr)
+    return 0
+
+
 @command("selfgen", "write the dense model's own generations of held-in prompts as a JSONL training source "
                     "(kvpop train --data FILE.jsonl)", [
     MODEL,

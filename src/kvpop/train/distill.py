@@ -11,10 +11,10 @@ CPU runs in minutes; its `OUT/final` holds the scorers and where the base is fou
 Under `torchrun` the same command runs data-parallel (DDP, or FSDP2 with `--fsdp`), each rank
 taking its share of every global batch.
 
-Nothing is lost: a checkpoint (model, optimizer, scheduler, RNG states, step) is written
-atomically every `--save-every` steps and on Ctrl-C, the previous one kept until the new one is
-complete (`kvpop.train.checkpoint`); `--resume` continues to the losses an uninterrupted run gives,
-in the same or a moved directory; an `--out` holding a run is refused unless `--resume` or
+Nothing is lost: a checkpoint (model, optimizer, scheduler, RNG states, step; data only, as JSON
+and safetensors) is written atomically every `--save-every` steps and on Ctrl-C, the previous one
+kept until the new one is complete (`kvpop.train.checkpoint`); `--resume` continues to the losses an
+uninterrupted run gives, in the same or a moved directory; an `--out` holding a run is refused unless `--resume` or
 `--overwrite` is given; a non-finite loss stops the run before anything is overwritten.
 `--keep-every N` also keeps every N-th step's checkpoint, for a curve against the steps.
 
@@ -679,9 +679,9 @@ class Distiller:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
-            "model.pt": {"model": self._trained_state()},
-            "train_state.pt": {"step": self.step, "optimizer": self._optimizer_state(),
-                               "scheduler": self.scheduler.state_dict(), "rng": rng},
+            ckpt.MODEL: {"model": self._trained_state()},
+            "train_state": {"step": self.step, "optimizer": self._optimizer_state(),
+                            "scheduler": self.scheduler.state_dict(), "rng": rng},
         }
 
     def _checkpoint_meta(self) -> dict[str, Any]:
@@ -806,15 +806,21 @@ class Distiller:
             raise TrainingError(f"--resume: {path} does not fit the model ({err})") from None
         if unexpected or (self._holds_base and missing):
             raise TrainingError(f"--resume: {path} does not fit the model (missing {missing}, unexpected {unexpected})")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        self.sampler.set_state(rng["sampler"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            rng = state["rng"]
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            self.sampler.set_state(rng["sampler"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+            raise TrainingError(f"--resume: {path}: its optimizer, scheduler or RNG state cannot be restored "
+                                f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); the checkpoint is damaged") from None
+        if type(state["step"]) is not int or state["step"] < 0:
+            raise TrainingError(f"--resume: {path}: its step {state['step']!r} is not a count of steps")
         self.step = self.last_saved = state["step"]
         self.last_checkpoint = path
         # the data the run has trained on: a resume with more --steps goes on over the same documents

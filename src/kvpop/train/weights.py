@@ -110,8 +110,8 @@ def read_weights(path: str | Path) -> TrainedWeights:
             # an adapter: the scorers alone, on the base `check_base` matches
             state = {SCORERS + k: v for k, v in read_safetensors(found / SCORERS_FILE, "the scorer weights").items()}
         return TrainedWeights(found, None, None, config, read_base(found), state, None)
-    state = found.read(parts=("model.pt",))
-    run = found.path.parent if found.manifest is None else found.path.parent.parent
+    state = found.read(parts=(ckpt.MODEL,))
+    run = found.run
     step = state.get("step", found.step)
     return TrainedWeights(found.path, run, step, _config(state, found.path), state.get("base"), state["model"],
                           state.get("init"))

@@ -1,0 +1,211 @@
+"""Memory checked before kvpop allocates: a length, budget or batch that cannot fit is refused up front.
+
+    need = limits.generation_bytes(model, cfg, batch=1, prompt=40, new=64)
+    limits.check_fits(need, "cpu", "--budget 512 with a 40-token prompt", "lower --budget")
+
+Each estimate is a dict of named byte counts (the model's weights, the bounded cache's slots, a
+forward pass's activations, ...), compared with the memory the device has free: on the CPU the
+kernel's `MemAvailable` (and a cgroup's limit where one is set), on CUDA `torch.cuda.mem_get_info`.
+A refusal names the flags, the estimate part by part, and the limit:
+
+    kvpop generate: error: --budget 1000000000 (window 999999872) with a 5-token prompt needs about
+    12.0 TB (KV slots 12.0 TB, activations 1.3 KB), more than the 21.2 GB of memory available on cpu; ...
+
+The bounded cache's slots and the weights are counted exactly; activations are counted low (what
+autograd must keep at the least: the inputs of each layer's matrices, the logits), so that a
+refused command could never have run, while one that passes may still run out of memory where its
+kernels take more. `--max-new-tokens` does not grow the bounded cache: it costs only its token ids.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class ResourceError(ValueError):
+    """What was asked cannot fit the memory of the device; the message holds the estimate and the limit."""
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+# --- what the device has ---
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _cgroup_available() -> int | None:
+    # a container's memory limit (cgroup v2) binds before the machine's
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        used = int(open("/sys/fs/cgroup/memory.current").read().strip())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(0, int(limit) - used)
+
+
+def available_memory(device: str | torch.device) -> int | None:
+    """Bytes free for new tensors on `device`; None where it cannot be known (then nothing is refused)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type == "cpu":
+        found = [n for n in (_meminfo_available(), _cgroup_available()) if n is not None]
+        return min(found) if found else None
+    return None
+
+
+def check_fits(need: Mapping[str, int], device: str | torch.device, what: str, hint: str) -> None:
+    """Raise `ResourceError` when the bytes of `need` (name -> bytes) exceed what `device` has free.
+
+    `what` names the request (`--seq-len 8192 with --batch-size 4`), `hint` what to change."""
+    total = sum(need.values())
+    limit = available_memory(device)
+    if limit is None or total <= limit:
+        return
+    parts = ", ".join(f"{name} {format_bytes(n)}" for name, n in need.items() if n)
+    raise ResourceError(f"{what} needs about {format_bytes(total)} ({parts}), more than the {format_bytes(limit)} of "
+                        f"memory available on {torch.device(device).type}; {hint}")
+
+
+# --- what a model is made of ---
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes of a decoder-only transformer that its memory depends on."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config: Any) -> Shape:
+        """From a Hugging Face config (its text config where it has one)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = getattr(text, "num_attention_heads", 1) or 1
+        hidden = getattr(text, "hidden_size", 0) or 0
+        return cls(
+            layers=getattr(text, "num_hidden_layers", 0) or 0,
+            hidden=hidden,
+            intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
+            heads=heads,
+            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or hidden // heads,
+            vocab=getattr(text, "vocab_size", 0) or 0,
+        )
+
+    def layer_activations(self) -> int:
+        """Values per token and layer that a backward pass must keep at the least: the inputs of the attention's
+        and the MLP's matrices (normed hidden states, the attention's output, the MLP's gate and up)."""
+        return 4 * self.hidden + 2 * self.intermediate + (self.heads + 2 * self.kv_heads) * self.head_dim
+
+
+def parameter_bytes(model: nn.Module, trainable: bool = False) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable)
+
+
+def _dtype_bytes(dtype: Any, default: int = 4) -> int:
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(value, torch.dtype):
+            return value.itemsize
+    return default
+
+
+# --- estimates ---
+
+
+def kv_slot_bytes(shape: Shape, cfg: Any, batch: int, dtype_bytes: int) -> int:
+    """The bounded cache (`KVpopCache`) of `batch` rows: per layer and KV head `budget + 1` slots of a key, a value,
+    a position (int64), a priority and a prior (float32), plus a stateful scorer's memory."""
+    per_slot = 2 * shape.head_dim * dtype_bytes + 8 + 4 + 4
+    low = cfg.sink + cfg.window + 1
+    slots = sum(low + k for k in cfg.layer_topk) if cfg.layer_topk else shape.layers * (cfg.budget + 1)
+    state_bytes = shape.layers * cfg.state_entries(shape.head_dim) * 2 * shape.head_dim * 4
+    return batch * shape.kv_heads * (slots * per_slot + state_bytes)
+
+
+def forward_bytes(shape: Shape, batch: int, tokens: int, dtype_bytes: int, logits: int = 1) -> int:
+    """One layer's activations of a forward pass without gradients over `tokens` tokens, and `logits` [B, S, V]
+    float32 tensors (the dense reference's and a policy's: a teacher-forced evaluation)."""
+    layer = batch * tokens * shape.layer_activations() * dtype_bytes
+    return layer + logits * batch * tokens * shape.vocab * 4
+
+
+def generation_bytes(model: nn.Module, cfg: Any, batch: int, prompt: int, new: int) -> dict[str, int]:
+    """What generating `new` tokens after a `prompt`-token prompt adds to a loaded model: the bounded cache, the
+    prompt's forward pass and the token ids."""
+    shape = Shape.of(model.config)
+    size = next(model.parameters()).element_size()
+    return {"KV slots": kv_slot_bytes(shape, cfg, batch, size),
+            "activations": forward_bytes(shape, batch, prompt, size, logits=0) + batch * shape.vocab * 4,
+            "token ids": batch * (prompt + new) * 8}
+
+
+def evaluation_bytes(model: nn.Module, batch: int, seq_len: int) -> dict[str, int]:
+    """A teacher-forced pass over `seq_len` tokens beside the dense reference's (`kvpop eval`, `kvpop budgets`)."""
+    shape = Shape.of(model.config)
+    size = next(model.parameters()).element_size()
+    rule = batch * shape.kv_heads * seq_len * (4 + 8) * shape.layers
+    return {"activations": forward_bytes(shape, batch, seq_len, size, logits=2) + rule}
+
+
+def training_bytes(model: nn.Module, rows: int, seq_len: int, *, teacher: bool, trainable: int,
+                   device: str | torch.device) -> dict[str, int]:
+    """One optimizer step of `kvpop train` on a loaded model: `rows` sequences of `seq_len` tokens per micro-batch
+    on this rank, a dense teacher copy when `teacher`, and AdamW's gradient and two moments for `trainable` bytes
+    of float32 parameters."""
+    shape = Shape.of(model.config)
+    # under CUDA autocast the matrices' inputs are kept in bfloat16
+    size = 2 if torch.device(device).type == "cuda" else next(model.parameters()).element_size()
+    acts = rows * seq_len * shape.layers * shape.layer_activations() * size
+    # the student's logits, and the teacher's, for the KL; a scorer-only run computes the last position's only
+    logits = 2 * rows * seq_len * shape.vocab * 4 if teacher else 0
+    return {"activations": acts + logits, "teacher copy": parameter_bytes(model) if teacher else 0,
+            "gradients and optimizer": 3 * trainable}
+
+
+def check_weights(sizes: Mapping[str, int], dtype: Any, device_map: Any, what: str) -> None:
+    """Before `from_pretrained`: the weights a config.json describes (`kvpop.files.check_model_config`'s sizes)
+    must fit the CPU's memory, where transformers loads them."""
+    from kvpop.files import parameter_estimate
+
+    if device_map is not None:
+        return
+    count = parameter_estimate(sizes)
+    per = _dtype_bytes(dtype, default=sizes.get("dtype_bytes", 4))
+    check_fits({"weights": count * per}, "cpu", f"{what} (about {count:.3g} parameters)",
+               "load it on a machine with more memory, or in a smaller --dtype")
