@@ -209,3 +209,35 @@ def check_weights(sizes: Mapping[str, int], dtype: Any, device_map: Any, what: s
     per = _dtype_bytes(dtype, default=sizes.get("dtype_bytes", 4))
     check_fits({"weights": count * per}, "cpu", f"{what} (about {count:.3g} parameters)",
                "load it on a machine with more memory, or in a smaller --dtype")
+
+
+def check_load(model: nn.Module, cfg: Any, scorers: Any, config_file: Any = "kvpop_config.json") -> None:
+    """Before `kvpop.load` retrofits `model` at `cfg`: the scorer weights file must hold exactly the tensors `cfg`
+    makes (checked on a weightless copy, so a config asking for a huge scorer allocates nothing), and the bounded
+    cache of one sequence at `cfg`'s budget must fit the memory of the model's device."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from kvpop.files import FileFormatError, safetensors_shapes
+    from kvpop.modules import kvpop_modules
+    from kvpop.retrofit import retrofit
+
+    found = {name: shape for name, (_, shape) in safetensors_shapes(scorers, "the scorer weights").items()}
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
+        retrofit(skeleton, cfg)
+    mods = kvpop_modules(skeleton)
+    wanted = {name: tuple(t.shape) for name, t in mods.state_dict().items()}
+    if wanted != found:
+        differ = [f"{n}: {list(found[n]) if n in found else 'missing'} in the file, {list(wanted[n])} for the config"
+                  for n in sorted(wanted) if found.get(n) != wanted[n]]
+        differ += [f"{n}: in the file only" for n in sorted(found.keys() - wanted.keys())]
+        raise FileFormatError(f"{scorers}: the scorer weights do not fit {config_file} ({'; '.join(differ[:3])}"
+                              f"{f'; {len(differ) - 3} more' if len(differ) > 3 else ''})")
+    ref = next(model.parameters())
+    need = {"scorer weights": sum(t.numel() for t in mods.state_dict().values()) * 4,
+            "KV slots": kv_slot_bytes(Shape.of(model.config), mods.config, 1, ref.element_size())}
+    c = mods.config
+    check_fits(need, ref.device, f"{config_file}: budget {c.budget} (sink {c.sink}, window {c.window}, topk {c.topk}) "
+               "for one sequence", "the file is damaged, or was written for a machine with more memory")

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvpop import gemma3, gguf_models, smollm2
-from kvpop.files import FileFormatError, load_pretrained
+from kvpop.files import FileFormatError, check_model_config, load_pretrained
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -261,6 +261,10 @@ def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     hint = "save one there, e.g. kvpop.save(model, path, tokenizer=tokenizer) or tokenizer.save_pretrained(path)"
+    # transformers reads a config.json, where there is one, to pick a tokenizer: it is checked before anything is
+    # built from it
+    if os.path.lexists(os.path.join(path, "config.json")):
+        check_model_config(path)
     if not _has_tokenizer(path):
         raise ValueError(f"no tokenizer found in {path!r} (none of {', '.join(TOKENIZER_FILES)}); {hint}")
     try:
@@ -402,6 +406,7 @@ def load_config(name_or_path: str):
         from transformers import AutoConfig
 
         _check_not_partial_save(name_or_path)
+        check_model_config(name_or_path)
         try:
             return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
         except (OSError, ValueError) as err:

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from kvpop import limits
 from kvpop.attention import ATTENTION_NAME, register
 from kvpop.config import KVpopConfig
 from kvpop.files import FileFormatError, load_pretrained, read_json_object, read_safetensors, write_atomic
@@ -483,6 +484,7 @@ def load(path: str | Path, *, device: str | torch.device | None = None, dtype: t
             model.to(device)
     else:
         model, _ = load_base(path, base, device=device, dtype=dtype)
+    limits.check_load(model, cfg, path / SCORERS_FILE, path / CONFIG_FILE)
     retrofit(model, cfg)
     state = read_safetensors(path / SCORERS_FILE, "the scorer weights", device=str(next(model.parameters()).device))
     try:
