@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpop import limits
 from kvpop.config import DEFAULT_BUDGET, DEFAULT_SINK
 
 
@@ -216,6 +217,7 @@ def generate(args: argparse.Namespace) -> int:
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).to(model.device)
     n_prompt = inputs["input_ids"].shape[1]
     args.max_new_tokens = _fit_new_tokens(args, model, n_prompt)
+    limits.check_generation(model, n_prompt, args.max_new_tokens)
 
     cache = kvpop.KVpopCache(model)
     if args.compile:
@@ -931,6 +933,7 @@ def evaluate(args: argparse.Namespace) -> int:
     for e in entries:
         if e.budget >= args.seq_len:
             raise ValueError(f"budget {e.budget} ({e.name}) is not below --seq-len {args.seq_len}: nothing is evicted")
+    limits.check_evaluation(base, args.seq_len)
     if args.skip_sequences < 0:
         raise ValueError(f"--skip-sequences {args.skip_sequences} must be >= 0")
     tokens = held_out_rows(args.data, tokenizer, args.seq_len, args.skip_sequences + args.sequences,
@@ -1147,6 +1150,7 @@ def budgets(args: argparse.Namespace) -> int:
         measured = base
     if cfg.budget >= args.seq_len:
         raise ValueError(f"budget {cfg.budget} is not below --seq-len {args.seq_len}: nothing is evicted")
+    limits.check_evaluation(base, args.seq_len)
     texts = load_texts(args.data, split="train", text_field=args.text_field, tokenizer=tokenizer, seed=args.seed)
     tokens = pack_sequences(texts[:2000], tokenizer, args.seq_len)[: args.sequences]
     candidates, curves, n = alloc.measure(measured, (row[None] for row in tokens), None if args.trained else cfg)

@@ -77,8 +77,11 @@ def read_json(path: str | Path, what: str) -> Any:
         raise FileFormatError(f"{path}: {what} is {size / 2**20:.0f} MiB, more than the {MAX_JSON_BYTES >> 20} MiB a "
                               "kvpop JSON file can be; it is not one kvpop wrote")
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise FileFormatError(f"{path}: {what} is not UTF-8 text, so no JSON: a binary file (weights, a pickle?) or "
+                              "a damaged one") from None
+    except OSError as err:
         raise FileFormatError(f"{path}: cannot read {what} ({err})") from None
     try:
         return json.loads(text)
@@ -186,6 +189,8 @@ def _sizes(config: dict[str, Any], where: Path) -> dict[str, int]:
                 raise FileFormatError(f"{where}: {name}={value!r} must be a positive integer below 2**40")
             sizes[field] = value
             break
+    # an output matrix of its own (untied) doubles the embeddings; unsaid, the lower count is taken
+    sizes["output_matrices"] = 1 if config.get("tie_word_embeddings") is False else 0
     dtype = config.get("dtype", config.get("torch_dtype"))
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPE_BYTES:
         sizes["dtype_bytes"] = DTYPE_BYTES[dtype.removeprefix("torch.")]
@@ -205,7 +210,8 @@ def parameter_estimate(sizes: dict[str, int]) -> int:
     inter = sizes.get("intermediate_size", 4 * h)
     attention = h * heads * d * 2 + h * kv * d * 2
     mlp = 3 * h * inter * sizes.get("num_experts", 1)
-    return sizes.get("vocab_size", 0) * h + sizes.get("num_hidden_layers", 0) * (attention + mlp)
+    embeddings = sizes.get("vocab_size", 0) * h * (1 + sizes.get("output_matrices", 0))
+    return embeddings + sizes.get("num_hidden_layers", 0) * (attention + mlp)
 
 
 def check_model_config(path: str | Path, what: str = "the model") -> dict[str, int]:

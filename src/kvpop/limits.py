@@ -1,17 +1,18 @@
 """Memory checked before kvpop allocates: a length, budget or batch that cannot fit is refused up front.
 
-    need = limits.generation_bytes(model, cfg, batch=1, prompt=40, new=64)
-    limits.check_fits(need, "cpu", "--budget 512 with a 40-token prompt", "lower --budget")
+    need = limits.generation_bytes(model, cfg, batch=1, prompt=40, new=64)   # {"KV slots": 1474560, ...}
+    limits.check_fits(need, "cpu", "--budget 512 with a prompt of 40 tokens", "lower --budget")
 
 Each estimate is a dict of named byte counts (the model's weights, the bounded cache's slots, a
 forward pass's activations, ...), compared with the memory the device has free: on the CPU the
 kernel's `MemAvailable` (and a cgroup's limit where one is set), on CUDA `torch.cuda.mem_get_info`.
 A refusal names the flags, the estimate part by part, and the limit:
 
-    kvpop generate: error: --budget 1000000000 (window 999999872) with a 5-token prompt needs about
-    12.0 TB (KV slots 12.0 TB, activations 1.3 KB), more than the 21.2 GB of memory available on cpu; ...
+    kvpop generate: error: --budget 1000000012 (sink 4, window 8, topk 1000000000) with a prompt of 11 tokens,
+    --max-new-tokens 4 needs about 576.0 GB (KV slots 576.0 GB, activations 29.2 KB, token ids 120 B), more than
+    the 20.5 GB of memory available on cpu; lower --budget
 
-The bounded cache's slots and the weights are counted exactly; activations are counted low (what
+(the message is one line). The bounded cache's slots and the weights are counted exactly; activations are counted low (what
 autograd must keep at the least: the inputs of each layer's matrices, the logits), so that a
 refused command could never have run, while one that passes may still run out of memory where its
 kernels take more. `--max-new-tokens` does not grow the bounded cache: it costs only its token ids.
@@ -150,8 +151,10 @@ def _dtype_bytes(dtype: Any, default: int = 4) -> int:
 
 def kv_slot_bytes(shape: Shape, cfg: Any, batch: int, dtype_bytes: int) -> int:
     """The bounded cache (`KVpopCache`) of `batch` rows: per layer and KV head `budget + 1` slots of a key, a value,
-    a position (int64), a priority and a prior (float32), plus a stateful scorer's memory."""
-    per_slot = 2 * shape.head_dim * dtype_bytes + 8 + 4 + 4
+    a position (int64), a priority (float32) and, for KVpop-TOVA and KVpop-cascade, a prior (float32); plus a
+    stateful scorer's memory."""
+    prior = cfg.tova_prior is not None or cfg.tova_pool > 0
+    per_slot = 2 * shape.head_dim * dtype_bytes + 8 + 4 + (4 if prior else 0)
     low = cfg.sink + cfg.window + 1
     slots = sum(low + k for k in cfg.layer_topk) if cfg.layer_topk else shape.layers * (cfg.budget + 1)
     state_bytes = shape.layers * cfg.state_entries(shape.head_dim) * 2 * shape.head_dim * 4
@@ -196,6 +199,36 @@ def training_bytes(model: nn.Module, rows: int, seq_len: int, *, teacher: bool, 
     logits = 2 * rows * seq_len * shape.vocab * 4 if teacher else 0
     return {"activations": acts + logits, "teacher copy": parameter_bytes(model) if teacher else 0,
             "gradients and optimizer": 3 * trainable}
+
+
+def check_generation(model: nn.Module, prompt: int, new: int, batch: int = 1) -> None:
+    """`kvpop generate`: the bounded cache at the model's budget, the prompt's forward pass and the token ids."""
+    from kvpop.modules import kvpop_modules
+
+    c = kvpop_modules(model).config
+    rows = f" and {batch} rows" if batch > 1 else ""
+    check_fits(generation_bytes(model, c, batch, prompt, new), next(model.parameters()).device,
+               f"--budget {c.budget} (sink {c.sink}, window {c.window}, topk {c.topk}) with a prompt of {prompt} tokens, "
+               f"--max-new-tokens {new}{rows}", "lower --budget")
+
+
+def check_evaluation(model: nn.Module, seq_len: int, batch: int = 1) -> None:
+    """`kvpop eval` and `kvpop budgets`: teacher-forced passes over `seq_len` tokens."""
+    check_fits(evaluation_bytes(model, batch, seq_len), next(model.parameters()).device,
+               f"--seq-len {seq_len}", "lower --seq-len")
+
+
+def check_training(model: nn.Module, tcfg: Any, world: int, device: str | torch.device, teacher: bool) -> None:
+    """`kvpop train`, before the teacher copy and the first step: a step's micro-batch of `batch_size / world` rows."""
+    from kvpop.modules import kvpop_modules
+
+    scorers = sum(p.numel() for p in kvpop_modules(model).parameters()) * 4 if hasattr(model, "kvpop") else 0
+    trainable = scorers if tcfg.freeze_base else parameter_bytes(model) + scorers
+    need = training_bytes(model, tcfg.batch_size // world, tcfg.seq_len, teacher=teacher, trainable=trainable,
+                          device=device)
+    check_fits(need, device, f"--seq-len {tcfg.seq_len} with --batch-size {tcfg.batch_size}"
+               + (f" over {world} ranks" if world > 1 else ""),
+               "lower --seq-len or --batch-size (--grad-accum N keeps the batch in N smaller steps)")
 
 
 def check_weights(sizes: Mapping[str, int], dtype: Any, device_map: Any, what: str) -> None:

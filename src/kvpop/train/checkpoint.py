@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
+
 from kvpop.files import (
     FileFormatError,
     check_file,
@@ -121,6 +123,9 @@ class Checkpoint:
             if parts is None or name in parts:
                 state.update(self._read_part(name))
         _require(state, (MODEL,) if parts is not None else (MODEL, "optimizer", "scheduler", "rng"), self.path)
+        if not (isinstance(state[MODEL], dict) and all(isinstance(k, str) and isinstance(v, Tensor)
+                                                       for k, v in state[MODEL].items())):
+            raise FileFormatError(f"{self.path}: its {MODEL!r} is not a state dict of named tensors")
         return state
 
     def _read_part(self, name: str) -> dict[str, Any]:

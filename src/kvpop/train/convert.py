@@ -109,6 +109,8 @@ def _read_legacy(path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, Any],
 def pickled_checkpoints(path: str | Path) -> list[ckpt.Checkpoint]:
     """The pickled checkpoints `path` names: a run directory's, one step directory or a single-file checkpoint."""
     path = Path(path)
+    if path.is_symlink() and not path.exists():
+        check_file(path, "the checkpoint")
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist (a run directory, a checkpoint directory or a checkpoint.pt)")
     if path.is_file():

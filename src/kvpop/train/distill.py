@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from kvpop import limits
 from kvpop.attention import Capture
 from kvpop.config import KVpopConfig
 from kvpop.files import write_atomic
@@ -326,6 +327,9 @@ class Distiller:
         if kcfg.policy in ("streaming_llm", "streaming_llm_plus") and tcfg.freeze_base:
             raise ValueError(f"policy {kcfg.policy!r} has no scorer: with --freeze-base there is nothing to train")
         self._check_lengths(model)
+        # before the teacher copy and the first step: a length or batch that cannot fit is refused with its estimate
+        limits.check_training(model, tcfg, self.dist.world, self.device,
+                              teacher=not tcfg.freeze_base or kcfg.policy == "dms")
         if source is not None and kcfg != source.config:
             from kvpop.train.weights import config_differences
 
@@ -456,6 +460,11 @@ class Distiller:
     def _training_pool(self) -> Pool:
         """Pack documents until `pool_tokens` are covered, identically on every rank (`kvpop.train.mix`)."""
         t = self.tcfg
+        rows = -(-self.pool_tokens // t.seq_len)
+        # the packed rows (int64), and the documents' token ids they are cut from, at the least as many again
+        limits.check_fits({"training tokens": 2 * rows * t.seq_len * 8}, "cpu",
+                          f"{self.pool_tokens} training tokens (--max-tokens, else --steps x --batch-size x --grad-accum "
+                          "x --seq-len)", "lower --max-tokens or --steps")
         pool = training_rows(t.data, self.tokenizer, t.seq_len, self.pool_tokens, text_field=t.text_field,
                              eval_fraction=t.eval_fraction, seed=t.seed, chat=t.chat)
         if len(pool.parts) > 1 and self.dist.main:
@@ -826,6 +835,8 @@ class Distiller:
         # the data the run has trained on: a resume with more --steps goes on over the same documents
         # (another epoch where it runs out) rather than repacking a larger set in another order
         self.pool_tokens = state.get("pool_tokens", saved.pool_tokens)
+        if type(self.pool_tokens) is not int or self.pool_tokens < 1:
+            raise TrainingError(f"--resume: {path}: its pool_tokens {self.pool_tokens!r} is not a count of tokens")
         return state
 
     def _check_same_data(self, state: dict[str, Any]) -> None:
