@@ -43,12 +43,10 @@ def test_the_estimates_follow_the_model():
     shape = limits.Shape.of(model.config)
     assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim) == (2, 64, 4, 2, 16)
     # the config's parameter count, as kvpop.files estimates it before loading, is the model's
-    from kvpop.files import parameter_estimate
-
     sizes = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300, "output_matrices": 1}
     actual = sum(p.numel() for p in model.parameters())
-    assert 0.9 * actual <= parameter_estimate(sizes) <= 1.1 * actual
+    assert 0.9 * actual <= limits.parameter_estimate(sizes) <= 1.1 * actual
     # activations grow with the length and the batch, linearly: no S x S term
     one = limits.evaluation_bytes(model, 1, 1000)["activations"]
     assert limits.evaluation_bytes(model, 2, 2000)["activations"] == 4 * one

@@ -752,6 +752,8 @@ def selfgen(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {args.model} is retrofitted: selfgen writes the dense model's generations, give "
                          "its base model")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=device)
+    limits.check_decoding(model, [], cfg.batch, cfg.tokens, 1, f"--tokens {cfg.tokens} with --batch {cfg.batch}",
+                          "lower --tokens or --batch")
     prompts = sg.load_prompts(cfg.prompts, tokenizer, text_field=cfg.text_field)
     fits = sg.fitting(prompts, cfg.tokens, getattr(model.config, "max_position_embeddings", None))
     if len(fits) < len(prompts):
@@ -1186,6 +1188,9 @@ def _eval_suite(args: argparse.Namespace, base, tokenizer, entries: list, device
         print("kvpop eval --suite: skipping the oracle (teacher-forced only, it cannot decode)", file=sys.stderr)
         entries = [e for e in entries if e.cfg.policy != "oracle"]
     samples = suite.build_samples(cfg, tokenizer, getattr(base.config, "max_position_embeddings", None))
+    limits.check_decoding(base, [e.cfg for e in entries], cfg.batch_size, max(cfg.lengths), cfg.prefill_chunk,
+                          f"--lengths {args.lengths} with --suite-batch {cfg.batch_size}",
+                          "lower --lengths, --suite-batch or --prefill-chunk")
     records = suite.run_suite(base, tokenizer, entries, samples, batch_size=cfg.batch_size,
                               prefill_chunk=cfg.prefill_chunk, seed=args.seed, device=device)
     out = Path(args.out)
@@ -1223,6 +1228,9 @@ def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -
     if not entries:
         raise ValueError("--generate needs a policy that can decode (the oracle cannot)")
     problems = _held_out_problems(args)
+    # the dense model scores each text whole: its logits over the generated tokens
+    limits.check_decoding(base, [e.cfg for e in entries], args.gen_batch, args.generate, args.generate,
+                          f"--generate {args.generate} with --gen-batch {args.gen_batch}", "lower --generate or --gen-batch")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # finished generations are kept there and reused by a rerun with the same settings

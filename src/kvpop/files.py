@@ -15,10 +15,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from kvpop import limits
 
 
 class FileFormatError(ValueError):
@@ -201,19 +204,6 @@ def _sizes(config: dict[str, Any], where: Path) -> dict[str, int]:
     return sizes
 
 
-def parameter_estimate(sizes: dict[str, int]) -> int:
-    """Parameters of a decoder-only transformer of these sizes (`_sizes`), roughly: embeddings, attention, MLP."""
-    h = sizes.get("hidden_size", 0)
-    heads = sizes.get("num_attention_heads", 1)
-    kv = sizes.get("num_key_value_heads", heads)
-    d = sizes.get("head_dim", h // max(1, heads))
-    inter = sizes.get("intermediate_size", 4 * h)
-    attention = h * heads * d * 2 + h * kv * d * 2
-    mlp = 3 * h * inter * sizes.get("num_experts", 1)
-    embeddings = sizes.get("vocab_size", 0) * h * (1 + sizes.get("output_matrices", 0))
-    return embeddings + sizes.get("num_hidden_layers", 0) * (attention + mlp)
-
-
 def check_model_config(path: str | Path, what: str = "the model") -> dict[str, int]:
     """Check a model directory's `config.json` before transformers reads it; returns its sizes (`_sizes`).
 
@@ -233,7 +223,7 @@ def check_model_config(path: str | Path, what: str = "the model") -> dict[str, i
                     for s in shape:
                         n *= s
                     stored += n
-        described = parameter_estimate(sizes)
+        described = limits.parameter_estimate(sizes)
         if described > WEIGHTS_SLACK * stored + (1 << 20):
             raise FileFormatError(
                 f"{path / 'config.json'}: describes a model of about {described:.3g} parameters, but the weights files "
@@ -253,8 +243,6 @@ def load_pretrained(path: str | Path, what: str, **kwargs: Any):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    from kvpop import limits
-
     path = check_dir(path, what)
     sizes = check_model_config(path, what)
     weights, pickled = _weights_files(path)
@@ -269,6 +257,36 @@ def load_pretrained(path: str | Path, what: str, **kwargs: Any):
     except (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError, SafetensorError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FileFormatError(f"{path}: cannot load {what} ({type(err).__name__}: {first})") from None
+
+
+def check_scorers(model: Any, cfg: Any, path: str | Path, attach: Any, config_file: str | Path) -> None:
+    """Before the scorers of `cfg` are made for `model` (`kvpop.load`): the scorer weights file at `path` must hold
+    exactly the tensors they have, and the bounded cache of one sequence at `cfg`'s budget must fit the memory of the
+    model's device. Checked on a weightless copy of the model that `attach` (`kvpop.retrofit`) retrofits, so a
+    config asking for a huge scorer or window allocates nothing."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    found = {name: shape for name, (_, shape) in safetensors_shapes(path, "the scorer weights").items()}
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
+        attach(skeleton, cfg)
+    mods = skeleton.kvpop
+    wanted = {name: tuple(t.shape) for name, t in mods.state_dict().items()}
+    if wanted != found:
+        differ = [f"{n}: {list(found[n]) if n in found else 'missing'} in the file, {list(wanted[n])} for the config"
+                  for n in sorted(wanted) if found.get(n) != wanted[n]]
+        differ += [f"{n}: in the file only" for n in sorted(found.keys() - wanted.keys())]
+        raise FileFormatError(f"{path}: the scorer weights do not fit {config_file} ({'; '.join(differ[:3])}"
+                              f"{f'; {len(differ) - 3} more' if len(differ) > 3 else ''})")
+    ref = next(model.parameters())
+    need = {"scorer weights": sum(math.prod(shape) for shape in wanted.values()) * 4,
+            "KV slots": limits.kv_slot_bytes(limits.Shape.of(model.config), mods.config, 1, ref.element_size())}
+    c = mods.config
+    limits.check_fits(need, ref.device, f"{config_file}: budget {c.budget} (sink {c.sink}, window {c.window}, topk "
+                      f"{c.topk}) for one sequence", "the file is damaged, or was written for a machine with more memory")
 
 
 def refuse_existing(path: str | Path | None, flag: str, force: bool) -> None:

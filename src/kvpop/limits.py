@@ -1,18 +1,18 @@
 """Memory checked before kvpop allocates: a length, budget or batch that cannot fit is refused up front.
 
-    need = limits.generation_bytes(model, cfg, batch=1, prompt=40, new=64)   # {"KV slots": 1474560, ...}
+    need = limits.generation_bytes(model, cfg, batch=1, prompt=40, new=64)  # {"KV slots": ..., "activations": ...}
     limits.check_fits(need, "cpu", "--budget 512 with a prompt of 40 tokens", "lower --budget")
 
 Each estimate is a dict of named byte counts (the model's weights, the bounded cache's slots, a
 forward pass's activations, ...), compared with the memory the device has free: on the CPU the
 kernel's `MemAvailable` (and a cgroup's limit where one is set), on CUDA `torch.cuda.mem_get_info`.
-A refusal names the flags, the estimate part by part, and the limit:
+A refusal is one line naming the flags, the estimate part by part, and the limit:
 
     kvpop generate: error: --budget 1000000012 (sink 4, window 8, topk 1000000000) with a prompt of 11 tokens,
     --max-new-tokens 4 needs about 576.0 GB (KV slots 576.0 GB, activations 29.2 KB, token ids 120 B), more than
     the 20.5 GB of memory available on cpu; lower --budget
 
-(the message is one line). The bounded cache's slots and the weights are counted exactly; activations are counted low (what
+The bounded cache's slots and the weights are counted exactly; activations are counted low (what
 autograd must keep at the least: the inputs of each layer's matrices, the logits), so that a
 refused command could never have run, while one that passes may still run out of memory where its
 kernels take more. `--max-new-tokens` does not grow the bounded cache: it costs only its token ids.
@@ -212,6 +212,19 @@ def check_generation(model: nn.Module, prompt: int, new: int, batch: int = 1) ->
                f"--max-new-tokens {new}{rows}", "lower --budget")
 
 
+def check_decoding(model: nn.Module, cfgs: list[Any], batch: int, tokens: int, chunk: int, what: str,
+                   hint: str) -> None:
+    """Decoding `batch` rows of up to `tokens` tokens, beside the dense model's own (`eval --suite`, `eval --generate`,
+    `selfgen`): the largest bounded cache among `cfgs`, the dense cache of the dense row, a forward pass over `chunk`
+    tokens and its logits."""
+    shape = Shape.of(model.config)
+    size = next(model.parameters()).element_size()
+    need = {"KV slots": max((kv_slot_bytes(shape, c, batch, size) for c in cfgs), default=0),
+            "dense KV cache": batch * tokens * shape.layers * shape.kv_heads * 2 * shape.head_dim * size,
+            "activations": forward_bytes(shape, batch, chunk, size, logits=1)}
+    check_fits(need, next(model.parameters()).device, what, hint)
+
+
 def check_evaluation(model: nn.Module, seq_len: int, batch: int = 1) -> None:
     """`kvpop eval` and `kvpop budgets`: teacher-forced passes over `seq_len` tokens."""
     check_fits(evaluation_bytes(model, batch, seq_len), next(model.parameters()).device,
@@ -231,11 +244,23 @@ def check_training(model: nn.Module, tcfg: Any, world: int, device: str | torch.
                "lower --seq-len or --batch-size (--grad-accum N keeps the batch in N smaller steps)")
 
 
+def parameter_estimate(sizes: Mapping[str, int]) -> int:
+    """Parameters of a decoder-only transformer of the sizes a config.json gives (`kvpop.files.check_model_config`),
+    roughly: embeddings (and an untied output matrix), attention, MLP (times its experts)."""
+    h = sizes.get("hidden_size", 0)
+    heads = sizes.get("num_attention_heads", 1)
+    kv = sizes.get("num_key_value_heads", heads)
+    d = sizes.get("head_dim", h // max(1, heads))
+    inter = sizes.get("intermediate_size", 4 * h)
+    attention = h * heads * d * 2 + h * kv * d * 2
+    mlp = 3 * h * inter * sizes.get("num_experts", 1)
+    embeddings = sizes.get("vocab_size", 0) * h * (1 + sizes.get("output_matrices", 0))
+    return embeddings + sizes.get("num_hidden_layers", 0) * (attention + mlp)
+
+
 def check_weights(sizes: Mapping[str, int], dtype: Any, device_map: Any, what: str) -> None:
     """Before `from_pretrained`: the weights a config.json describes (`kvpop.files.check_model_config`'s sizes)
     must fit the CPU's memory, where transformers loads them."""
-    from kvpop.files import parameter_estimate
-
     if device_map is not None:
         return
     count = parameter_estimate(sizes)
@@ -243,34 +268,3 @@ def check_weights(sizes: Mapping[str, int], dtype: Any, device_map: Any, what: s
     check_fits({"weights": count * per}, "cpu", f"{what} (about {count:.3g} parameters)",
                "load it on a machine with more memory, or in a smaller --dtype")
 
-
-def check_load(model: nn.Module, cfg: Any, scorers: Any, config_file: Any = "kvpop_config.json") -> None:
-    """Before `kvpop.load` retrofits `model` at `cfg`: the scorer weights file must hold exactly the tensors `cfg`
-    makes (checked on a weightless copy, so a config asking for a huge scorer allocates nothing), and the bounded
-    cache of one sequence at `cfg`'s budget must fit the memory of the model's device."""
-    import copy
-
-    from transformers import AutoModelForCausalLM
-
-    from kvpop.files import FileFormatError, safetensors_shapes
-    from kvpop.modules import kvpop_modules
-    from kvpop.retrofit import retrofit
-
-    found = {name: shape for name, (_, shape) in safetensors_shapes(scorers, "the scorer weights").items()}
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
-        retrofit(skeleton, cfg)
-    mods = kvpop_modules(skeleton)
-    wanted = {name: tuple(t.shape) for name, t in mods.state_dict().items()}
-    if wanted != found:
-        differ = [f"{n}: {list(found[n]) if n in found else 'missing'} in the file, {list(wanted[n])} for the config"
-                  for n in sorted(wanted) if found.get(n) != wanted[n]]
-        differ += [f"{n}: in the file only" for n in sorted(found.keys() - wanted.keys())]
-        raise FileFormatError(f"{scorers}: the scorer weights do not fit {config_file} ({'; '.join(differ[:3])}"
-                              f"{f'; {len(differ) - 3} more' if len(differ) > 3 else ''})")
-    ref = next(model.parameters())
-    need = {"scorer weights": sum(t.numel() for t in mods.state_dict().values()) * 4,
-            "KV slots": kv_slot_bytes(Shape.of(model.config), mods.config, 1, ref.element_size())}
-    c = mods.config
-    check_fits(need, ref.device, f"{config_file}: budget {c.budget} (sink {c.sink}, window {c.window}, topk {c.topk}) "
-               "for one sequence", "the file is damaged, or was written for a machine with more memory")

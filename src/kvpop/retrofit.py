@@ -31,10 +31,16 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from kvpop import limits
 from kvpop.attention import ATTENTION_NAME, register
 from kvpop.config import KVpopConfig
-from kvpop.files import FileFormatError, load_pretrained, read_json_object, read_safetensors, write_atomic
+from kvpop.files import (
+    FileFormatError,
+    check_scorers,
+    load_pretrained,
+    read_json_object,
+    read_safetensors,
+    write_atomic,
+)
 from kvpop.layer_kinds import layer_windows
 from kvpop.modules import KVpopModules, kvpop_modules
 
@@ -484,7 +490,7 @@ def load(path: str | Path, *, device: str | torch.device | None = None, dtype: t
             model.to(device)
     else:
         model, _ = load_base(path, base, device=device, dtype=dtype)
-    limits.check_load(model, cfg, path / SCORERS_FILE, path / CONFIG_FILE)
+    check_scorers(model, cfg, path / SCORERS_FILE, retrofit, path / CONFIG_FILE)
     retrofit(model, cfg)
     state = read_safetensors(path / SCORERS_FILE, "the scorer weights", device=str(next(model.parameters()).device))
     try:

@@ -14,8 +14,9 @@ taking its share of every global batch.
 Nothing is lost: a checkpoint (model, optimizer, scheduler, RNG states, step; data only, as JSON
 and safetensors) is written atomically every `--save-every` steps and on Ctrl-C, the previous one
 kept until the new one is complete (`kvpop.train.checkpoint`); `--resume` continues to the losses an
-uninterrupted run gives, in the same or a moved directory; an `--out` holding a run is refused unless `--resume` or
-`--overwrite` is given; a non-finite loss stops the run before anything is overwritten.
+uninterrupted run gives, in the same or a moved directory; an `--out` holding a run is refused
+unless `--resume` or `--overwrite` is given; a non-finite loss stops the run before anything is
+overwritten.
 `--keep-every N` also keeps every N-th step's checkpoint, for a curve against the steps.
 
 `--init-from DIR` starts a new run (step 0, fresh optimizer and schedule) from the weights of another

@@ -35,7 +35,7 @@ class TrainedWeights:
     """The weights of one checkpoint or `kvpop.save` directory, with what identifies them."""
 
     path: Path
-    """What was read: a checkpoint (step directory or legacy `checkpoint.pt`) or a `kvpop.save` directory."""
+    """What was read: a checkpoint (a step directory) or a `kvpop.save` directory."""
     run: Path | None
     """The run directory the checkpoint belongs to; None for a `kvpop.save` directory."""
     step: int | None
