@@ -145,19 +145,24 @@ def pristine(tmp_path_factory) -> dict[str, Path]:
     model.save_pretrained(root / "hf")
     tokenizer.save_pretrained(root / "hf")
     kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig(**KCFG)), root / "saved", tokenizer=tokenizer)
+    # scorers alone, their base found again from where the directory records it: the local directory `hf`
+    base, _ = load_model(str(root / "hf"))
+    kvpop.save(kvpop.retrofit(base, kvpop.KVpopConfig(**KCFG)), root / "adapter", base_weights=False)
     run = root / "run"
     distill.train(TrainConfig(model="tiny-random-qwen3", data=str(data), seq_len=64, steps=2, batch_size=1,
                               out=str(run), save_every=0, max_tokens=64 * 8, freeze_base=True),
                   kvpop.KVpopConfig(**KCFG), progress=False)
     shutil.rmtree(run / "final")
-    return {"data": data, "hf": root / "hf", "saved": root / "saved", "run": run}
+    return {"data": data, "hf": root / "hf", "saved": root / "saved", "adapter": root / "adapter", "run": run}
 
 
 @pytest.fixture
 def home(tmp_path, pristine) -> Path:
     """A fresh copy of the user's files to damage; the marker a payload would write lies beside them."""
-    for name in ("hf", "saved", "run"):
+    for name in ("hf", "saved", "adapter", "run"):
         shutil.copytree(pristine[name], tmp_path / name, symlinks=True)
+    # the copy's base is the copied `hf`, which a case may damage
+    _edit_json(Path("adapter/kvpop_format.json"), base={"path": str(tmp_path / "hf")})(tmp_path)
     shutil.copy(pristine["data"], tmp_path / "notes.txt")
     return tmp_path
 
@@ -225,6 +230,49 @@ def test_a_hostile_model_directory_is_refused(home, capsys, case):
              capsys, home, marker, out)
     with pytest.raises((FileFormatError, ValueError)):
         kvpop.load(saved)
+    assert not marker.exists()
+
+
+def _pickled_base(root: Path) -> None:
+    (root / "hf" / "model.safetensors").unlink()
+    _evil_torch_file(root / "hf" / "pytorch_model.bin", root / "ran.txt")
+
+
+ADAPTERS = {
+    "a base of pickled weights": (_pickled_base, "is a pickle, which kvpop never loads"),
+    "a base of a billion layers": (_edit_json(Path("hf/config.json"), num_hidden_layers=10**9),
+                                   "num_hidden_layers=1000000000"),
+    "a base whose weights lie about offsets": (lambda r: _lying_safetensors(r / "hf" / "model.safetensors", "offsets"),
+                                               "not a readable safetensors"),
+    "a base that is a symlink loop": (lambda r: _loop(r / "hf"), "is not there"),
+    "a format given as text": (_edit_json(Path("adapter/kvpop_format.json"), format="2"), "'format' must be an integer"),
+    "a scorer of 10**9 hidden units": (_edit_json(Path("adapter/kvpop_config.json"), scorer_hidden=10**9),
+                                       "the scorer weights do not fit"),
+    "scorers whose header lies about a shape": (
+        lambda r: _lying_safetensors(r / "adapter" / "kvpop_scorers.safetensors", "shape"), "not a readable safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", ADAPTERS)
+def test_a_hostile_adapter_is_refused(home, capsys, case):
+    # a directory of scorers alone loads its base from where it records it: that base is read as any model directory
+    damage, says = ADAPTERS[case]
+    damage(home)
+    adapter, marker = home / "adapter", home / "ran.txt"
+    _refused(["generate", "--model", str(adapter), "--prompt", "hi", "--max-new-tokens", "2"], capsys, home, marker,
+             says=says)
+    out = home / "ev"
+    _refused(["eval", "--model", str(home / "saved"), "--trained", str(adapter), "--policies", "none", "--data",
+              str(home / "notes.txt"), "--split", "all", "--seq-len", "64", "--sequences", "1", "--out", str(out)],
+             capsys, home, marker, out)
+    if not case.startswith("a base"):
+        # a run started from the scorers trains on --model: the recorded base is not read, its own files are
+        out = home / "new"
+        _refused(["train", "--model", "tiny-random-qwen3", "--data", str(home / "notes.txt"), "--seq-len", "64",
+                  "--steps", "1", "--max-tokens", "512", "--freeze-base", "--no-progress", "--init-from", str(adapter),
+                  "--out", str(out)], capsys, home, marker, out, says)
+    with pytest.raises((FileFormatError, ValueError, OSError)):
+        kvpop.load(adapter)
     assert not marker.exists()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 
 import pytest
 import torch
@@ -138,3 +139,18 @@ def test_the_tiny_presets_fit_as_they_are(capsys):
     model = kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(512))
     limits.check_generation(model, 2000, 2000)
     limits.check_evaluation(model, 4096)
+
+
+def test_train_refuses_scorers_that_cannot_fit_before_making_them(tmp_path, capsys):
+    # a billion hidden units per scorer: refused from a weightless copy, on this machine's own memory
+    data = tmp_path / "notes.txt"
+    data.write_text("the cat sat on the mat. " * 500)
+    start = time.perf_counter()
+    assert main(["train", "--model", "tiny-random-qwen3", "--data", str(data), "--seq-len", "64", "--window", "8",
+                 "--topk", "16", "--scorer-hidden", str(10**9), "--steps", "1", "--freeze-base", "--no-progress",
+                 "--out", str(tmp_path / "run")]) == 1
+    line = _one_error(capsys, "train")
+    assert re.search(r"the KVpop config: kvpop scorers \(mlp, hidden 1000000000\) and budget 28 .* needs about "
+                     r"[\d.]+ [TG]B \(scorer weights [\d.]+ [TG]B, KV slots .*\), more than the .* of memory available "
+                     r"on cpu; lower --scorer-hidden or the budget", line), line
+    assert time.perf_counter() - start < 30 and not (tmp_path / "run").exists()

@@ -259,34 +259,42 @@ def load_pretrained(path: str | Path, what: str, **kwargs: Any):
         raise FileFormatError(f"{path}: cannot load {what} ({type(err).__name__}: {first})") from None
 
 
-def check_scorers(model: Any, cfg: Any, path: str | Path, attach: Any, config_file: str | Path) -> None:
-    """Before the scorers of `cfg` are made for `model` (`kvpop.load`): the scorer weights file at `path` must hold
-    exactly the tensors they have, and the bounded cache of one sequence at `cfg`'s budget must fit the memory of the
-    model's device. Checked on a weightless copy of the model that `attach` (`kvpop.retrofit`) retrofits, so a
-    config asking for a huge scorer or window allocates nothing."""
+def check_scorers(model: Any, cfg: Any, attach: Any, scorers: str | Path | dict[str, tuple[int, ...]] | None = None,
+                  where: str | Path = "the KVpop config",
+                  hint: str = "the file is damaged, or was written for a machine with more memory") -> None:
+    """Before the scorers of `cfg` are made for `model` (`kvpop.load`, `kvpop train`): they must fit, with the bounded
+    cache of one sequence at `cfg`'s budget, the memory of the model's device, and where `scorers` is given (a
+    safetensors file, or name -> shape of the weights to load into them) they must have exactly its tensors.
+
+    Checked on a weightless copy of the model that `attach` (`kvpop.retrofit`) retrofits: a config asking for a
+    scorer of a billion hidden units or a window of 10**12 tokens allocates nothing."""
     import copy
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    found = {name: shape for name, (_, shape) in safetensors_shapes(path, "the scorer weights").items()}
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
         attach(skeleton, cfg)
     mods = skeleton.kvpop
     wanted = {name: tuple(t.shape) for name, t in mods.state_dict().items()}
-    if wanted != found:
-        differ = [f"{n}: {list(found[n]) if n in found else 'missing'} in the file, {list(wanted[n])} for the config"
-                  for n in sorted(wanted) if found.get(n) != wanted[n]]
-        differ += [f"{n}: in the file only" for n in sorted(found.keys() - wanted.keys())]
-        raise FileFormatError(f"{path}: the scorer weights do not fit {config_file} ({'; '.join(differ[:3])}"
-                              f"{f'; {len(differ) - 3} more' if len(differ) > 3 else ''})")
+    if scorers is not None:
+        source = scorers if isinstance(scorers, dict) else None
+        found = source if source is not None else \
+            {name: shape for name, (_, shape) in safetensors_shapes(scorers, "the scorer weights").items()}
+        if wanted != found:
+            differ = [f"{n}: {list(found[n]) if n in found else 'missing'} in the weights, {list(wanted[n])} for the "
+                      "config" for n in sorted(wanted) if found.get(n) != wanted[n]]
+            differ += [f"{n}: in the weights only" for n in sorted(found.keys() - wanted.keys())]
+            raise FileFormatError(f"{where if source is not None else scorers}: the scorer weights do not fit "
+                                  f"{'its config' if source is not None else where} ({'; '.join(differ[:3])}"
+                                  f"{f'; {len(differ) - 3} more' if len(differ) > 3 else ''})")
     ref = next(model.parameters())
     need = {"scorer weights": sum(math.prod(shape) for shape in wanted.values()) * 4,
             "KV slots": limits.kv_slot_bytes(limits.Shape.of(model.config), mods.config, 1, ref.element_size())}
     c = mods.config
-    limits.check_fits(need, ref.device, f"{config_file}: budget {c.budget} (sink {c.sink}, window {c.window}, topk "
-                      f"{c.topk}) for one sequence", "the file is damaged, or was written for a machine with more memory")
+    limits.check_fits(need, ref.device, f"{where}: {c.policy} scorers ({c.scorer}, hidden {c.scorer_hidden}) and "
+                      f"budget {c.budget} (sink {c.sink}, window {c.window}, topk {c.topk}) for one sequence", hint)
 
 
 def refuse_existing(path: str | Path | None, flag: str, force: bool) -> None:

@@ -490,7 +490,7 @@ def load(path: str | Path, *, device: str | torch.device | None = None, dtype: t
             model.to(device)
     else:
         model, _ = load_base(path, base, device=device, dtype=dtype)
-    check_scorers(model, cfg, path / SCORERS_FILE, retrofit, path / CONFIG_FILE)
+    check_scorers(model, cfg, retrofit, path / SCORERS_FILE, path / CONFIG_FILE)
     retrofit(model, cfg)
     state = read_safetensors(path / SCORERS_FILE, "the scorer weights", device=str(next(model.parameters()).device))
     try:

@@ -60,7 +60,7 @@ from torch.utils.checkpoint import checkpoint
 from kvpop import limits
 from kvpop.attention import Capture
 from kvpop.config import KVpopConfig
-from kvpop.files import write_atomic
+from kvpop.files import check_scorers, write_atomic
 from kvpop.ops.target import future_attention_target
 from kvpop.retrofit import kvpop_modules, model_head_dim, resolve_config, retrofit, save
 from kvpop.timing import timed
@@ -353,6 +353,12 @@ class Distiller:
                 detach(base)
             self.teacher = base.eval().requires_grad_(False)
         if pretrained is None:
+            # on a weightless copy first: scorers a config or a source cannot have are refused before they are made
+            from kvpop.train.weights import scorer_shapes
+
+            check_scorers(model, kcfg, retrofit, None if source is None else scorer_shapes(source),
+                          "the KVpop config" if source is None else source.path,
+                          "lower --scorer-hidden or the budget" if source is None else "the source is damaged")
             retrofit(model, kcfg)
         mods = kvpop_modules(model)
         if mods.base is not None and not mods.base.get("name"):

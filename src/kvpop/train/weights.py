@@ -22,7 +22,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from kvpop.config import KVpopConfig
-from kvpop.files import FileFormatError
+from kvpop.files import FileFormatError, check_scorers
 from kvpop.retrofit import CONFIG_FILE, base_identity, load, read_base, read_config, retrofit, same_base
 from kvpop.train import checkpoint as ckpt
 
@@ -149,6 +149,11 @@ def load_into(model: nn.Module, weights: TrainedWeights, state: dict[str, Tensor
                               f"unexpected {unexpected})")
 
 
+def scorer_shapes(weights: TrainedWeights) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the scorer weights, as `kvpop_modules(model).state_dict()` names them."""
+    return {k[len(SCORERS):]: tuple(v.shape) for k, v in weights.state.items() if k.startswith(SCORERS)}
+
+
 def model_with(base: nn.Module, weights: TrainedWeights, name: str = "the base model") -> nn.Module:
     """A copy of `base`, retrofitted at `weights.config` and holding `weights`, in eval mode.
 
@@ -156,6 +161,7 @@ def model_with(base: nn.Module, weights: TrainedWeights, name: str = "the base m
     left as it is.
     """
     check_base(weights, base, name)
+    check_scorers(base, weights.config, retrofit, scorer_shapes(weights), weights.path)
     model = retrofit(copy.deepcopy(base), weights.config)
     load_into(model, weights)
     return model.eval()
