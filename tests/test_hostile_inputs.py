@@ -379,6 +379,13 @@ def test_a_hostile_run_is_refused(home, capsys, case):
     assert not marker.exists()
 
 
+def test_a_file_that_is_no_checkpoint_is_named_so(home, capsys):
+    out = home / "new"
+    _refused(["train", "--model", "tiny-random-qwen3", "--data", str(home / "notes.txt"), "--seq-len", "64",
+              "--steps", "1", "--freeze-base", "--no-progress", "--init-from", str(home / "notes.txt"), "--out",
+              str(out)], capsys, home, out=out, says="notes.txt: not a kvpop checkpoint")
+
+
 @pytest.mark.parametrize("kind", [_single_file, _format_1], ids=["single file", "format 1"])
 def test_convert_refuses_a_crafted_pickle_and_runs_nothing(home, capsys, kind):
     # the explicit conversion reads with weights_only=True: the payload's global (exec) is refused, not called

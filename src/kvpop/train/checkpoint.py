@@ -115,6 +115,9 @@ class Checkpoint:
 
         `parts`: only these parts of it (e.g. `("model",)` for the weights without the optimizer state).
         """
+        if self.manifest is None and self.path.name != LEGACY_CHECKPOINT and not _looks_pickled(self.path):
+            raise FileFormatError(f"{self.path}: not a kvpop checkpoint (a run directory, or one of its "
+                                  f"{CHECKPOINTS}/step-NNNNNNNN directories)")
         if self.pickled:
             what = "a single-file checkpoint" if self.manifest is None else f"a checkpoint in format {PICKLED_FORMAT}"
             raise pickled_refusal(self.path, self.run, what)
@@ -142,6 +145,14 @@ class Checkpoint:
             raise FileFormatError(f"{self.path / name}.json: a checkpoint part must hold an object, found "
                                   f"{type(part).__name__}")
         return part
+
+
+def _looks_pickled(path: Path) -> bool:
+    """A file that begins as `torch.save` writes (a zip archive, or a bare pickle of protocol 2 or later)."""
+    check_file(path, "the checkpoint")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
 
 
 def _part_names(files: dict[str, Any]) -> list[str]:
