@@ -204,26 +204,32 @@ def _sizes(config: dict[str, Any], where: Path) -> dict[str, int]:
     return sizes
 
 
+def _declared_values(file: Path) -> int | None:
+    """The values a safetensors file's header declares, read leniently: None where it cannot be read (a damaged
+    file is named when the weights load, `check_safetensors`; reading its config needs none of them)."""
+    try:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > MAX_JSON_BYTES:
+                return None
+            header = json.loads(f.read(n))
+        return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+
+
 def check_model_config(path: str | Path, what: str = "the model") -> dict[str, int]:
     """Check a model directory's `config.json` before transformers reads it; returns its sizes (`_sizes`).
 
     Refused: sizes that are not positive integers, more layers than any model has, and a config that
-    describes far more parameters than the directory's safetensors files hold (read from their headers).
+    describes far more parameters than the directory's safetensors files declare (in their headers).
     """
     path = check_dir(path, what)
     config = read_json_object(path / "config.json", f"the config of {what}")
     sizes = _sizes(config, path / "config.json")
-    files = sorted(path.glob("*.safetensors"))
-    if files and "quantization_config" not in config:
-        stored = 0
-        for file in files:
-            if not file.name.startswith("kvpop_"):
-                for _, shape in safetensors_shapes(file, f"a weights file of {what}").values():
-                    n = 1
-                    for s in shape:
-                        n *= s
-                    stored += n
-        described = limits.parameter_estimate(sizes)
+    declared = [_declared_values(f) for f in sorted(path.glob("*.safetensors")) if not f.name.startswith("kvpop_")]
+    if declared and None not in declared and "quantization_config" not in config:
+        stored, described = sum(declared), limits.parameter_estimate(sizes)
         if described > WEIGHTS_SLACK * stored + (1 << 20):
             raise FileFormatError(
                 f"{path / 'config.json'}: describes a model of about {described:.3g} parameters, but the weights files "
@@ -244,8 +250,10 @@ def load_pretrained(path: str | Path, what: str, **kwargs: Any):
     from transformers import AutoModelForCausalLM
 
     path = check_dir(path, what)
-    sizes = check_model_config(path, what)
     weights, pickled = _weights_files(path)
+    for file in weights:
+        check_safetensors(file, f"a weights file of {what}")
+    sizes = check_model_config(path, what)
     if not weights and pickled:
         raise refuse_pickle(pickled[0], f"the weights of {what}",
                             f"python -c \"import transformers as t; t.AutoModelForCausalLM.from_pretrained('{path}')"
