@@ -833,8 +833,9 @@ class Distiller:
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+            why = " ".join(str(err).split())[:200]
             raise TrainingError(f"--resume: {path}: its optimizer, scheduler or RNG state cannot be restored "
-                                f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); the checkpoint is damaged") from None
+                                f"({type(err).__name__}: {why}); the checkpoint is damaged") from None
         if type(state["step"]) is not int or state["step"] < 0:
             raise TrainingError(f"--resume: {path}: its step {state['step']!r} is not a count of steps")
         self.step = self.last_saved = state["step"]
