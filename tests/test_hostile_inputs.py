@@ -199,7 +199,7 @@ SAVED = {
     "weights whose header claims 4 TB": (
         lambda r: _lying_safetensors(r / "saved" / "model.safetensors", "size"), "not a readable safetensors"),
     "a window of 10**12": (_edit_json(Path("saved/kvpop_config.json"), window=10**12),
-                           ("window 1000000000000", "more than the", "of memory available")),
+                           ("kvpop_config.json: ", "budget 1000000000", "more than the", "of memory available")),
     "a scorer of 10**9 hidden units": (_edit_json(Path("saved/kvpop_config.json"), scorer_hidden=10**9),
                                        "the scorer weights do not fit"),
     "a window given as text": (_edit_json(Path("saved/kvpop_config.json"), window="8"), "KVpopConfig.window='8'"),
