@@ -87,6 +87,20 @@ def _as_directory(path: Path) -> None:
     (path / "inside.txt").write_text("a directory, not the file\n")
 
 
+def _text(name: str, content: str) -> Callable[[Path], Path]:
+    def make(root: Path) -> Path:
+        (root / name).write_text(content)
+        return root / name
+    return make
+
+
+def _made(name: str, make: Callable[[Path], None]) -> Callable[[Path], Path]:
+    def made(root: Path) -> Path:
+        make(root / name)
+        return root / name
+    return made
+
+
 def _snapshot(root: Path) -> dict[str, str]:
     """Every entry under `root`: a file's SHA-256, a symlink's target, a directory's mark."""
     out = {}
@@ -445,21 +459,49 @@ def test_the_preset_cache_loads_when_intact(home, cache, capsys):
     assert main(["generate", "--model", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "2"]) == 0
 
 
+# --- a GGUF file as --model ---
+
+
+def _gguf(root: Path, **metadata) -> Path:
+    """A tiny Llama as a GGUF file, then integers of its metadata rewritten in place (its tensors stay those of 2 small
+    layers), as `gguf`'s own metadata editor does."""
+    gguf = pytest.importorskip("gguf")
+    from helpers import tiny_gguf_model, write_gguf
+
+    write_gguf(*tiny_gguf_model("llama"), root / "m.gguf")
+    reader = gguf.GGUFReader(root / "m.gguf", "r+")
+    for key, value in metadata.items():
+        field = reader.fields[key]
+        field.parts[field.data[0]][0] = value
+    del reader
+    return root / "m.gguf"
+
+
+GGUFS = {
+    "a billion blocks": (lambda r: _gguf(r, **{"llama.block_count": 10**9}), "llama.block_count=1000000000"),
+    "sizes its tensors do not hold": (lambda r: _gguf(r, **{"llama.embedding_length": 10**5,
+                                                            "llama.feed_forward_length": 10**6}), "its tensors hold"),
+    "a pickle named .gguf": (lambda r: _evil_torch_file(r / "m.gguf", r / "ran.txt"), "not a GGUF file"),
+    "a symlink loop": (_made("m.gguf", _loop), "symlink loop"),
+}
+
+
+@pytest.mark.parametrize("case", GGUFS)
+def test_a_hostile_gguf_file_is_refused_before_it_is_converted(home, monkeypatch, capsys, case):
+    from kvpop import gguf_models
+
+    monkeypatch.setenv(gguf_models.CACHE_ENV, str(home / "cache"))
+    make, says = GGUFS[case]
+    path = make(home)
+    for argv in (["info", "--model", str(path)],
+                 ["generate", "--model", str(path), "--prompt", "hi", "--max-new-tokens", "2"]):
+        start = time.perf_counter()
+        _refused(argv, capsys, home, home / "ran.txt", says=says)
+        assert time.perf_counter() - start < FAST_S
+    assert not (home / "cache").exists() or not any((home / "cache").iterdir())
+
+
 # --- --data files and --layer-budgets files ---
-
-
-def _text(name: str, content: str) -> Callable[[Path], Path]:
-    def make(root: Path) -> Path:
-        (root / name).write_text(content)
-        return root / name
-    return make
-
-
-def _made(name: str, make: Callable[[Path], None]) -> Callable[[Path], Path]:
-    def made(root: Path) -> Path:
-        make(root / name)
-        return root / name
-    return made
 
 
 DATA = {

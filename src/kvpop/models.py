@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvpop import gemma3, gguf_models, smollm2
-from kvpop.files import FileFormatError, check_model_config, load_pretrained
+from kvpop.files import FileFormatError, check_file, check_model_config, load_pretrained
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -248,6 +248,9 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def _unknown(name_or_path: str) -> ValueError:
+    if os.path.lexists(name_or_path):
+        # there, but neither a directory nor a file: a symlink loop or one to nothing, named as such
+        check_file(name_or_path, "the model")
     presets = "\n".join(f"  {name:20s} {p.description}" for name, p in PRESETS.items())
     return ValueError(
         f"unknown model {name_or_path!r}: not a preset, a local directory or a file.\n"
