@@ -545,7 +545,7 @@ def finish(run: Run, rc: int, seconds: float) -> None:
 
 
 def eval_phase(args, runs: list[Run], deadline: float) -> dict:
-    import torch
+    from safetensors.torch import save_file
 
     from kvpop.eval.evaluate import held_out_rows, mark_stronger_variants
     from kvpop.models import load_model
@@ -555,7 +555,8 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
     _, tokenizer = load_model(args.model)
     tokens = held_out_rows(args.data, tokenizer, args.seq_len, args.eval_sequences, packing=args.packing,
                            seed=args.seed)
-    torch.save(tokens, eval_dir / "tokens.pt")
+    # data, not a pickle: the workers read it back without unpickling anything
+    save_file({"tokens": tokens.contiguous()}, str(eval_dir / "tokens.safetensors"))
     log(f"eval: {len(tokens)} held-out sequences of {args.seq_len} tokens ({args.packing} packing)")
 
     missing, trained = [], {}
@@ -600,7 +601,7 @@ def eval_phase(args, runs: list[Run], deadline: float) -> dict:
     gpus = visible_gpus()
     for i, g in enumerate(groups):
         spec = {**g, "model": args.model, "seq_len": args.seq_len, "sink": args.sink, "window": args.window,
-                "tokens": str(eval_dir / "tokens.pt"), "out": str(eval_dir / f"{g['group']}.json"),
+                "tokens": str(eval_dir / "tokens.safetensors"), "out": str(eval_dir / f"{g['group']}.json"),
                 "plot_path": str(args.out / "eviction_pattern.png"), "deadline": deadline - 5,
                 "seed": args.seed}
         Path(spec["out"]).unlink(missing_ok=True)
@@ -682,6 +683,7 @@ def worker(spec_path: str) -> int:
 
     from kvpop.config import KVpopConfig
     from kvpop.eval.evaluate import WINDOWED, Entry, Evaluator, from_directory, training_free
+    from kvpop.files import read_safetensors
     from kvpop.models import load_model
     from kvpop.train.checkpoint import is_checkpoint
     from kvpop.train.weights import model_with, read_weights, source_config
@@ -696,7 +698,7 @@ def worker(spec_path: str) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(spec["seed"])
     base, tokenizer = load_model(spec["model"], device=device)
-    tokens = torch.load(spec["tokens"])
+    tokens = read_safetensors(spec["tokens"], "the held-out tokens")["tokens"]
 
     class StudyEvaluator(Evaluator):
         """The evaluator with checkpoint loading and per-row isolation: one failing row does not sink the group."""

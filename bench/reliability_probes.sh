@@ -51,7 +51,7 @@ probe "generate on a plain model" $K generate --model tiny-random-qwen3 --prompt
 probe "eval --policies kvpop (and progress)" $K eval --model tiny-random-qwen3 --policies kvpop,streaming_llm --budgets 32 --data notes.txt --split all --seq-len 64 --sequences 2 --out ev
 cp -r saved saved_trunc && python -c "p='saved_trunc/model.safetensors'; b=open(p,'rb').read(); open(p,'wb').write(b[:len(b)//2])"
 probe "truncated model.safetensors" $K generate --model saved_trunc --prompt hi
-: > r_moved/checkpoints/step-00000002/model.pt
+: > r_moved/checkpoints/step-00000002/model.safetensors
 probe "zero-byte checkpoint part" $K $T --steps 4 --out r_moved --resume
 mkdir -p legacy && head -c 64 /dev/urandom > legacy/checkpoint.pt
 probe "garbage legacy checkpoint.pt" $K $T --steps 4 --out legacy --resume

@@ -1,5 +1,7 @@
-"""`kvpop.train.checkpoint`: no crash inside a save loses a checkpoint, parts are verified, the log and `--out` are guarded."""
+"""`kvpop.train.checkpoint`: no crash inside a save loses a checkpoint, parts are verified and hold data only, pickled
+checkpoints of earlier versions are refused and converted on request, the log and `--out` are guarded."""
 
+import hashlib
 import json
 import os
 import random
@@ -10,6 +12,8 @@ import pytest
 import torch
 
 import kvpop
+from helpers import assert_same_state
+from kvpop.cli import main
 from kvpop.files import FileFormatError
 from kvpop.train import checkpoint as ckpt
 from kvpop.train import distill
@@ -68,8 +72,8 @@ def test_a_crash_inside_a_save_loses_no_checkpoint(text_file, tmp_path, monkeypa
     real_part, real_manifest, real_rename, real_prune = ckpt._write_part, ckpt._write_manifest, os.rename, ckpt._prune
 
     def part(path, obj):
-        # model.pt is written, train_state.pt is not
-        if _in_save_of_step_4(path) and path.name == "train_state.pt":
+        # the model part is written, the training state is not
+        if _in_save_of_step_4(path) and path.name == "train_state":
             raise Crash(where)
         return real_part(path, obj)
 
@@ -116,8 +120,8 @@ def test_a_crash_inside_a_save_loses_no_checkpoint(text_file, tmp_path, monkeypa
 
 
 def _saved(tmp_path) -> ckpt.Checkpoint:
-    parts = {"model.pt": {"model": {"w": torch.arange(6.0)}}, "train_state.pt": {"step": 3, "optimizer": {},
-                                                                                 "scheduler": {}, "rng": {}}}
+    parts = {"model": {"model": {"w": torch.arange(6.0)}}, "train_state": {"step": 3, "optimizer": {},
+                                                                           "scheduler": {}, "rng": {}}}
     return ckpt.write(tmp_path, 3, parts, {"train_config": {}, "kvpop_config": {}})
 
 
@@ -126,16 +130,18 @@ def _saved(tmp_path) -> ckpt.Checkpoint:
     (lambda p: p.write_bytes(b"\0" * p.stat().st_size), "SHA-256 differs"),
     (lambda p: p.unlink(), "a part of the checkpoint is missing"),
 ])
-def test_a_damaged_part_is_named(tmp_path, damage, message):
+@pytest.mark.parametrize("file", ["model.safetensors", "model.json"])
+def test_a_damaged_part_is_named(tmp_path, damage, message, file):
     c = _saved(tmp_path)
     assert torch.equal(c.read()["model"]["w"], torch.arange(6.0))
-    damage(c.path / "model.pt")
+    damage(c.path / file)
     with pytest.raises(FileFormatError, match=message) as err:
         ckpt.latest(tmp_path).read()
-    assert str(c.path / "model.pt") in str(err.value)
+    assert str(c.path / file) in str(err.value)
 
 
-@pytest.mark.parametrize("content", ["", "{", "[1, 2]", '{"format": 1}'])
+@pytest.mark.parametrize("content", ["", "{", "[1, 2]", '{"format": 1}', '{"format": 2, "step": 3, "parts": {}}',
+                                     '{"format": 2, "step": 3, "parts": {"../../x.json": {"bytes": 1, "sha256": ""}}}'])
 def test_a_damaged_manifest_is_named(tmp_path, content):
     c = _saved(tmp_path)
     (c.path / ckpt.MANIFEST).write_text(content)
@@ -144,12 +150,90 @@ def test_a_damaged_manifest_is_named(tmp_path, content):
     assert str(c.path / ckpt.MANIFEST) in str(err.value)
 
 
-@pytest.mark.parametrize("content,message", [(b"", "is empty"), (b"garbage" * 10, "not a readable torch file")])
-def test_a_damaged_legacy_checkpoint_is_named(tmp_path, content, message):
-    (tmp_path / ckpt.LEGACY_CHECKPOINT).write_bytes(content)
-    with pytest.raises(FileFormatError, match=message) as err:
-        ckpt.latest(tmp_path).read()
-    assert str(tmp_path / ckpt.LEGACY_CHECKPOINT) in str(err.value)
+def test_a_checkpoint_holds_data_only(straight):
+    # JSON and safetensors (an 8-byte header length, then a JSON header): no file of a checkpoint is a pickle
+    c = ckpt.latest(straight)
+    files = sorted(p.name for p in c.path.iterdir())
+    assert files == ["manifest.json", "model.json", "model.safetensors", "train_state.json", "train_state.safetensors"]
+    for name in files:
+        raw = (c.path / name).read_bytes()
+        if name.endswith(".json"):
+            json.loads(raw)
+        else:
+            n = int.from_bytes(raw[:8], "little")
+            assert isinstance(json.loads(raw[8 : 8 + n]), dict), name
+    state = c.read()
+    assert state["step"] == 6 and c.manifest["format"] == ckpt.FORMAT == 2
+    # the types a restore needs come back as they were: integer keys, tuples, NumPy's uint32 array
+    assert all(isinstance(k, int) for k in state["optimizer"]["state"])
+    assert isinstance(state["optimizer"]["param_groups"][0]["betas"], tuple)
+    assert isinstance(state["rng"]["python"], tuple) and state["rng"]["numpy"][1].dtype.name == "uint32"
+    assert state["rng"]["torch"].dtype == torch.uint8
+
+
+def _interrupted_at_step_4(text_file, out, monkeypatch):
+    real = distill.Distiller.train_step
+
+    def ctrl_c_at_step_5(self, micro):
+        if self.step == 4:
+            raise KeyboardInterrupt
+        return real(self, micro)
+
+    monkeypatch.setattr(distill.Distiller, "train_step", ctrl_c_at_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        distill.train(_cfg(text_file, out, save_every=0), kvpop.KVpopConfig(**KCFG), progress=False)
+    monkeypatch.undo()
+    return ckpt.latest(out).read()
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_pickled(out: Path, state: dict, kind: str) -> Path:
+    """The checkpoint of `state` as earlier kvpop versions wrote it (torch.save): one file, or format 1's parts."""
+    shutil.rmtree(out / ckpt.CHECKPOINTS)
+    meta = {k: state[k] for k in ("train_config", "kvpop_config", "world", "pool_tokens", "device_type", "data_sha256",
+                                  "base", "init")}
+    if kind == "single file":
+        torch.save({**meta, **{k: state[k] for k in ("step", "model", "optimizer", "scheduler", "rng")}},
+                   out / ckpt.LEGACY_CHECKPOINT)
+        return out / ckpt.LEGACY_CHECKPOINT
+    step = out / ckpt.CHECKPOINTS / f"step-{state['step']:08d}"
+    step.mkdir(parents=True)
+    torch.save({"model": state["model"]}, step / "model.pt")
+    torch.save({k: state[k] for k in ("step", "optimizer", "scheduler", "rng")}, step / "train_state.pt")
+    parts = {n: {"bytes": (step / n).stat().st_size, "sha256": _sha(step / n)} for n in ("model.pt", "train_state.pt")}
+    (step / ckpt.MANIFEST).write_text(json.dumps({"format": 1, "step": state["step"], **meta, "parts": parts}))
+    return step
+
+
+@pytest.mark.parametrize("kind", ["single file", "format 1"])
+def test_a_pickled_checkpoint_is_refused_then_converted_and_resumes_exactly(text_file, tmp_path, monkeypatch, capsys,
+                                                                           straight, kind):
+    # a run interrupted under an earlier kvpop's pickled format goes on where it stopped, once converted
+    out = tmp_path / "run"
+    state = _interrupted_at_step_4(text_file, out, monkeypatch)
+    pickled = _write_pickled(out, state, kind)
+    before = {p: _sha(p) for p in pickled.rglob("*") if p.is_file()} if pickled.is_dir() else {pickled: _sha(pickled)}
+    kcfg = kvpop.KVpopConfig(**KCFG)
+    with pytest.raises(FileFormatError, match=r"pickles; kvpop no longer unpickles .* `kvpop convert-checkpoint "):
+        distill.train(_cfg(text_file, out), kcfg, resume=True, progress=False)
+    assert {p: _sha(p) for p in before} == before, "a refused checkpoint is left as it was"
+    assert main(["convert-checkpoint", str(out)]) == 0
+    err = capsys.readouterr().err
+    kept = pickled.with_name(pickled.name + ".pickled")
+    assert f"wrote {out / ckpt.CHECKPOINTS / 'step-00000004'}" in err and str(kept) in err
+    # the pickles are kept beside, unchanged, where kvpop no longer looks
+    assert {p: _sha(kept / p.relative_to(pickled)) if kept.is_dir() else _sha(kept) for p in before} == before
+    assert [c.step for c in ckpt.checkpoints(out)] == [4] and not ckpt.latest(out).pickled
+    converted = ckpt.latest(out).read()
+    for key in ("model", "optimizer", "scheduler", "rng"):
+        assert_same_state(converted[key], state[key], key)
+    assert main(["convert-checkpoint", str(out)]) == 0
+    assert "nothing to convert" in capsys.readouterr().err
+    distill.train(_cfg(text_file, out), kcfg, resume=True, progress=False)
+    assert _losses(out) == _losses(straight)
 
 
 def test_a_torn_last_log_line_is_cut_off_and_said(tmp_path, capsys):
@@ -206,32 +290,6 @@ def test_move_aside_and_restore_keep_other_files_in_place(tmp_path, capsys):
     assert "back in" in capsys.readouterr().err
 
 
-def test_a_legacy_checkpoint_still_resumes(text_file, tmp_path, monkeypatch, straight):
-    # a run interrupted under the one-file format (OUT/checkpoint.pt) goes on where it stopped
-    kcfg = kvpop.KVpopConfig(**KCFG)
-    out = tmp_path / "run"
-    real = distill.Distiller.train_step
-
-    def ctrl_c_at_step_5(self, micro):
-        if self.step == 4:
-            raise KeyboardInterrupt
-        return real(self, micro)
-
-    monkeypatch.setattr(distill.Distiller, "train_step", ctrl_c_at_step_5)
-    with pytest.raises(KeyboardInterrupt):
-        distill.train(_cfg(text_file, out, save_every=0), kcfg, progress=False)
-    monkeypatch.undo()
-    state = ckpt.latest(out).read()
-    legacy = {k: state[k] for k in ("step", "model", "optimizer", "scheduler", "rng", "train_config", "kvpop_config",
-                                    "world", "pool_tokens")}
-    assert legacy["step"] == 4
-    torch.save(legacy, out / ckpt.LEGACY_CHECKPOINT)
-    shutil.rmtree(out / ckpt.CHECKPOINTS)
-    distill.train(_cfg(text_file, out), kcfg, resume=True, progress=False)
-    assert _losses(out) == _losses(straight)
-    assert not (out / ckpt.LEGACY_CHECKPOINT).exists() and [c.step for c in ckpt.checkpoints(out)] == [6]
-
-
 def test_keep_every_keeps_those_checkpoints_across_a_resume(text_file, tmp_path, monkeypatch, straight):
     # a long scorer-only run over several commands keeps every 2nd checkpoint for a curve; the others go as before
     kcfg = kvpop.KVpopConfig(**KCFG)
@@ -251,4 +309,4 @@ def test_keep_every_keeps_those_checkpoints_across_a_resume(text_file, tmp_path,
     distill.train(_cfg(text_file, out, save_every=0, keep_every=2), kcfg, resume=True, progress=False)
     assert _losses(out) == _losses(straight)
     assert [c.step for c in ckpt.checkpoints(out)] == [2, 4, 6]
-    assert ckpt.latest(out).read()["model"].keys() == ckpt.checkpoints(out)[0].read(parts=("model.pt",))["model"].keys()
+    assert ckpt.latest(out).read()["model"].keys() == ckpt.checkpoints(out)[0].read(parts=("model",))["model"].keys()

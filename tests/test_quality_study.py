@@ -235,7 +235,7 @@ def test_two_phase_rows_pretrain_the_scorers_then_distill_from_their_weights(tmp
     post.out.mkdir(parents=True)
     (post.out / ckpt.LOG).write_text('{"step": 1}\n')
     assert post.command()[-3:] == ["--init-from", str(pre.out), "--overwrite"]  # stopped before its first checkpoint
-    ckpt.write(post.out, 2, {"model.pt": {"model": {}}}, {})
+    ckpt.write(post.out, 2, {"model": {"model": {}}}, {})
     assert post.command()[-1] == "--resume" and "--init-from" not in post.command()
     # the default: every KVpop scorer row in two phases; not with a frozen base, not for a row without a scorer
     default = study.plan_runs(study.parse(["--out", str(tmp_path), "--pretrain-steps", "10", "--budgets", "2048"]))
@@ -273,17 +273,17 @@ def test_a_two_phase_row_trains_both_phases_in_order(data_file, tmp_path, capsys
     assert logged.index("end kvpop-mlp_b48_pre2: final") < logged.index("start kvpop-mlp_b48_pre2_distill")
 
     # a row is evaluated from a checkpoint when its run has no final weights: a scorer-only one holds no base
-    import torch
+    from safetensors.torch import save_file
 
     from kvpop.eval.evaluate import held_out_rows
     from kvpop.models import load_model
 
     _, tokenizer = load_model("tiny-random-qwen3")
-    torch.save(held_out_rows(str(data_file), tokenizer, 128, 1), tmp_path / "tokens.pt")
+    save_file({"tokens": held_out_rows(str(data_file), tokenizer, 128, 1)}, str(tmp_path / "tokens.safetensors"))
     spec = {"group": "static_b48", "entries": [{"name": "kvpop-mlp", "budget": 48,
                                                 "trained": str(checkpoints(pre)[-1].path)}],
             "plot": False, "batch": 1, "model": "tiny-random-qwen3", "seq_len": 128, "sink": 4, "window": 16,
-            "tokens": str(tmp_path / "tokens.pt"), "out": str(tmp_path / "rows.json"),
+            "tokens": str(tmp_path / "tokens.safetensors"), "out": str(tmp_path / "rows.json"),
             "plot_path": str(tmp_path / "plot.png"), "deadline": 1e12, "seed": 0}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     assert study.worker(str(tmp_path / "spec.json")) == 0

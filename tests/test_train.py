@@ -516,9 +516,11 @@ def test_train_from_a_kvpop_directory_refuses_another_config(text_file, tmp_path
 
 
 @pytest.mark.parametrize("damage,message", [
-    (lambda out: (out / "checkpoint.pt").write_bytes(b""), "checkpoint.pt: the checkpoint is empty"),
-    (lambda out: (out / "checkpoint.pt").write_bytes(b"\x80garbage"), "checkpoint.pt: the checkpoint is not a readable"),
-    (lambda out: (ckpt.latest(out).path / "model.pt").write_bytes(b"garbage"), "model.pt: 7 bytes, but the manifest"),
+    (lambda out: (out / "checkpoint.pt").write_bytes(b""), "checkpoint.pt: a single-file checkpoint of an earlier kvpop"),
+    (lambda out: (out / "checkpoint.pt").write_bytes(b"\x80garbage"),
+     "checkpoint.pt: a single-file checkpoint of an earlier kvpop, saved as pickles; kvpop no longer unpickles"),
+    (lambda out: (ckpt.latest(out).path / "model.safetensors").write_bytes(b"garbage"),
+     "model.safetensors: 7 bytes, but the manifest"),
 ])
 def test_a_damaged_checkpoint_is_a_clear_error(text_file, tmp_path, capsys, damage, message):
     out = tmp_path / "run"

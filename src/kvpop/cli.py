@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpop import limits
 from kvpop.config import DEFAULT_BUDGET, DEFAULT_SINK
 
 
@@ -216,6 +217,7 @@ def generate(args: argparse.Namespace) -> int:
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).to(model.device)
     n_prompt = inputs["input_ids"].shape[1]
     args.max_new_tokens = _fit_new_tokens(args, model, n_prompt)
+    limits.check_generation(model, n_prompt, args.max_new_tokens)
 
     cache = kvpop.KVpopCache(model)
     if args.compile:
@@ -678,6 +680,24 @@ def _refuse_other_config(args: argparse.Namespace, saved, what: str, consequence
                          f"drop {', '.join(conflicts)}, or {instead}")
 
 
+@command("convert-checkpoint", "convert checkpoints an earlier kvpop saved as pickles into data (JSON + safetensors), "
+                               "once: tensors and plain data are read, anything else is refused", [
+    arg("path", metavar="RUN_OR_CHECKPOINT",
+        help="a run directory (each of its pickled checkpoints), one OUT/checkpoints/step-NNNNNNNN directory, or an "
+             "OUT/checkpoint.pt; the pickles are kept beside the new checkpoint, renamed *.pickled"),
+])
+def convert_checkpoint(args: argparse.Namespace) -> int:
+    from kvpop.train.convert import convert
+
+    done = convert(args.path)
+    if not done:
+        _note(args, f"{args.path} holds no pickled checkpoint: nothing to convert")
+    for new, kept in done:
+        print(f"kvpop convert-checkpoint: wrote {new}; the pickles are kept as {kept} (kvpop no longer reads them: "
+              "delete them once the run resumes)", file=sys.stderr)
+    return 0
+
+
 @command("selfgen", "write the dense model's own generations of held-in prompts as a JSONL training source "
                     "(kvpop train --data FILE.jsonl)", [
     MODEL,
@@ -732,6 +752,8 @@ def selfgen(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {args.model} is retrofitted: selfgen writes the dense model's generations, give "
                          "its base model")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=device)
+    limits.check_decoding(model, [], cfg.batch, cfg.tokens, 1, f"--tokens {cfg.tokens} with --batch {cfg.batch}",
+                          "lower --tokens or --batch")
     prompts = sg.load_prompts(cfg.prompts, tokenizer, text_field=cfg.text_field)
     fits = sg.fitting(prompts, cfg.tokens, getattr(model.config, "max_position_embeddings", None))
     if len(fits) < len(prompts):
@@ -913,6 +935,7 @@ def evaluate(args: argparse.Namespace) -> int:
     for e in entries:
         if e.budget >= args.seq_len:
             raise ValueError(f"budget {e.budget} ({e.name}) is not below --seq-len {args.seq_len}: nothing is evicted")
+    limits.check_evaluation(base, args.seq_len)
     if args.skip_sequences < 0:
         raise ValueError(f"--skip-sequences {args.skip_sequences} must be >= 0")
     tokens = held_out_rows(args.data, tokenizer, args.seq_len, args.skip_sequences + args.sequences,
@@ -1129,6 +1152,7 @@ def budgets(args: argparse.Namespace) -> int:
         measured = base
     if cfg.budget >= args.seq_len:
         raise ValueError(f"budget {cfg.budget} is not below --seq-len {args.seq_len}: nothing is evicted")
+    limits.check_evaluation(base, args.seq_len)
     texts = load_texts(args.data, split="train", text_field=args.text_field, tokenizer=tokenizer, seed=args.seed)
     tokens = pack_sequences(texts[:2000], tokenizer, args.seq_len)[: args.sequences]
     candidates, curves, n = alloc.measure(measured, (row[None] for row in tokens), None if args.trained else cfg)
@@ -1164,6 +1188,9 @@ def _eval_suite(args: argparse.Namespace, base, tokenizer, entries: list, device
         print("kvpop eval --suite: skipping the oracle (teacher-forced only, it cannot decode)", file=sys.stderr)
         entries = [e for e in entries if e.cfg.policy != "oracle"]
     samples = suite.build_samples(cfg, tokenizer, getattr(base.config, "max_position_embeddings", None))
+    limits.check_decoding(base, [e.cfg for e in entries], cfg.batch_size, max(cfg.lengths), cfg.prefill_chunk,
+                          f"--lengths {args.lengths} with --suite-batch {cfg.batch_size}",
+                          "lower --lengths, --suite-batch or --prefill-chunk")
     records = suite.run_suite(base, tokenizer, entries, samples, batch_size=cfg.batch_size,
                               prefill_chunk=cfg.prefill_chunk, seed=args.seed, device=device)
     out = Path(args.out)
@@ -1201,6 +1228,9 @@ def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -
     if not entries:
         raise ValueError("--generate needs a policy that can decode (the oracle cannot)")
     problems = _held_out_problems(args)
+    # the dense model scores each text whole: its logits over the generated tokens
+    limits.check_decoding(base, [e.cfg for e in entries], args.gen_batch, args.generate, args.generate,
+                          f"--generate {args.generate} with --gen-batch {args.gen_batch}", "lower --generate or --gen-batch")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # finished generations are kept there and reused by a rerun with the same settings

@@ -30,7 +30,16 @@ from typing import Any
 
 import torch
 
-from kvpop.files import FileFormatError
+from kvpop import limits
+from kvpop.files import (
+    MAX_LAYERS,
+    WEIGHTS_SLACK,
+    FileFormatError,
+    check_file,
+    check_model_config,
+    load_pretrained,
+    read_json_object,
+)
 
 CACHE_ENV = "KVPOP_CACHE"
 MARKER = "kvpop_source.json"
@@ -71,14 +80,16 @@ def is_complete(path: Path, sha: str) -> bool:
     """True for a finished conversion of the file whose SHA-256 is `sha`."""
     # the marker is written last, so a directory without it was never finished
     try:
-        marker = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError):
+        marker = read_json_object(path / MARKER, "the conversion's marker")
+    except FileFormatError:
         return False
     return marker.get("sha256") == sha
 
 
 def check_readable(path: Path) -> None:
-    """Raise a FileFormatError naming `path` unless it is a GGUF file whose header and tensor table read whole."""
+    """Raise a FileFormatError naming `path` unless it is a GGUF file whose header and tensor table read whole, whose
+    sizes describe the model its tensors hold, and whose dequantised weights fit the memory free."""
+    check_file(path, "the GGUF file")
     with open(path, "rb") as f:
         head = f.read(4)
     if head != GGUF_MAGIC:
@@ -98,6 +109,41 @@ def check_readable(path: Path) -> None:
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
         raise FileFormatError(f"{path}: a cut-off GGUF file: its tensors need {end} bytes, the file has {size}")
+    _check_sizes(path, reader)
+
+
+def _scalar(reader, key: str) -> int | None:
+    field = reader.fields.get(key)
+    try:
+        value = field.contents() if field is not None else None
+    except (ValueError, IndexError, TypeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _check_sizes(path: Path, reader) -> None:
+    """What transformers builds from a GGUF's metadata must be what its tensors hold, and fit the memory, before it
+    builds anything: a file claiming a billion blocks would otherwise get a module per block."""
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else ""
+    sizes = {name: _scalar(reader, f"{arch}.{key}") for name, key in (
+        ("num_hidden_layers", "block_count"), ("hidden_size", "embedding_length"),
+        ("intermediate_size", "feed_forward_length"), ("num_attention_heads", "attention.head_count"),
+        ("num_key_value_heads", "attention.head_count_kv"))}
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    layers = sizes.get("num_hidden_layers")
+    if layers is not None and not 0 < layers <= MAX_LAYERS:
+        raise FileFormatError(f"{path}: {arch}.block_count={layers} is not a number of layers a model has (1 to "
+                              f"{MAX_LAYERS}): the file is damaged or made to mislead")
+    if any(v <= 0 for v in sizes.values()):
+        raise FileFormatError(f"{path}: its sizes {sizes} must be positive")
+    values = sum(int(t.n_elements) for t in reader.tensors)
+    described = limits.parameter_estimate(sizes)
+    if described > WEIGHTS_SLACK * values + (1 << 20):
+        raise FileFormatError(f"{path}: its metadata describes a model of about {described:.3g} parameters, but its "
+                              f"tensors hold {values:.3g} values: the file is damaged or made to mislead")
+    # transformers dequantises every tensor into float32, then the conversion copies them into a plain model
+    limits.check_fits({"dequantised weights": 2 * 4 * values}, "cpu", f"converting {path.name}",
+                      "convert it on a machine with more memory")
 
 
 def fix_tokenizer(tokenizer, generation, max_positions: int) -> None:
@@ -234,9 +280,11 @@ def ensure_converted(final: Path, sha: str, prepare: Callable[[Path], Path], con
 
 def load_converted(path: Path) -> tuple[Any, Any]:
     """`(model, tokenizer)` of a converted directory, float32 on the CPU, in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    # the cache is a directory anything running as the user can change: read as any model directory, its
+    # config.json and safetensors checked first
+    model = load_pretrained(path, f"the converted model in {path}", dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model.eval()
     return model, tokenizer
@@ -245,6 +293,7 @@ def load_converted(path: Path) -> tuple[Any, Any]:
 def load_converted_config(path: Path):
     from transformers import AutoConfig
 
+    check_model_config(path, f"the converted model in {path}")
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
@@ -358,8 +407,6 @@ def ensure_file_converted(path: str | os.PathLike, known: Sequence[PackagedGguf]
     goes to `gguf-<first 16 hex digits of its SHA-256>` in `cache_root()`.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileFormatError(f"{path}: no such file")
     check_readable(path)
     sha = sha256(path)
     for preset in known:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvpop import gemma3, gguf_models, smollm2
-from kvpop.files import FileFormatError, load_pretrained
+from kvpop.files import FileFormatError, check_file, check_model_config, load_pretrained
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
@@ -248,6 +248,9 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def _unknown(name_or_path: str) -> ValueError:
+    if os.path.lexists(name_or_path):
+        # there, but neither a directory nor a file: a symlink loop or one to nothing, named as such
+        check_file(name_or_path, "the model")
     presets = "\n".join(f"  {name:20s} {p.description}" for name, p in PRESETS.items())
     return ValueError(
         f"unknown model {name_or_path!r}: not a preset, a local directory or a file.\n"
@@ -261,6 +264,10 @@ def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     hint = "save one there, e.g. kvpop.save(model, path, tokenizer=tokenizer) or tokenizer.save_pretrained(path)"
+    # transformers reads a config.json, where there is one, to pick a tokenizer: it is checked before anything is
+    # built from it
+    if os.path.lexists(os.path.join(path, "config.json")):
+        check_model_config(path)
     if not _has_tokenizer(path):
         raise ValueError(f"no tokenizer found in {path!r} (none of {', '.join(TOKENIZER_FILES)}); {hint}")
     try:
@@ -402,6 +409,7 @@ def load_config(name_or_path: str):
         from transformers import AutoConfig
 
         _check_not_partial_save(name_or_path)
+        check_model_config(name_or_path)
         try:
             return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
         except (OSError, ValueError) as err:

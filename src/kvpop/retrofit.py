@@ -33,7 +33,14 @@ from torch import nn
 
 from kvpop.attention import ATTENTION_NAME, register
 from kvpop.config import KVpopConfig
-from kvpop.files import FileFormatError, load_pretrained, read_json_object, read_safetensors, write_atomic
+from kvpop.files import (
+    FileFormatError,
+    check_scorers,
+    load_pretrained,
+    read_json_object,
+    read_safetensors,
+    write_atomic,
+)
 from kvpop.layer_kinds import layer_windows
 from kvpop.modules import KVpopModules, kvpop_modules
 
@@ -483,6 +490,7 @@ def load(path: str | Path, *, device: str | torch.device | None = None, dtype: t
             model.to(device)
     else:
         model, _ = load_base(path, base, device=device, dtype=dtype)
+    check_scorers(model, cfg, retrofit, path / SCORERS_FILE, path / CONFIG_FILE)
     retrofit(model, cfg)
     state = read_safetensors(path / SCORERS_FILE, "the scorer weights", device=str(next(model.parameters()).device))
     try:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from kvpop.attention import Capture
 from kvpop.config import KVpopConfig
 from kvpop.eval.metrics import priorities_from_records
+from kvpop.files import read_json_object
 from kvpop.ops.attention import sparse_attention
 from kvpop.ops.topk import eviction_positions
 from kvpop.retrofit import detach, retrofit
@@ -205,16 +206,20 @@ def write(path: str | Path, cfg: KVpopConfig, budgets: Sequence[int], candidates
     return path
 
 
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def read(path: str | Path) -> tuple[int, list[int]]:
     """`(budget, layer_budgets)` from a file `write` made; a clear error for anything else."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-        budget, budgets = doc["budget"], doc["layer_budgets"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path}: not a per-layer budget file written by `kvpop budgets` ({err})") from None
-    if not isinstance(budget, int) or not isinstance(budgets, list) or not all(isinstance(b, int) for b in budgets):
-        raise ValueError(f"{path}: 'budget' must be an integer and 'layer_budgets' a list of integers")
+    doc = read_json_object(path, "the per-layer budget file")
+    if "budget" not in doc or "layer_budgets" not in doc:
+        raise ValueError(f"{path}: not a per-layer budget file written by `kvpop budgets` (no 'budget' and "
+                         "'layer_budgets')")
+    budget, budgets = doc["budget"], doc["layer_budgets"]
+    if not _count(budget) or not isinstance(budgets, list) or not budgets or not all(_count(b) for b in budgets):
+        raise ValueError(f"{path}: 'budget' must be an integer >= 1 and 'layer_budgets' a list of integers >= 1")
     if sum(budgets) != len(budgets) * budget:
         raise ValueError(f"{path}: layer_budgets sum to {sum(budgets)}, not layers x budget = {len(budgets) * budget}")
     return budget, budgets

@@ -2,17 +2,26 @@
 
     OUT/config.json                    the resolved configs and the command (rewritten at each start)
     OUT/train_log.jsonl                one JSON line per optimizer step
-    OUT/checkpoints/step-00000042/     model.pt, train_state.pt, then manifest.json
+    OUT/checkpoints/step-00000042/     model.safetensors + model.json (the trained weights),
+                                       train_state.safetensors + train_state.json (step, optimizer,
+                                       scheduler, RNG states), then manifest.json
                                        (the newest; with --keep-every N also every N-th step's)
     OUT/final/                         `kvpop.save` of the trained model
 
+A checkpoint holds data only: each part is a JSON file (its structure, numbers and strings) and a
+safetensors file (its tensors), written and read by `kvpop.train.state_file`; nothing in it is
+unpickled, so a checkpoint someone shares cannot run code. Checkpoints of earlier kvpop versions
+were pickles (format 1: `model.pt` and `train_state.pt`; before that one `OUT/checkpoint.pt`):
+they are refused with the command that converts them once (`kvpop convert-checkpoint`,
+`kvpop.train.convert`), which loads only tensors and plain data.
+
 A checkpoint is written into a hidden directory: its parts, each fsynced, then `manifest.json` with
-the step, every part's size and SHA-256 and what a resume must match; then the directory is renamed
-into place in one step. A crash at any point leaves either no new checkpoint (a hidden partial
-directory, ignored and later removed) or a complete one; older checkpoints are removed only after the
-new one is complete, so the last complete checkpoint always survives. Those of every `keep_every`-th
-step are never removed: a curve of some metric against the steps reads them afterwards. "Complete" is checkable: the
-manifest exists and every part has the size and hash it records.
+the format, the step, every file's size and SHA-256 and what a resume must match; then the directory
+is renamed into place in one step. A crash at any point leaves either no new checkpoint (a hidden
+partial directory, ignored and later removed) or a complete one; older checkpoints are removed only
+after the new one is complete, so the last complete checkpoint always survives. Those of every
+`keep_every`-th step are never removed: a curve of some metric against the steps reads them
+afterwards. "Complete" is checkable: the manifest exists and every file has the size and hash it records.
 
 An `--out` that holds a run is never reused silently: `--resume` continues it, `--overwrite` moves it
 aside in one rename and deletes it once the new run has written its first checkpoint (and puts it
@@ -32,7 +41,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpop.files import FileFormatError, fsync_dir, read_json_object, read_torch, write_atomic
+from torch import Tensor
+
+from kvpop.files import (
+    FileFormatError,
+    check_file,
+    fsync_dir,
+    read_json,
+    read_json_object,
+    read_safetensors,
+    write_atomic,
+)
+from kvpop.train.state_file import StateError, decode, encode
 
 CHECKPOINTS = "checkpoints"
 LOG = "train_log.jsonl"
@@ -40,11 +60,16 @@ RUN_CONFIG = "config.json"
 FINAL = "final"
 MANIFEST = "manifest.json"
 LEGACY_CHECKPOINT = "checkpoint.pt"
-"""Checkpoints of kvpop before the parts and manifest: one torch file, still resumable."""
+"""Checkpoints of kvpop before the parts and manifest: one pickle, refused (`kvpop convert-checkpoint` converts it)."""
 RUN_ENTRIES = (CHECKPOINTS, LEGACY_CHECKPOINT, LOG, RUN_CONFIG, FINAL)
 """What a run writes into OUT: a directory holding any of them holds a run."""
-FORMAT = 1
+FORMAT = 2
+"""The checkpoint format this kvpop writes and reads: 2, parts as JSON + safetensors. Format 1 held pickles."""
+PICKLED_FORMAT = 1
+MODEL = "model"
+"""The part holding the trained weights (`{"model": state dict}`); the others hold the training state."""
 _STEP_DIR = re.compile(r"step-(\d{8})")
+_PART_FILE = re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.-]*)\.(json|safetensors)")
 
 
 class TrainingError(RuntimeError):
@@ -58,6 +83,14 @@ def _say(message: str) -> None:
 # --- checkpoints ---
 
 
+def pickled_refusal(path: Path, run: Path, what: str) -> FileFormatError:
+    """The error for a checkpoint of an earlier kvpop: a pickle, which kvpop no longer loads."""
+    return FileFormatError(
+        f"{path}: {what} of an earlier kvpop, saved as pickles; kvpop no longer unpickles checkpoints (unpickling a "
+        f"file can run any code it holds). Convert it once with `kvpop convert-checkpoint {run}`: it reads tensors and "
+        "plain data only, refuses anything else, and writes the checkpoint as JSON + safetensors beside it")
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """One complete checkpoint on disk: a step directory with its manifest, or a legacy `checkpoint.pt`."""
@@ -65,31 +98,67 @@ class Checkpoint:
     path: Path
     step: int
     manifest: dict[str, Any] | None
-    """None for a legacy `checkpoint.pt` (its step is read from the file)."""
+    """None for a legacy `checkpoint.pt` (its step is inside the pickle)."""
+
+    @property
+    def pickled(self) -> bool:
+        """Written by an earlier kvpop as pickles (a legacy `checkpoint.pt` or format 1): refused, to be converted."""
+        return self.manifest is None or self.manifest["format"] == PICKLED_FORMAT
+
+    @property
+    def run(self) -> Path:
+        """The run directory the checkpoint belongs to."""
+        return self.path.parent if self.manifest is None else self.path.parent.parent
 
     def read(self, parts: tuple[str, ...] | None = None) -> dict[str, Any]:
-        """Everything the checkpoint holds, every part checked against the manifest first.
+        """Everything the checkpoint holds, every file checked against the manifest first.
 
-        `parts`: only these files of it (e.g. `("model.pt",)` for the weights without the optimizer state);
-        a legacy `checkpoint.pt` is one file and is read whole.
+        `parts`: only these parts of it (e.g. `("model",)` for the weights without the optimizer state).
         """
-        if self.manifest is None:
-            state = read_torch(self.path, "the checkpoint")
-            _require(state, ("step", "model", "optimizer", "scheduler", "rng", "train_config", "kvpop_config"),
-                     self.path)
-            return state
+        if self.manifest is None and self.path.name != LEGACY_CHECKPOINT and not _looks_pickled(self.path):
+            raise FileFormatError(f"{self.path}: not a kvpop checkpoint (a run directory, or one of its "
+                                  f"{CHECKPOINTS}/step-NNNNNNNN directories)")
+        if self.pickled:
+            what = "a single-file checkpoint" if self.manifest is None else f"a checkpoint in format {PICKLED_FORMAT}"
+            raise pickled_refusal(self.path, self.run, what)
         state = {k: v for k, v in self.manifest.items() if k != "parts"}
-        for name, meta in self.manifest["parts"].items():
-            if parts is not None and name not in parts:
-                continue
-            path = self.path / name
-            _verify_part(path, meta)
-            part = read_torch(path, "a checkpoint part")
-            if not isinstance(part, dict):
-                raise FileFormatError(f"{path}: a checkpoint part must hold a dict, found {type(part).__name__}")
-            state.update(part)
-        _require(state, ("model",) if parts is not None else ("model", "optimizer", "scheduler", "rng"), self.path)
+        for name in _part_names(self.manifest["parts"]):
+            if parts is None or name in parts:
+                state.update(self._read_part(name))
+        _require(state, (MODEL,) if parts is not None else (MODEL, "optimizer", "scheduler", "rng"), self.path)
+        if not (isinstance(state[MODEL], dict) and all(isinstance(k, str) and isinstance(v, Tensor)
+                                                       for k, v in state[MODEL].items())):
+            raise FileFormatError(f"{self.path}: its {MODEL!r} is not a state dict of named tensors")
         return state
+
+    def _read_part(self, name: str) -> dict[str, Any]:
+        files = self.manifest["parts"]
+        for suffix in (".json", ".safetensors"):
+            verify_part(self.path / f"{name}{suffix}", files[f"{name}{suffix}"])
+        tree = read_json(self.path / f"{name}.json", "a checkpoint part")
+        tensors = read_safetensors(self.path / f"{name}.safetensors", "a checkpoint part")
+        try:
+            part = decode(tree, tensors, str(self.path / f"{name}.json"))
+        except StateError as err:
+            raise FileFormatError(str(err)) from None
+        if not isinstance(part, dict):
+            raise FileFormatError(f"{self.path / name}.json: a checkpoint part must hold an object, found "
+                                  f"{type(part).__name__}")
+        return part
+
+
+def _looks_pickled(path: Path) -> bool:
+    """A file that begins as `torch.save` writes (a zip archive, or a bare pickle of protocol 2 or later)."""
+    check_file(path, "the checkpoint")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
+
+
+def _part_names(files: dict[str, Any]) -> list[str]:
+    """The parts a format-2 manifest lists, each as a `.json` and a `.safetensors` file."""
+    names = sorted({_PART_FILE.fullmatch(f).group(1) for f in files})
+    return names
 
 
 def _require(state: Any, keys: tuple[str, ...], path: Path) -> None:
@@ -106,9 +175,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _verify_part(path: Path, meta: dict[str, Any]) -> None:
-    if not path.is_file():
+def verify_part(path: Path, meta: dict[str, Any]) -> None:
+    if not path.exists() and not path.is_symlink():
         raise FileFormatError(f"{path}: a part of the checkpoint is missing")
+    check_file(path, "a part of the checkpoint")
     size = path.stat().st_size
     if size != meta["bytes"]:
         raise FileFormatError(f"{path}: {size} bytes, but the manifest records {meta['bytes']}: the file was cut "
@@ -118,13 +188,24 @@ def _verify_part(path: Path, meta: dict[str, Any]) -> None:
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
-    manifest = read_json_object(path / MANIFEST, "the checkpoint manifest")
-    parts = manifest.get("parts")
-    ok = (manifest.get("format") == FORMAT and isinstance(manifest.get("step"), int) and isinstance(parts, dict)
-          and all(isinstance(m, dict) and {"bytes", "sha256"} <= m.keys() for m in parts.values()))
+    file = path / MANIFEST
+    manifest = read_json_object(file, "the checkpoint manifest")
+    fmt, parts = manifest.get("format"), manifest.get("parts")
+    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > FORMAT:
+        raise FileFormatError(f"{file}: a checkpoint in format {fmt}, written by a later kvpop; this kvpop reads "
+                              f"format {FORMAT}: update kvpop")
+    ok = (fmt in (PICKLED_FORMAT, FORMAT) and type(fmt) is int and type(manifest.get("step")) is int
+          and isinstance(parts, dict) and all(isinstance(m, dict) and type(m.get("bytes")) is int
+                                              and isinstance(m.get("sha256"), str) for m in parts.values()))
+    if ok and fmt == FORMAT:
+        # plain file names only: a manifest never points outside its directory
+        names = [_PART_FILE.fullmatch(f) for f in parts]
+        stems = {m.group(1) for m in names if m}
+        ok = all(names) and all(f"{s}.json" in parts and f"{s}.safetensors" in parts for s in stems) \
+            and MODEL in stems
     if not ok:
-        raise FileFormatError(f"{path / MANIFEST}: not a kvpop checkpoint manifest (format {FORMAT}: step, parts "
-                              "with bytes and sha256)")
+        raise FileFormatError(f"{file}: not a kvpop checkpoint manifest (format {FORMAT}: step, and parts as .json and "
+                              ".safetensors files with bytes and sha256)")
     return manifest
 
 
@@ -157,8 +238,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         return Checkpoint(path, -1, None)
     m = _STEP_DIR.fullmatch(path.name)
     if not m:
-        raise FileFormatError(f"{path}: not a checkpoint (a {CHECKPOINTS}/step-NNNNNNNN directory or a "
-                              f"{LEGACY_CHECKPOINT})")
+        raise FileFormatError(f"{path}: not a checkpoint (a {CHECKPOINTS}/step-NNNNNNNN directory)")
     return Checkpoint(path, int(m.group(1)), _read_manifest(path))
 
 
@@ -168,14 +248,25 @@ def latest(out: str | Path) -> Checkpoint | None:
     return found[-1] if found else None
 
 
-def _write_part(path: Path, obj: Any) -> dict[str, Any]:
-    import torch
-
+def _write_file(path: Path, data: bytes) -> dict[str, Any]:
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _write_part(path: Path, obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Write part `obj` as `path.json` (its structure) and `path.safetensors` (its tensors); their manifest entries."""
+    from safetensors.torch import save
+
+    try:
+        tree, tensors = encode(obj)
+    except StateError as err:
+        raise ValueError(f"{path.name}: {err}") from None
+    json_file, tensor_file = path.with_name(f"{path.name}.json"), path.with_name(f"{path.name}.safetensors")
+    return {json_file.name: _write_file(json_file, json.dumps(tree, allow_nan=False).encode()),
+            tensor_file.name: _write_file(tensor_file, save(tensors))}
 
 
 def _write_manifest(path: Path, manifest: dict[str, Any]) -> None:
@@ -200,9 +291,24 @@ def _prune(out: Path, keep: Checkpoint, keep_every: int = 0) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
+def write_directory(path: Path, step: int, parts: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """Write a checkpoint's files into the new directory `path`, the manifest last; returns the manifest."""
+    bad = [name for name in parts if not _PART_FILE.fullmatch(f"{name}.json")]
+    if bad or MODEL not in parts:
+        raise ValueError(f"checkpoint parts {sorted(parts)} must include {MODEL!r} and be plain names")
+    path.mkdir()
+    manifest = {"format": FORMAT, "step": step, **meta, "parts": {}}
+    for name, obj in parts.items():
+        manifest["parts"].update(_write_part(path / name, obj))
+    manifest["written"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    _write_manifest(path, manifest)
+    return manifest
+
+
 def write(out: str | Path, step: int, parts: dict[str, dict[str, Any]], meta: dict[str, Any],
           keep_every: int = 0) -> Checkpoint:
-    """Write the checkpoint of `step` (`parts`: file name -> dict to torch.save; `meta`: JSON for the manifest).
+    """Write the checkpoint of `step` (`parts`: part name -> dict of data and tensors, `"model"` among them;
+    `meta`: JSON for the manifest).
 
     The new checkpoint is complete before any older one is removed, and those of every `keep_every`-th
     step are kept (0: only the new one stays). A complete checkpoint of the same step is kept as it
@@ -216,12 +322,7 @@ def write(out: str | Path, step: int, parts: dict[str, dict[str, Any]], meta: di
         return Checkpoint(final, step, _read_manifest(final))
     tmp = root / f".step-{step:08d}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    manifest = {"format": FORMAT, "step": step, **meta, "parts": {}}
-    for name, obj in parts.items():
-        manifest["parts"][name] = _write_part(tmp / name, obj)
-    manifest["written"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    _write_manifest(tmp, manifest)
+    manifest = write_directory(tmp, step, parts, meta)
     os.rename(tmp, final)
     fsync_dir(root)
     checkpoint = Checkpoint(final, step, manifest)

@@ -154,7 +154,7 @@ def _load_source(source: str, text_field: str | None, tokenizer: Any) -> list[st
         if not files:
             raise DataError(f"directory {source!r} holds no data files ({', '.join(DATA_SUFFIXES)})")
         docs = [d for f in files for d in _load_file(f, text_field, tokenizer)]
-    elif path.is_file():
+    elif path.is_file() or path.is_symlink():
         docs = _load_file(path, text_field, tokenizer)
     elif _looks_like_path(source):
         raise DataError(f"data file {source!r} does not exist")
@@ -174,6 +174,10 @@ def check_source(source: str) -> None:
     """
     if source in NAMED_SOURCES or Path(source).expanduser().exists():
         return
+    if Path(source).expanduser().is_symlink():
+        from kvpop.files import check_file
+
+        check_file(Path(source).expanduser(), "the data file")
     if _looks_like_path(source):
         raise DataError(f"data file {source!r} does not exist")
     if importlib.util.find_spec("datasets") is None:
@@ -191,13 +195,23 @@ def _looks_like_path(source: str) -> bool:
 
 
 def _load_file(path: Path, text_field: str | None, tokenizer: Any) -> list[str]:
+    from kvpop.files import check_file
+    from kvpop.limits import check_fits
+
+    check_file(path, "the data file")
+    # read whole: a file larger than the memory free is refused before a byte of it is read
+    check_fits({"the file's text": path.stat().st_size}, "cpu", f"data file {str(path)!r}", "split it into smaller files "
+               "(a directory of them is one source)")
     suffix = path.suffix.lower()
     if suffix in TEXT_SUFFIXES:
         return _text_blocks(path.read_text(encoding="utf-8", errors="replace"), TXT_BLOCK_CHARS)
     if suffix in PARQUET_SUFFIXES:
         return _load_parquet(path, text_field, tokenizer)
     if suffix in JSON_SUFFIXES:
-        raw = path.read_text(encoding="utf-8")
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"{path}: not UTF-8 text, so no JSON records: a binary file or a damaged one") from None
         if not raw.strip():
             raise DataError(f"data file {str(path)!r} is empty")
         return [_record_text(r, text_field, tokenizer, where) for where, r in _json_records(raw, path)]
@@ -226,6 +240,8 @@ def _json_records(raw: str, path: Path) -> Iterator[tuple[str, Any]]:
             whole = json.loads(raw)
         except json.JSONDecodeError:
             whole = None
+        except (RecursionError, ValueError) as e:
+            raise DataError(f"{path} is not data kvpop reads ({_json_fault(e)})") from None
         if isinstance(whole, (list, dict)):
             for i, r in enumerate(whole if isinstance(whole, list) else [whole]):
                 yield f"{path}[{i}]", r
@@ -237,7 +253,15 @@ def _json_records(raw: str, path: Path) -> Iterator[tuple[str, Any]]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno} is not a JSON record ({e}); expected one JSON object per line") from e
+        except (RecursionError, ValueError) as e:
+            raise DataError(f"{path}:{lineno} is not a JSON record kvpop reads ({_json_fault(e)})") from None
         yield f"{path}:{lineno}", record
+
+
+def _json_fault(err: BaseException) -> str:
+    if isinstance(err, RecursionError):
+        return "it nests too deeply"
+    return " ".join(str(err).split())[:120]
 
 
 def _load_parquet(path: Path, text_field: str | None, tokenizer: Any) -> list[str]:

@@ -11,11 +11,12 @@ CPU runs in minutes; its `OUT/final` holds the scorers and where the base is fou
 Under `torchrun` the same command runs data-parallel (DDP, or FSDP2 with `--fsdp`), each rank
 taking its share of every global batch.
 
-Nothing is lost: a checkpoint (model, optimizer, scheduler, RNG states, step) is written
-atomically every `--save-every` steps and on Ctrl-C, the previous one kept until the new one is
-complete (`kvpop.train.checkpoint`); `--resume` continues to the losses an uninterrupted run gives,
-in the same or a moved directory; an `--out` holding a run is refused unless `--resume` or
-`--overwrite` is given; a non-finite loss stops the run before anything is overwritten.
+Nothing is lost: a checkpoint (model, optimizer, scheduler, RNG states, step; data only, as JSON
+and safetensors) is written atomically every `--save-every` steps and on Ctrl-C, the previous one
+kept until the new one is complete (`kvpop.train.checkpoint`); `--resume` continues to the losses an
+uninterrupted run gives, in the same or a moved directory; an `--out` holding a run is refused
+unless `--resume` or `--overwrite` is given; a non-finite loss stops the run before anything is
+overwritten.
 `--keep-every N` also keeps every N-th step's checkpoint, for a curve against the steps.
 
 `--init-from DIR` starts a new run (step 0, fresh optimizer and schedule) from the weights of another
@@ -56,9 +57,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from kvpop import limits
 from kvpop.attention import Capture
 from kvpop.config import KVpopConfig
-from kvpop.files import write_atomic
+from kvpop.files import check_scorers, write_atomic
 from kvpop.ops.target import future_attention_target
 from kvpop.retrofit import kvpop_modules, model_head_dim, resolve_config, retrofit, save
 from kvpop.timing import timed
@@ -326,6 +328,9 @@ class Distiller:
         if kcfg.policy in ("streaming_llm", "streaming_llm_plus") and tcfg.freeze_base:
             raise ValueError(f"policy {kcfg.policy!r} has no scorer: with --freeze-base there is nothing to train")
         self._check_lengths(model)
+        # before the teacher copy and the first step: a length or batch that cannot fit is refused with its estimate
+        limits.check_training(model, tcfg, self.dist.world, self.device,
+                              teacher=not tcfg.freeze_base or kcfg.policy == "dms")
         if source is not None and kcfg != source.config:
             from kvpop.train.weights import config_differences
 
@@ -348,6 +353,12 @@ class Distiller:
                 detach(base)
             self.teacher = base.eval().requires_grad_(False)
         if pretrained is None:
+            # on a weightless copy first: scorers a config or a source cannot have are refused before they are made
+            from kvpop.train.weights import scorer_shapes
+
+            check_scorers(model, kcfg, retrofit, None if source is None else scorer_shapes(source),
+                          "the KVpop config" if source is None else source.path,
+                          "lower --scorer-hidden or the budget" if source is None else "the source is damaged")
             retrofit(model, kcfg)
         mods = kvpop_modules(model)
         if mods.base is not None and not mods.base.get("name"):
@@ -456,6 +467,11 @@ class Distiller:
     def _training_pool(self) -> Pool:
         """Pack documents until `pool_tokens` are covered, identically on every rank (`kvpop.train.mix`)."""
         t = self.tcfg
+        rows = -(-self.pool_tokens // t.seq_len)
+        # the packed rows (int64), and the documents' token ids they are cut from, at the least as many again
+        limits.check_fits({"training tokens": 2 * rows * t.seq_len * 8}, "cpu",
+                          f"{self.pool_tokens} training tokens (--max-tokens, else --steps x --batch-size x --grad-accum "
+                          "x --seq-len)", "lower --max-tokens or --steps")
         pool = training_rows(t.data, self.tokenizer, t.seq_len, self.pool_tokens, text_field=t.text_field,
                              eval_fraction=t.eval_fraction, seed=t.seed, chat=t.chat)
         if len(pool.parts) > 1 and self.dist.main:
@@ -679,9 +695,9 @@ class Distiller:
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
-            "model.pt": {"model": self._trained_state()},
-            "train_state.pt": {"step": self.step, "optimizer": self._optimizer_state(),
-                               "scheduler": self.scheduler.state_dict(), "rng": rng},
+            ckpt.MODEL: {"model": self._trained_state()},
+            "train_state": {"step": self.step, "optimizer": self._optimizer_state(),
+                            "scheduler": self.scheduler.state_dict(), "rng": rng},
         }
 
     def _checkpoint_meta(self) -> dict[str, Any]:
@@ -806,20 +822,29 @@ class Distiller:
             raise TrainingError(f"--resume: {path} does not fit the model ({err})") from None
         if unexpected or (self._holds_base and missing):
             raise TrainingError(f"--resume: {path} does not fit the model (missing {missing}, unexpected {unexpected})")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        self.sampler.set_state(rng["sampler"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            rng = state["rng"]
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            self.sampler.set_state(rng["sampler"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
+            why = " ".join(str(err).split())[:200]
+            raise TrainingError(f"--resume: {path}: its optimizer, scheduler or RNG state cannot be restored "
+                                f"({type(err).__name__}: {why}); the checkpoint is damaged") from None
+        if type(state["step"]) is not int or state["step"] < 0:
+            raise TrainingError(f"--resume: {path}: its step {state['step']!r} is not a count of steps")
         self.step = self.last_saved = state["step"]
         self.last_checkpoint = path
         # the data the run has trained on: a resume with more --steps goes on over the same documents
         # (another epoch where it runs out) rather than repacking a larger set in another order
         self.pool_tokens = state.get("pool_tokens", saved.pool_tokens)
+        if type(self.pool_tokens) is not int or self.pool_tokens < 1:
+            raise TrainingError(f"--resume: {path}: its pool_tokens {self.pool_tokens!r} is not a count of tokens")
         return state
 
     def _check_same_data(self, state: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from kvpop.config import KVpopConfig
-from kvpop.files import FileFormatError
+from kvpop.files import FileFormatError, check_scorers
 from kvpop.retrofit import CONFIG_FILE, base_identity, load, read_base, read_config, retrofit, same_base
 from kvpop.train import checkpoint as ckpt
 
@@ -35,7 +35,7 @@ class TrainedWeights:
     """The weights of one checkpoint or `kvpop.save` directory, with what identifies them."""
 
     path: Path
-    """What was read: a checkpoint (step directory or legacy `checkpoint.pt`) or a `kvpop.save` directory."""
+    """What was read: a checkpoint (a step directory) or a `kvpop.save` directory."""
     run: Path | None
     """The run directory the checkpoint belongs to; None for a `kvpop.save` directory."""
     step: int | None
@@ -110,8 +110,8 @@ def read_weights(path: str | Path) -> TrainedWeights:
             # an adapter: the scorers alone, on the base `check_base` matches
             state = {SCORERS + k: v for k, v in read_safetensors(found / SCORERS_FILE, "the scorer weights").items()}
         return TrainedWeights(found, None, None, config, read_base(found), state, None)
-    state = found.read(parts=("model.pt",))
-    run = found.path.parent if found.manifest is None else found.path.parent.parent
+    state = found.read(parts=(ckpt.MODEL,))
+    run = found.run
     step = state.get("step", found.step)
     return TrainedWeights(found.path, run, step, _config(state, found.path), state.get("base"), state["model"],
                           state.get("init"))
@@ -149,6 +149,11 @@ def load_into(model: nn.Module, weights: TrainedWeights, state: dict[str, Tensor
                               f"unexpected {unexpected})")
 
 
+def scorer_shapes(weights: TrainedWeights) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the scorer weights, as `kvpop_modules(model).state_dict()` names them."""
+    return {k[len(SCORERS):]: tuple(v.shape) for k, v in weights.state.items() if k.startswith(SCORERS)}
+
+
 def model_with(base: nn.Module, weights: TrainedWeights, name: str = "the base model") -> nn.Module:
     """A copy of `base`, retrofitted at `weights.config` and holding `weights`, in eval mode.
 
@@ -156,6 +161,7 @@ def model_with(base: nn.Module, weights: TrainedWeights, name: str = "the base m
     left as it is.
     """
     check_base(weights, base, name)
+    check_scorers(base, weights.config, retrofit, scorer_shapes(weights), weights.path)
     model = retrofit(copy.deepcopy(base), weights.config)
     load_into(model, weights)
     return model.eval()
