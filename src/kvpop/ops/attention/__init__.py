@@ -15,7 +15,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kvpop.ops.attention.reference import attention_with_probs, masked_attention, slot_probs, step_probs
+from kvpop.ops.attention.reference import (
+    attention_with_probs,
+    masked_attention,
+    scored_attention_reference,
+    slot_probs,
+    step_probs,
+)
 
 Backend = Literal["auto", "reference", "cpu", "cpu_blocks", "flex", "sdpa", "gather"]
 
@@ -37,6 +43,28 @@ def decode_attention(
     from kvpop.ops.attention.sdpa import decode_attention as fused
 
     return fused(query, key, value, occupied if occupied.dtype == torch.bool else occupied >= 0, scale)
+
+
+def decode_attention_scored(
+    query: Tensor,  # [B, Hq, 1, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    pos: Tensor,  # [B, Hkv, N] int64, -1: an empty slot
+    pri: Tensor,  # [B, Hkv, N] float32, updated in place
+    prior: Tensor | None,  # [B, Hkv, N] float32, the slots' static priors
+    real: Tensor,  # [B] bool
+    scale: float,
+    score: str,
+) -> Tensor:
+    """A dynamic policy's decode attention, its priorities updated by `score` from the step's probabilities: on CUDA
+    the split kernel with the update in its second launch (`decode_kernel.decode_attention_scored`) for the scores
+    of `decode_kernel.SCORE_FORMS`; reference (and elsewhere): `scored_attention_reference`."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        from kvpop.ops.attention import decode_kernel
+
+        if decode_kernel.available(query) and score in decode_kernel.SCORE_FORMS:
+            return decode_kernel.decode_attention_scored(query, key, value, pos, pri, prior, real, scale, score)
+    return scored_attention_reference(query, key, value, pos, pri, prior, real, scale, score)
 
 
 def sparse_attention(
@@ -104,7 +132,9 @@ def sparse_attention(
 __all__ = [
     "attention_with_probs",
     "decode_attention",
+    "decode_attention_scored",
     "masked_attention",
+    "scored_attention_reference",
     "slot_probs",
     "sparse_attention",
     "step_probs",

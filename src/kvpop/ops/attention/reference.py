@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpop.ops.dynamic.score import score_update
+
 
 def masked_attention(
     query: Tensor,  # [B, Hq, Q, D]
@@ -91,3 +93,27 @@ def attention_with_probs(
     probs = step_probs(query, key, occupied, scale)
     out = torch.einsum("bhgn,bhnd->bhgd", probs, value.float()).to(query.dtype)
     return out.reshape(B, Hq, 1, D), probs
+
+
+def scored_attention_reference(
+    query: Tensor,  # [B, Hq, 1, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    pos: Tensor,  # [B, Hkv, N] int64, -1: an empty slot
+    pri: Tensor,  # [B, Hkv, N] float32, updated in place
+    prior: Tensor | None,  # [B, Hkv, N] float32, the slots' static priors
+    real: Tensor,  # [B] bool
+    scale: float,
+    score: str,
+) -> Tensor:
+    """A dynamic policy's decode attention: the step's attention over the occupied slots, then every occupied slot's
+    priority rewritten from its probabilities by `score` (`ops.dynamic.score_update`), in place for the real rows.
+
+    Returns:
+        out [B, Hq, 1, D].
+    """
+    occupied = pos >= 0
+    out, probs = attention_with_probs(query, key, value, occupied, scale)
+    updated = score_update(score, pri, probs, occupied, prior)
+    pri.copy_(torch.where(real[:, None, None], updated, pri))
+    return out
