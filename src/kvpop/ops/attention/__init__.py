@@ -99,23 +99,13 @@ def sparse_attention(
     """
     shared = k_pos.dim() == 2
     if backend == "auto":
+        from kvpop.ops.attention.backends import auto_backend
         from kvpop.ops.attention.cpu import available
 
-        if query.is_cuda:
-            # FlexAttention over the whole sequence, for training too: "gather" computes a layer's forward +
-            # backward 3.4x faster at the 8B shape and S = 16k on an H100, yet made a SmolLM2 distillation step
-            # (S = 8192) 1.3x slower, where the step is bound by the host's launches (docs/RESULTS.md, nineteenth
-            # session); `kvpop train --attention gather` chooses it
-            backend = "flex" if shared else "sdpa"
-        elif available(query):
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            # training on the CPU: each query tile over its own gathered keys (2.4-4.4x less time than the
-            # whole-sequence mask at S = 2048, B = 512 / 256; docs/RESULTS.md, eighteenth session), unless the
-            # rule keeps everything (the dense teacher: sink = window = the length; a tile would gather its prefix)
-            gathered = grad and shared and sink + window < key.shape[-2]
-            backend = "gather" if gathered else ("cpu" if grad else "cpu_blocks")
-        else:
-            backend = "reference"
+        B, Hq, Q, D = query.shape
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        backend = auto_backend(query.device.type, B, Hq, D, Q, sink, window, topk, shared, grad,
+                               cpu_kernels=query.device.type == "cpu" and available(query))
     if backend == "gather":
         if not shared:
             raise ValueError("backend='gather' needs key positions shared by the heads ([B, N])")
