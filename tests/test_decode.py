@@ -280,7 +280,8 @@ def test_eager_steps_are_counted():
     assert cache.get_seq_length() == 9 + STEPS
 
 
-@pytest.mark.parametrize("name,context", [("kvpop", 40), ("mlstm", 40), ("evidence", 40), ("kvpop", 9), ("dense", 40)])
+@pytest.mark.parametrize("name,context", [("kvpop", 40), ("mlstm", 40), ("evidence", 40), ("kvpop", 9), ("dense", 40),
+                                          ("cascade-mean", 40)])
 def test_fill_random(name, context):
     model = _model(name)
     cache = _cache(model, name, context + 4)
@@ -299,6 +300,10 @@ def test_fill_random(name, context):
                 assert torch.equal(cfg.sink + (ring - cfg.sink) % cfg.window,
                                    torch.arange(cfg.sink, cfg.sink + cfg.window))
             assert bool((layer.seen == context).all()) and layer.processed == context
+            # the cascades' static pool ranks by the prior buffer: filled where a slot is
+            assert (layer.prior is not None) == name.startswith("cascade")
+            if layer.prior is not None:
+                assert torch.equal(torch.isfinite(layer.prior), layer.pos >= 0)
     assert int(cache.get_seq_length()) == context
     # and decoding runs from it, eager and compiled alike
     decoder = Decoder(model, cache, compile=True, backend=BACKEND)
@@ -326,6 +331,72 @@ def test_bench_compiled_rows_and_random_fill():
         assert r["seen"] == 32 + (3 if r["compiled"] else 1) + 2
         assert (r["compile_s"] is not None) == r["compiled"]
     assert rows[1]["vs_dense"] == 1.0
+
+
+def test_bench_runs_the_layer_wide_cascade_beside_the_static_rule():
+    from kvpop.eval.bench import cascade_config
+
+    cfg = kvpop.KVpopConfig(sink=2, window=4, topk=9, scorer_hidden=16)
+    assert cascade_config(cfg) == kvpop.KVpopConfig(sink=0, window=1, topk=14, tova_pool=10, tova_head_average=True,
+                                                    scorer_hidden=16)
+    with quiet():
+        rows = bench_decode(tiny_model("qwen3"), (32,), cache_kinds=("kvpop", "cascade"), new_tokens=2, warmup=1,
+                            device="cpu", config=cfg, compile=True, fill="random", compile_backend=BACKEND,
+                            cascade_pool=6)
+    assert [(r["cache"], r["compiled"], r["budget"]) for r in rows] == [("kvpop", False, 15), ("kvpop", True, 15),
+                                                                        ("cascade", False, 15), ("cascade", True, 15)]
+    assert all(r["error"] is None and r["ms_per_token"] > 0 for r in rows), [r["error"] for r in rows]
+
+
+def test_compile_options_are_scoped_to_kvpops_compiles():
+    from kvpop.decode import COMPILE_OPTIONS, compile_options, generation_compile_config
+
+    assert compile_options(torch.device("cpu")) is None and generation_compile_config(torch.device("cpu")) is None
+    config = generation_compile_config(torch.device("cuda"))
+    assert config.mode is None and config.options == COMPILE_OPTIONS and config.backend == "inductor"
+    # torch.compile takes them as transformers passes them: one bad option name would raise here
+    torch.compile(lambda x: x, **config.to_dict())
+    # nothing leaked into inductor's global config
+    import torch._inductor.config as inductor
+
+    assert not inductor.coordinate_descent_tuning and not inductor.max_autotune_gemm
+
+
+def test_retrofit_gives_generate_the_compile_config_and_detach_takes_it_back(monkeypatch):
+    from transformers.generation.configuration_utils import CompileConfig
+
+    import kvpop.decode
+
+    ours = CompileConfig(backend="aot_eager", mode=None)
+    # the CPU stands in for a GPU here: where `generate` compiles, the retrofit sets its config
+    monkeypatch.setattr(kvpop.decode, "generation_compile_config", lambda device: ours)
+    model = tiny_model("qwen3")
+    kvpop.retrofit(model, CONFIGS["kvpop"])
+    assert model.generation_config.compile_config is ours
+    kvpop.detach(model)
+    assert model.generation_config.compile_config is None
+    # a config of the user's own stays, through the retrofit and after it
+    mine = CompileConfig(mode="max-autotune")
+    model.generation_config.compile_config = mine
+    kvpop.retrofit(model, CONFIGS["kvpop"])
+    kvpop.detach(model)
+    assert model.generation_config.compile_config is mine
+
+
+def test_the_first_step_is_timed():
+    model = _model("kvpop")
+    ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    cache = _cache(model, "kvpop", 30)
+    decoder = Decoder(model, cache, compile=True, backend=BACKEND)
+    assert decoder.first_step_s is None
+    with quiet(), torch.no_grad():
+        decoder.prefill(ids)
+        with decoder.decoding():
+            decoder.step(ids[:, -1:], torch.full((1, 1), 9))
+            first = decoder.first_step_s
+            decoder.step(ids[:, -1:], torch.full((1, 1), 10))
+    assert first is not None and first > 0 and decoder.first_step_s == first
+    torch._dynamo.reset()
 
 
 def test_bench_compiled_failure_is_a_row_error(monkeypatch):
