@@ -102,8 +102,8 @@ SCORED = textwrap.dedent(
             scale = D ** -0.5
             want = scored_attention_reference(q, k, v, pos[..., :N], want_pri[..., :N], prior[..., :N], real, scale,
                                               score)
-            got = decode_attention_scored(q, k, v, pos[..., :N], got_pri[..., :N], prior[..., :N], real, scale,
-                                          score, split=split)
+            # the buffers whole, as a cache passes them: the scratch slot is not the kernel's to touch
+            got = decode_attention_scored(q, k, v, pos, got_pri, prior, real, scale, score, split=split)
             tol = 2e-5 if dtype == torch.float32 else 2e-2
             G = Hq // Hkv
             if B > 1:
@@ -128,7 +128,7 @@ SCORED = textwrap.dedent(
     # a custom op that writes `pri` in place: a compiled step takes it as one call
     step = torch.compile(decode_attention_scored, backend="aot_eager", fullgraph=True)
     again = pri.clone()
-    out = step(q, k, v, pos[..., :N], again[..., :N], prior[..., :N], real, scale, score, split=split)
+    out = step(q, k, v, pos, again, prior, real, scale, score, split=split)
     assert torch.equal(out, got) and torch.equal(again[..., :N], got_pri[..., :N])
     print("ok")
     """
@@ -169,3 +169,5 @@ def test_scored_attention_refuses_a_score_without_a_form():
         decode_attention_scored(q, k, k, pos, pri, None, torch.ones(1, dtype=torch.bool), 1.0, "median")
     with pytest.raises(ValueError, match="adds the slots' priors"):
         decode_attention_scored(q, k, k, pos, pri, None, torch.ones(1, dtype=torch.bool), 1.0, "prior")
+    with pytest.raises(ValueError, match="must cover the 8 slots"):
+        decode_attention_scored(q, k, k, pos[..., :7], pri[..., :7], None, torch.ones(1, dtype=torch.bool), 1.0, "max")

@@ -449,14 +449,15 @@ def decode_step(
         the attention output [B, Hq, 1, D].
     """
     slots = buffers[0].shape[2] - 1
-    keys, values, pos, pri = (b[:, :, :slots] for b in buffers[:4])
+    keys, values = (b[:, :, :slots] for b in buffers[:2])
     static = topk - (topk if pool is None else pool)  # KVpop-cascade: the long-range slots ranked by the prior
     step_slots(buffers, key, value, p, real, pri_new, sink, window, topk, static, tova_first)
     if score is None:
         # the positions as the occupancy: the CUDA kernel compares them itself (one launch less per layer)
-        return decode_attention(query, keys, values, pos, scale)
-    prior = buffers[4][:, :, :slots] if len(buffers) > 4 else None
-    return decode_attention_scored(query, keys, values, pos, pri, prior, real, scale, score)
+        return decode_attention(query, keys, values, buffers[2][:, :, :slots], scale)
+    # the priorities' buffer whole (its scratch slot unused): a compiled step updates its own input in place
+    prior = buffers[4] if len(buffers) > 4 else None
+    return decode_attention_scored(query, keys, values, buffers[2], buffers[3], prior, real, scale, score)
 
 
 _FUSED: dict[str, object] = {}

@@ -49,22 +49,25 @@ def decode_attention_scored(
     query: Tensor,  # [B, Hq, 1, D]
     key: Tensor,  # [B, Hkv, N, D]
     value: Tensor,  # [B, Hkv, N, D]
-    pos: Tensor,  # [B, Hkv, N] int64, -1: an empty slot
-    pri: Tensor,  # [B, Hkv, N] float32, updated in place
-    prior: Tensor | None,  # [B, Hkv, N] float32, the slots' static priors
+    pos: Tensor,  # [B, Hkv, M >= N] int64, -1: an empty slot
+    pri: Tensor,  # [B, Hkv, M] float32, updated in place
+    prior: Tensor | None,  # [B, Hkv, M] float32, the slots' static priors
     real: Tensor,  # [B] bool
     scale: float,
     score: str,
 ) -> Tensor:
     """A dynamic policy's decode attention, its priorities updated by `score` from the step's probabilities: on CUDA
     the split kernel with the update in its second launch (`decode_kernel.decode_attention_scored`) for the scores
-    of `decode_kernel.SCORE_FORMS`; reference (and elsewhere): `scored_attention_reference`."""
+    of `decode_kernel.SCORE_FORMS`; reference (and elsewhere): `scored_attention_reference`. `pos`, `pri` and
+    `prior` may run past the keys' `N` slots (a cache's buffers, scratch slot included): only `[0, N)` is used."""
     if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from kvpop.ops.attention import decode_kernel
 
         if decode_kernel.available(query) and score in decode_kernel.SCORE_FORMS:
             return decode_kernel.decode_attention_scored(query, key, value, pos, pri, prior, real, scale, score)
-    return scored_attention_reference(query, key, value, pos, pri, prior, real, scale, score)
+    N = key.shape[2]
+    return scored_attention_reference(query, key, value, pos[..., :N], pri[..., :N],
+                                      None if prior is None else prior[..., :N], real, scale, score)
 
 
 def sparse_attention(

@@ -128,71 +128,59 @@ if triton is not None:
     def _score_block(
         m_ptr, l_ptr, s_ptr, pos_ptr, pri_ptr, prior_ptr, real_ptr, i_b, i_u,
         Hkv, G, N, n_splits, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h,
-        BS: tl.constexpr, BG: tl.constexpr, BLOCK_U: tl.constexpr, REDUCE: tl.constexpr,
-        ACCUMULATE: tl.constexpr, ADD_PRIOR: tl.constexpr,
+        BS: tl.constexpr, BG: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr, BLOCK_U: tl.constexpr,
+        REDUCE: tl.constexpr, ACCUMULATE: tl.constexpr, ADD_PRIOR: tl.constexpr,
     ):
-        # slots [i_u * BLOCK_U, + BLOCK_U) of row i_b, every KV head: the step's probabilities from the logits and
-        # the splits' statistics (the normaliser the combine computes), reduced as the score says, then each
-        # occupied slot's priority rewritten (a padding step rewrites nothing)
+        # slots [i_u * BLOCK_U, + BLOCK_U) of row i_b, every KV head at once ([HP, GP, BLOCK_U] tiles: no loop, so
+        # every load is in flight together): the step's probabilities from the logits and the splits' statistics
+        # (the normaliser the combine computes), reduced as the score says, then each occupied slot's priority
+        # rewritten (a padding step rewrites nothing)
         o_n = i_u * BLOCK_U + tl.arange(0, BLOCK_U)
-        in_n = o_n < N
-        o_g = tl.arange(0, BG)
-        in_g = o_g < G
+        o_h = tl.arange(0, HP)
+        o_g = tl.arange(0, GP)
         o_s = tl.arange(0, BS)
-        in_s = o_s < n_splits
-        real = tl.load(real_ptr + i_b) != 0
+        in_n = o_n < N
+        in_h = o_h < Hkv
+        in_hg = in_h[:, None] & (o_g[None, :] < G)  # [HP, GP]
         i_b64 = i_b.to(tl.int64)
-        acc = tl.zeros([BLOCK_U], dtype=tl.float32)
-        h = 0
-        while h < Hkv:
-            i_bh = i_b64 * Hkv + h
-            row = (i_bh * n_splits + o_s)[:, None] * BG + o_g[None, :]  # [BS, BG]
-            b_m = tl.load(m_ptr + row, mask=in_s[:, None], other=float("-inf"))
-            b_l = tl.load(l_ptr + row, mask=in_s[:, None], other=0.0)
-            top = tl.max(b_m, axis=0)  # [BG]
-            w = tl.where(b_m > float("-inf"), tl.exp(b_m - top[None, :]), 0.0)
-            total = tl.sum(w * b_l, axis=0)  # [BG]
-            b_s = tl.load(s_ptr + (i_bh * G + o_g[:, None]) * N + o_n[None, :], mask=in_g[:, None] & in_n[None, :],
-                          other=float("-inf"))  # [BG, BLOCK_U]
-            # empty slots (and a row with none occupied) have probability 0
-            b_p = tl.where(b_s > float("-inf"), tl.exp(b_s - top[:, None]) / total[:, None], 0.0)
-            if REDUCE == 2:
-                # the layer's head average: every slot sums its heads in the same order, so equal probabilities give
-                # equal priorities (the rule's ties)
-                acc += tl.sum(b_p, axis=0)
-            else:
-                if REDUCE == 0:
-                    red = tl.max(b_p, axis=0)
-                else:
-                    red = tl.sum(b_p, axis=0)
-                _store_score(red, pos_ptr, pri_ptr, prior_ptr, i_b64, h, o_n, in_n, real, sp_b, sp_h, sq_b, sq_h, sr_b,
-                             sr_h, ACCUMULATE, ADD_PRIOR)
-            h += 1
-        if REDUCE == 2:
-            mean = acc / (Hkv * G)
-            h = 0
-            while h < Hkv:
-                _store_score(mean, pos_ptr, pri_ptr, prior_ptr, i_b64, h, o_n, in_n, real, sp_b, sp_h, sq_b, sq_h,
-                             sr_b, sr_h, ACCUMULATE, ADD_PRIOR)
-                h += 1
-
-    @triton.jit
-    def _store_score(new, pos_ptr, pri_ptr, prior_ptr, i_b64, h, o_n, in_n, real, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h,
-                     ACCUMULATE: tl.constexpr, ADD_PRIOR: tl.constexpr):
-        occupied = tl.load(pos_ptr + i_b64 * sp_b + h * sp_h + o_n, mask=in_n, other=-1) >= 0
-        p_pri = pri_ptr + i_b64 * sq_b + h * sq_h + o_n
+        bh = i_b64 * Hkv + o_h  # [HP]
+        # the splits' statistics [HP, BS, GP]: each query head's maximum and sum over its occupied slots
+        stat = ((bh[:, None] * n_splits + o_s[None, :]) * BG)[:, :, None] + o_g[None, None, :]
+        m_stat = in_hg[:, None, :] & (o_s < n_splits)[None, :, None]
+        b_m = tl.load(m_ptr + stat, mask=m_stat, other=float("-inf"))
+        b_l = tl.load(l_ptr + stat, mask=m_stat, other=0.0)
+        top = tl.max(b_m, axis=1)  # [HP, GP]
+        w = tl.where(b_m > float("-inf"), tl.exp(b_m - top[:, None, :]), 0.0)
+        total = tl.sum(w * b_l, axis=1)  # [HP, GP]
+        p_s = s_ptr + ((bh[:, None] * G + o_g[None, :]) * N)[:, :, None] + o_n[None, None, :]
+        b_s = tl.load(p_s, mask=in_hg[:, :, None] & in_n[None, None, :], other=float("-inf"))  # [HP, GP, BLOCK_U]
+        # empty slots (and a head with none occupied) have probability 0
+        b_p = tl.where(b_s > float("-inf"), tl.exp(b_s - top[:, :, None]) / total[:, :, None], 0.0)
+        if REDUCE == 0:
+            new = tl.max(b_p, axis=1)  # [HP, BLOCK_U]
+        elif REDUCE == 1:
+            new = tl.sum(b_p, axis=1)
+        else:
+            # the layer's head average, the same for every KV head; every slot sums its heads in the same order, so
+            # equal probabilities give equal priorities (the rule's ties)
+            mean = tl.sum(tl.sum(b_p, axis=1), axis=0) / (Hkv * G)  # [BLOCK_U]
+            new = tl.zeros([HP, BLOCK_U], dtype=tl.float32) + mean[None, :]
+        m_hn = in_h[:, None] & in_n[None, :]
+        occupied = tl.load(pos_ptr + i_b64 * sp_b + (o_h * sp_h)[:, None] + o_n[None, :], mask=m_hn, other=-1) >= 0
+        p_pri = pri_ptr + i_b64 * sq_b + (o_h * sq_h)[:, None] + o_n[None, :]
         if ACCUMULATE:
-            new = tl.load(p_pri, mask=in_n, other=0.0) + new
+            new = tl.load(p_pri, mask=m_hn, other=0.0) + new
         if ADD_PRIOR:
-            new = new + tl.load(prior_ptr + i_b64 * sr_b + h * sr_h + o_n, mask=in_n, other=0.0)
-        tl.store(p_pri, new, mask=in_n & occupied & real)
+            new = new + tl.load(prior_ptr + i_b64 * sr_b + (o_h * sr_h)[:, None] + o_n[None, :], mask=m_hn, other=0.0)
+        real = tl.load(real_ptr + i_b) != 0
+        tl.store(p_pri, new, mask=m_hn & occupied & real)
 
     @triton.jit
     def decode_combine_score_kernel(
         m_ptr, l_ptr, acc_ptr, out_ptr, s_ptr, pos_ptr, pri_ptr, prior_ptr, real_ptr,
         Hkv, G, N, DV, n_splits, n_blocks, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h,
-        BS: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr, BLOCK_U: tl.constexpr, REDUCE: tl.constexpr,
-        ACCUMULATE: tl.constexpr, ADD_PRIOR: tl.constexpr,
+        BS: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr,
+        BLOCK_U: tl.constexpr, REDUCE: tl.constexpr, ACCUMULATE: tl.constexpr, ADD_PRIOR: tl.constexpr,
     ):
         # one launch for both ends of the step: programs [0, B * Hq) combine the splits' outputs as
         # `decode_combine_kernel` does, the rest each update the priorities of a block of slots of one row
@@ -204,7 +192,8 @@ if triton is not None:
             j = i - n_heads
             n_u = tl.cdiv(N, BLOCK_U)
             _score_block(m_ptr, l_ptr, s_ptr, pos_ptr, pri_ptr, prior_ptr, real_ptr, j // n_u, j % n_u, Hkv, G, N,
-                         n_splits, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h, BS, BG, BLOCK_U, REDUCE, ACCUMULATE, ADD_PRIOR)
+                         n_splits, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h, BS, BG, HP, GP, BLOCK_U, REDUCE, ACCUMULATE,
+                         ADD_PRIOR)
 
 
 def decode_attention_split(
@@ -241,17 +230,18 @@ SCORE_FORMS: dict[str, tuple[int, bool, bool]] = {
 reduction 0 the max over a KV head's query heads, 1 their sum, 2 the mean over every query head of the layer. A new
 score of one of these forms is one line here; any other score runs the reference (`cache.decode_step`)."""
 
-BLOCK_U = 128
-"""Slots per program of the priority update."""
+SCORE_TILE = 4096
+"""Elements of a priority-update program's `[KV heads, query heads per KV head, slots]` tile (powers of two): its
+slots per program are what is left, at most 128 (the Qwen3-8B shape: 8 x 4 x 128)."""
 
 
 def decode_attention_scored(
     query: Tensor,  # [B, Hq, 1, D]
     key: Tensor,  # [B, Hkv, N, D]
     value: Tensor,  # [B, Hkv, N, Dv]
-    pos: Tensor,  # [B, Hkv, N] int64, -1: an empty slot
-    pri: Tensor,  # [B, Hkv, N] float32, updated in place
-    prior: Tensor | None,  # [B, Hkv, N] float32, the slots' static priors (score "prior")
+    pos: Tensor,  # [B, Hkv, M >= N] int64, -1: an empty slot
+    pri: Tensor,  # [B, Hkv, M] float32, updated in place
+    prior: Tensor | None,  # [B, Hkv, M] float32, the slots' static priors (score "prior")
     real: Tensor,  # [B] bool, False: a padding step (no priority changes)
     scale: float,
     score: str,
@@ -260,6 +250,10 @@ def decode_attention_scored(
     """A dynamic policy's decode attention (`reference.scored_attention_reference`): the split attention over the
     occupied slots, and every occupied slot's priority rewritten from the step's probabilities as `score` says
     (`SCORE_FORMS`), in place. Out [B, Hq, 1, Dv].
+
+    `pos`, `pri` and `prior` may hold columns past the `N` slots, which nothing reads or writes: a cache passes its
+    buffers whole (the scratch slot last), so that a compiled step mutates its own input, in place, rather than a
+    view of it that would be copied back.
 
     The split pass also writes its logits; one more launch combines the splits' outputs and, in other programs,
     turns the logits into probabilities with the combine's normaliser and updates the priorities: three launches,
@@ -274,8 +268,12 @@ def decode_attention_scored(
         raise ValueError(f"score={score!r} adds the slots' priors: pass prior")
     if pos.dtype != torch.int64 or pri.dtype != torch.float32:
         raise ValueError(f"pos ({pos.dtype}) must be int64 and pri ({pri.dtype}) float32")
-    if any(t.stride(-1) != 1 for t in (pos, pri, *(() if prior is None else (prior,)))):
+    slots = (pos, pri, *(() if prior is None else (prior,)))
+    if any(t.stride(-1) != 1 for t in slots):
         raise ValueError("decode_attention_scored needs pos, pri and prior contiguous in their last dimension")
+    if any(t.shape[:2] != key.shape[:2] or t.shape[2] < key.shape[2] for t in slots):
+        raise ValueError(f"pos, pri and prior ({', '.join(str(tuple(t.shape)) for t in slots)}) must cover the "
+                         f"{key.shape[2]} slots of the keys {tuple(key.shape)}")
     return _scored_op(query, key, value, pos, pri, prior if add_prior else None, real, float(scale), int(split),
                       reduce, accumulate)
 
@@ -342,14 +340,16 @@ def _scored_op(query: Tensor, key: Tensor, value: Tensor, pos: Tensor, pri: Tens
     logits = torch.empty(B * Hkv, G, N, dtype=torch.float32, device=query.device)
     (m, l_sum, acc), (n_splits, BG, BDV) = _split_pass(query, key, value, pos, scale, split, logits)
     out = torch.empty(B, Hq, 1, Dv, dtype=query.dtype, device=query.device)
-    n_blocks = B * triton.cdiv(N, BLOCK_U)
+    HP, GP = triton.next_power_of_2(Hkv), triton.next_power_of_2(G)
+    block_u = max(16, min(128, SCORE_TILE // (HP * GP)))
+    n_blocks = B * triton.cdiv(N, block_u)
     # without a prior the kernel never reads its pointer: `pri` stands in
     rank = pri if prior is None else prior
     decode_combine_score_kernel[(B * Hq + n_blocks,)](
         m, l_sum, acc, out, logits, pos, pri, rank, real.contiguous(),
         Hkv, G, N, Dv, n_splits, n_blocks, pos.stride(0), pos.stride(1), pri.stride(0), pri.stride(1),
         rank.stride(0), rank.stride(1),
-        BS=triton.next_power_of_2(n_splits), BG=BG, BDV=BDV, BLOCK_U=BLOCK_U, REDUCE=reduce,
+        BS=triton.next_power_of_2(n_splits), BG=BG, BDV=BDV, HP=HP, GP=GP, BLOCK_U=block_u, REDUCE=reduce,
         ACCUMULATE=accumulate, ADD_PRIOR=prior is not None, num_warps=4)
     return out
 
