@@ -119,13 +119,13 @@ def test_write_slots_names_why_the_kernel_cannot_run(monkeypatch):
 STEP = textwrap.dedent(
     """
     import torch
-    from kvpop.ops.slots import step_slots_kernel, step_slots_reference
+    from kvpop.ops.slots import step_slots_kernel, step_slots_reference, step_slots_torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     NAMES = ("keys", "values", "pos", "pri", "prior")
 
     def run(B, H, sink, window, topk, steps, D, DV, dtype, seed, ties, block_n, static=0, tova_first=False, prior=False,
-            compiled=False):
+            compiled=False, impl=None):
         # both from empty buffers (garbage in the scratch slot), token by token: padding steps in rows > 0, tied and
         # -inf priorities (DMS's evict decision), keys and values given as strided views. With a prior buffer the
         # slots' priorities change between steps as a score update would change them (the same in both)
@@ -138,10 +138,10 @@ STEP = textwrap.dedent(
         bufs[0][:, :, -1] = 7.0
         want = [b.to(device) for b in bufs]
         got = [b.clone() for b in want]
-        kernel = step_slots_kernel
+        kernel = impl or step_slots_kernel
         if compiled:
             # the custom op inside a compiled function: it must write the caller's buffers in place
-            kernel = torch.compile(step_slots_kernel, fullgraph=True, backend="inductor")
+            kernel = torch.compile(kernel, fullgraph=True, backend="inductor")
         seen = torch.zeros(B, dtype=torch.long)
         moved = [0, 0]
         lo = sink + window
@@ -159,7 +159,10 @@ STEP = textwrap.dedent(
             args = [x.to(device) for x in (key, value, p, real, pri)]
             before = want[2].clone()
             step_slots_reference(want, *args, sink, window, topk, static, tova_first)
-            kernel(got, *args, sink, window, topk, static, tova_first, block_n=block_n)
+            if impl is None:
+                kernel(got, *args, sink, window, topk, static, tova_first, block_n=block_n)
+            else:
+                kernel(got, *args, sink, window, topk, static, tova_first)
             for name, a, b in zip(NAMES, want, got):
                 assert torch.equal(a, b), (B, H, sink, window, topk, static, tova_first, seed, t, name)
             changed = want[2][:, :, :-1] != before[:, :, :-1]
@@ -182,7 +185,8 @@ STEP = textwrap.dedent(
         (2, 1, 1, 3, 40, 70, 16, 16, torch.float32, True, 1024),
         (2, 2, 4, 16, 64, 30, 8, 8, torch.float32, False, 8),
     ]
-    moves = [sum(run(*c[:6], *c[6:9], seed=i, ties=c[9], block_n=c[10])) for i, c in enumerate(CASES)]
+    IMPL = globals().get("IMPL")
+    moves = [sum(run(*c[:6], *c[6:9], seed=i, ties=c[9], block_n=c[10], impl=IMPL)) for i, c in enumerate(CASES)]
     # the rule promoted tokens where it could (long-range slots changed), and never where there were none
     assert all(m > 0 for m in moves[:2]) and moves[2] == 0 and moves[3] > 0, moves
     # the cascades: (sink, window, topk, static, tova_first), both pools, one of them empty, TOVA's split; and
@@ -194,12 +198,12 @@ STEP = textwrap.dedent(
     for i, (sink, window, topk, static, tova_first) in enumerate(CASCADES):
         dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
         moved = run(2, 2, sink, window, topk, 32, 8, 4, dtype, seed=20 + i, ties=i != 5, block_n=(2, 4, 1024)[i % 3],
-                    static=static, tova_first=tova_first, prior=True)
+                    static=static, tova_first=tova_first, prior=True, impl=IMPL)
         # tokens went into every pool the rule has
         assert (moved[0] > 0) == (static > 0) and (moved[1] > 0) == (static < topk), (i, moved)
-    run(2, 2, 2, 4, 12, 25, 8, 8, torch.float32, seed=9, ties=True, block_n=4, compiled=True)
+    run(2, 2, 2, 4, 12, 25, 8, 8, torch.float32, seed=9, ties=True, block_n=4, compiled=True, impl=IMPL)
     run(2, 2, 0, 1, 12, 25, 8, 8, torch.float32, seed=10, ties=True, block_n=4, static=5, tova_first=True, prior=True,
-        compiled=True)
+        compiled=True, impl=IMPL)
     print("ok")
     """
 )
@@ -208,6 +212,13 @@ STEP = textwrap.dedent(
 def test_step_kernel_updates_the_slots_as_the_reference():
     pytest.importorskip("triton", reason="the Triton kernels are optional (pip install triton)")
     run_triton_check(STEP, "step kernel check")
+
+
+def test_step_in_fewer_operations_updates_the_slots_as_the_reference():
+    # the CPU's path (`step_slots_torch`): the same cases, in this process (the compiled runs through inductor too)
+    from kvpop.ops.slots import step_slots_torch
+
+    exec(compile(STEP, "torch step check", "exec"), {"IMPL": step_slots_torch})
 
 
 def test_step_slots_errors(monkeypatch):
