@@ -383,6 +383,32 @@ def test_retrofit_gives_generate_the_compile_config_and_detach_takes_it_back(mon
     assert model.generation_config.compile_config is mine
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["kvpop", "cascade-mean"])
+def test_generate_on_cuda_compiles_with_kvpops_options(name):
+    """`model.generate` with a KVpopCache and nothing set: the retrofit's compile config (inductor with kvpop's
+    options, CUDA graphs), the eager run's tokens, one graph for the decode."""
+    from torch._dynamo.utils import counters
+
+    from kvpop.decode import COMPILE_OPTIONS
+
+    model = tiny_model("qwen3").cuda()
+    kvpop.retrofit(model, CONFIGS[name])
+    assert model.generation_config.compile_config.options == COMPILE_OPTIONS
+    ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(0)).cuda()
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    with quiet(), torch.no_grad():
+        eager = model.generate(ids, **kw, **cache_kwargs(model, kvpop.KVpopCache(model)), disable_compile=True)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = model.generate(ids, **kw, **cache_kwargs(model, kvpop.KVpopCache(model)))
+        skips, graphs = dict(counters["inductor"]), counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert torch.equal(compiled, eager)
+    assert graphs >= 1 and not skips.get("cudagraph_skips"), (graphs, skips)
+
+
 def test_the_first_step_is_timed():
     model = _model("kvpop")
     ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(2))
