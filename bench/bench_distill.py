@@ -4,8 +4,8 @@
     python bench/bench_distill.py --model qwen3-4b-shape --num-layers 4 --data prose --seq-len 16384 --budget 2048 \
         --window 512 --attention auto
 
-A `*-shape` preset (random weights, bf16 as the real checkpoints) is written with SmolLM2's tokenizer to a
-temporary directory that `kvpop train` then loads like any model (`--num-layers` fewer decoder layers: a
+A `*-shape` preset (random weights, bf16 as the real checkpoints) is written with kvpop's byte tokenizer to a
+temporary directory that `kvpop train` then loads like any model (no model file needed) (`--num-layers` fewer decoder layers: a
 4B-shape step at 16k with all 36 layers and a teacher does not fit one GPU). "attention_auto" in the result
 is what `--attention auto` picks for the run's shape and budget (`ops.attention.backends.auto_backend`).
 
@@ -54,6 +54,9 @@ def main(argv=None) -> int:
                         "sequence on CUDA), flex, or gather (each query tile over its own keys)")
     p.add_argument("--num-layers", type=int, default=None,
                    help="decoder layers of a *-shape preset (default: the real count)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="the weights of a *-shape preset (default bfloat16, as the real checkpoints; SmolLM2's preset "
+                        "loads in float32)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -69,11 +72,12 @@ def main(argv=None) -> int:
     from kvpop.train.distill import Distiller, TrainConfig
 
     if args.num_layers is not None and args.model not in SHAPE_PRESETS:
-        raise ValueError(f"--num-layers applies to the *-shape presets only, not {args.model!r}")
+        print(f"bench_distill: --num-layers applies to the *-shape presets only, not {args.model!r}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as shaped:
         model = args.model
         if model in SHAPE_PRESETS:
-            model = _write_shape_model(args.model, args.num_layers, shaped)
+            model = _write_shape_model(args.model, args.num_layers, getattr(torch, args.dtype), shaped)
         tcfg = TrainConfig(model=model, data=args.data, seq_len=args.seq_len, steps=args.warmup + args.steps,
                            out=out, save_every=0, device=args.device, freeze_base=args.freeze_base,
                            attention=args.attention)
@@ -129,16 +133,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def _write_shape_model(name: str, num_layers: int | None, path: str) -> str:
-    """Preset `name` with random weights (bf16) and SmolLM2's tokenizer, saved to `path` for `kvpop train`."""
-    from kvpop.models import load_model
+def _write_shape_model(name: str, num_layers: int | None, dtype: torch.dtype, path: str) -> str:
+    """Preset `name` with random weights (bf16) and kvpop's byte tokenizer (built locally: no model file is needed,
+    and a random model reads any ids alike), saved to `path` for `kvpop train`."""
+    from kvpop.models import byte_tokenizer
     from kvpop.shapes import build_shape_model
 
-    model, _ = build_shape_model(name, "cpu", num_layers=num_layers)
-    tokenizer = load_model("smollm2-135m")[1]
+    model, _ = build_shape_model(name, "cpu", dtype=dtype, num_layers=num_layers)
+    tokenizer = byte_tokenizer()
     if model.config.vocab_size < len(tokenizer):
-        raise ValueError(f"{name} has {model.config.vocab_size} token ids, fewer than SmolLM2's tokenizer "
-                         f"({len(tokenizer)}): pick a preset with a larger vocabulary")
+        raise ValueError(f"{name} has {model.config.vocab_size} token ids, fewer than the byte tokenizer's "
+                         f"{len(tokenizer)}")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
