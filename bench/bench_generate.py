@@ -9,12 +9,12 @@ with `cache_implementation="static"`: on CUDA transformers then compiles the dec
 "StaticCache + torch.compile" baseline, with transformers' defaults), any KVpop policy ("kvpop", "tova",
 "h2o", ...; the retrofitted model with `cache=KVpopCache(model)`: on CUDA transformers compiles its step
 with the compile config `kvpop.retrofit` gives the model, `kvpop.decode.generation_compile_config`),
-and "cascade": the layer-wide KVpop-cascade at the same budget (TOVA's split, a TOVA pool of
-`--tova-pool-layer` slots, default 3/4 of `budget - 1`). Per (context, kind) and repeat, interleaved:
-`generate` of 1 token (the prefill) and of `--new-tokens` tokens, greedy, every row forced to the full
-length. Reported, as medians over the repeats: ms per generated token with the prefill included (the
-user's view), the decode ms per token ((total - prefill) / (n - 1)), and each as a ratio to the "dense"
-row of the same repeat. Untimed warm-up: on CUDA one full call per (context, kind), which compiles
+and "cascade": the recommended policy a trained KVpop-mlp runs by default, the layer-wide KVpop-cascade at the
+same budget (`--tova-pool-layer` sets its pool, default 3/4 of `budget - 1`). Per (context, kind) and repeat,
+interleaved: `generate` of 1 token (the prefill) and of `--new-tokens` tokens, greedy, every row forced to the
+full length. Reported, as medians over the repeats: ms per generated token with the prefill included (the
+user's view), the decode ms per token ((total - prefill) / (n - 1)), and each as a ratio to the "dense" row
+of the same repeat. Untimed warm-up: on CUDA one full call per (context, kind), which compiles
 ("first_call_s"; "compile_s" is its excess over the timed call of the same length: inductor's on-disk cache
 makes it smaller in a second process); elsewhere a short first call per kind. On the CPU the process's CPU
 time is reported beside the wall time (`--threads 1` makes it immune to other processes' load).
@@ -38,16 +38,9 @@ import torch
 
 import kvpop
 from kvpop.cache import cache_kwargs
-from kvpop.eval.bench import CASCADE, cascade_config, load_bench_model, sync
+from kvpop.eval.bench import load_bench_model, policy_config, sync
 
 PLAIN = ("dense", "static")
-
-
-def kvpop_config(kind: str, budget: int, pool: int | None = None) -> kvpop.KVpopConfig:
-    """The config cache kind `kind` retrofits: a policy split by `KVpopConfig.for_budget`, or the layer-wide cascade."""
-    if kind == CASCADE:
-        return cascade_config(kvpop.KVpopConfig.for_budget(budget), pool)
-    return kvpop.KVpopConfig.for_budget(budget, policy=kind)
 
 
 @torch.no_grad()
@@ -81,7 +74,7 @@ def bench_generate(model, contexts: list[int], kinds: list[str], new_tokens: int
                 if kind not in PLAIN:
                     with torch.random.fork_rng(devices=[]):
                         torch.manual_seed(seed)
-                        kvpop.retrofit(model, kvpop_config(kind, budget, pool))
+                        kvpop.retrofit(model, policy_config(kind, budget, pool))
                 try:
                     if device.type == "cuda" and (context, kind) not in warm:
                         # the shapes of the timed run: transformers compiles the step of a compileable cache on
@@ -111,7 +104,7 @@ def bench_generate(model, contexts: list[int], kinds: list[str], new_tokens: int
                    "budget": None if kind in PLAIN else budget,
                    "no_eviction": kind not in PLAIN and budget >= context}
             if kind not in PLAIN:
-                cfg = kvpop_config(kind, budget, pool)
+                cfg = policy_config(kind, budget, pool)
                 row["split"] = {"sink": cfg.sink, "window": cfg.window, "topk": cfg.topk, "tova_pool": cfg.tova_pool}
             if (context, kind) in first:
                 row["first_call_s"] = first[(context, kind)]

@@ -1,13 +1,14 @@
 """Prefill of one prompt into a bounded cache against the dense forward, per policy and prefill path.
 
-    python bench/bench_prefill.py --model smollm2-135m --context 2048 --budget 512 --policies tova,h2o,kvpop
+    python bench/bench_prefill.py --model smollm2-135m --context 2048 --budget 512 --policies tova,h2o,kvpop,cascade
     python bench/bench_prefill.py --model qwen3-8b-shape --device cuda --context 8192 --budget 2048 --policies tova,h2o
 
 Each repeat runs, interleaved so that a changing machine load hits every row alike: the dense model's
 forward over the prompt (a `DynamicCache`, `logits_to_keep=1`), then for each policy the same forward
 into a `KVpopCache`, once per prefill path: "walk" (TOVA / H2O: `ops.dynamic`, the default) and
 "replay" (their decode step token by token, the path before the walk; `--no-replay` skips it).
-Static policies (kvpop, streaming_llm) have one path ("rule"). Reported per row: the median over
+Static policies (kvpop, streaming_llm) have one path ("rule"). `cascade` is the recommended policy, the layer-wide
+KVpop-cascade a trained KVpop-mlp directory runs by default (random scorers here: the time does not depend on them). Reported per row: the median over
 repeats of the wall time and, on the CPU, of the process's CPU time (unaffected by other processes
 on a shared machine when `--threads 1`), and their ratio to the dense row of the same repeat.
 
@@ -29,9 +30,9 @@ import torch
 
 import kvpop
 from kvpop.cache import cache_kwargs
-from kvpop.eval.bench import load_bench_model, sync
+from kvpop.eval.bench import RECOMMENDED, load_bench_model, policy_config, sync
 
-DYNAMIC = ("tova", "h2o")
+DYNAMIC = ("tova", "h2o", RECOMMENDED)
 
 
 @torch.no_grad()
@@ -61,7 +62,7 @@ def bench_prefill(model, ids: torch.Tensor, budget: int, policies: list[str], re
             else:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(seed)
-                    kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(budget, policy=policy))
+                    kvpop.retrofit(model, policy_config(policy, budget))
                 try:
                     cache = kvpop.KVpopCache(model, dynamic_prefill="replay" if path == "replay" else "walk")
                     t = _time(model, ids, cache)

@@ -28,6 +28,27 @@
 #   bash bench/gpu_evaluation.sh verify OUT   # issue 18 items 2, 4, no staging: the new kernels' tests, the fused
 #                                             # cutoffs' share of the sparse forward (twice), the prefill's profile
 #
+# The default policy against the paper's static rule and the training-free rows, S = 8192, both budgets, KVpop-mlp
+# seeds 0 and 1 (pre-RoPE keys, the domain mixture, scorer-only, STEPS steps); a `--trained DIR` row runs the
+# recommended policy (`KVpopConfig.for_rule`), its pool and ranking read from `kvpop.config`, never chosen here:
+#   bash bench/gpu_evaluation.sh confirm1 OUT  # carry .stage_a: stage; the cascades' Triton walks at size and their
+#                                              # captured decode step on CUDA
+#   bash bench/gpu_evaluation.sh confirm2 OUT  # carry .stage_b: assemble; under MPS train the four runs (TRAIN_S),
+#                                              # beside them the dense stores of long generation on the 27 held-out
+#                                              # problems (2048 tokens at B = 1024, 4096 at B = 2048) with the
+#                                              # StreamingLLM rows; the trained scorers come back (weights.tgz.part_*)
+#   bash bench/gpu_evaluation.sh confirm3 OUT  # the teacher-forced tables, 8 x 8192 held-out tokens of champ, pystdlib
+#                                              # and pydoc at each budget, six processes: both seeds as the default
+#                                              # policy and as the static rule, TOVA, H2O, StreamingLLM, one process
+#                                              # per table (the same sequences)
+#   bash bench/gpu_evaluation.sh confirm4 OUT  # the task suite (every family, 4k and 8000 tokens) at each budget: the
+#                                              # default policy of both seeds; TOVA, H2O and StreamingLLM
+#   bash bench/gpu_evaluation.sh confirm5 OUT  # long generation at B = 1024, 2048 tokens, 27 problems: the default
+#                                              # policy of both seeds, TOVA, H2O, each from a copy of the dense store
+#   bash bench/gpu_evaluation.sh confirm6 OUT  # the same at B = 2048, 4096 tokens
+# Knobs: STEPS (120), TRAIN_S (420), DENSE_S (540), SIDE_S (a table, suite or fidelity process's seconds, 540),
+# FID_P (27), LENGTHS (4k,8000), SIDE_SEEDS (the seeds of the suite and fidelity rows, "0 1").
+#
 # A run carried back (`cat resume.tar.part_* | tar x`: config.json, train_log.jsonl, checkpoints/step-N; 32 MB each,
 # so one per call beside the working tree) goes into .stage_d/ or .stage_e/ and resumes exactly on any CUDA machine:
 #   bash bench/gpu_evaluation.sh 1 OUT; bash bench/gpu_evaluation.sh 2s OUT   # stage and assemble only (2s trains
@@ -45,8 +66,9 @@
 # before the curve, 330), CURVE_S (the curve's seconds, 120), SIDE_S (a suite or fidelity process's, 420), LONG (1000),
 # DISTILL (the full distillation's steps after the scorer-only phase, 60), TWIN (1: the delay-0 twin too).
 set -uo pipefail
-phase=${1:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2|generate|verify OUT_DIR}
-dest=${2:?usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2|generate|verify OUT_DIR}
+usage="usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2|generate|verify|confirm1..confirm6 OUT_DIR"
+phase=${1:?$usage}
+dest=${2:?$usage}
 # the device returns at most 8 files: everything goes to a work folder, packed into OUT/callN.tgz at the end
 # a machine can keep $HOME from an earlier session (the tenth found the ninth's files): the call's folder starts empty
 out=$HOME/call$phase
@@ -119,7 +141,106 @@ curve_runs() {  # one line per row: the distillation continues its scorer-only p
   if [ -d "$dist/checkpoints" ] || [ -d "$dist/final" ]; then echo "$dist"; elif [ -d "$pre" ]; then echo "$pre"; fi
   [ -d "$d0" ] && echo "$d0"
 }
+# the default policy's confirmation (confirm1-6)
+mlp=kvpop-mlp+prerope+mix+frozen
+mlp_dir() {  # mlp_dir BUDGET SEED: the KVpop-mlp run's final weights
+  if [ "$2" = 0 ]; then echo "$study_dir/runs/${mlp}_b$1/final"; else echo "$study_dir/runs/${mlp}_s$2_b$1/final"; fi
+}
+default_pool() { python -c "from kvpop.config import recommended_pool; print(recommended_pool($1))"; }
+default_decay() { python -c "from kvpop.config import RECOMMENDED_POOL_DECAY as d; print('none' if d is None else d)"; }
+train_runs() {  # train_runs SECONDS ARGS...: the four runs (quality_study's training phase; a later call resumes)
+  local limit=$1; shift
+  python bench/quality_study.py --out "$study_dir" --steps "${STEPS:-120}" --seeds 0,1 --rows "$mlp" \
+    --mix champ,pystdlib,prose --free-rows oracle --phase train --deadline-s "$limit" --concurrency 4 "$@" \
+    > "$out/study_train.log" 2>&1
+  tail -n 20 "$out/study_train.log"; cp "$study_dir/train_status.json" "$out/" 2>/dev/null
+}
+problems=${FID_P:-27}
+side_seeds=${SIDE_SEEDS:-0 1}
+trained_args() {  # trained_args BUDGET: --trained of each side seed's run (the default policy)
+  local s; for s in $side_seeds; do echo "--trained mlp_s$s=$(mlp_dir "$1" "$s")"; done
+}
+fidelity() {  # fidelity NAME TOKENS BUDGET ARGS...: long generation on the held-out problems into $HOME/NAME
+  local name=$1 n=$2 b=$3; shift 3
+  step "$name" "${SIDE_S:-540}" "${kvpop[@]}" eval --model smollm2-135m --generate "$n" --problems "$problems" \
+    --samples 0 --gen-batch "$problems" --ignore-eos --budgets "$b" --no-progress --out "$HOME/$name" "$@"
+  keep "$name"
+}
+bounded() {  # bounded TOKENS BUDGET: the bounded rows of long generation, four processes, each from the dense store
+  local n=$1 b=$2 name s
+  for row in tova h2o $(for s in $side_seeds; do echo "mlp_s$s"; done); do
+    name=fid_b${b}_$row
+    mkdir -p "$HOME/$name" && cp "$HOME/fid_dense_$n/generations.jsonl" "$HOME/$name/" 2>/dev/null
+    case $row in
+      mlp_s*) fidelity "$name" "$n" "$b" --policies none --trained "$row=$(mlp_dir "$b" "${row#mlp_s}")" & ;;
+      *) fidelity "$name" "$n" "$b" --policies "$row" & ;;
+    esac
+  done
+  wait
+}
+
 case $phase in
+confirm1)
+  mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
+  step kernel_tests "${TEST_S:-300}" python -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_cascade.py
+  step decode_tests "${TEST_S:-300}" python -m pytest -q -rs -p no:cacheprovider tests/test_decode.py \
+    -m "gpu or not slow" -k "captured and cascade"
+  ;;
+confirm2)
+  cp .stage_b/* "$stage/" && cat "$stage"/part_a? > "$gguf" \
+    && python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/*.whl \
+    || { echo "staging failed"; ls -la "$stage"; exit 1; }
+  (cd "$stage" && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf; cat SHA256 2>/dev/null)
+  python -c "import math_verify; print('math_verify', math_verify.__file__)"
+  mps_on
+  train_runs "${TRAIN_S:-420}" &
+  SIDE_S=${DENSE_S:-540} fidelity fid_dense_2048 2048 1024 --policies streaming_llm &
+  SIDE_S=${DENSE_S:-540} fidelity fid_dense_4096 4096 2048 --policies streaming_llm &
+  wait
+  keep_weights
+  ;;
+confirm3)
+  mps_on
+  # a run confirm2's deadline stopped goes on first (the finished ones are skipped)
+  for b in 2048 1024; do for s in 0 1; do [ -f "$(mlp_dir "$b" "$s")/kvpop_config.json" ] || unfinished=1; done; done
+  if [ -n "${unfinished:-}" ]; then train_runs "${TRAIN3_S:-240}" --min-start-s 20 --stop-grace-s 15; keep_weights; fi
+  for data in champ pystdlib pydoc; do
+    split=(); [ "$data" = pydoc ] && split=(--split all)  # Python's help topics: held out from training whole
+    for b in 2048 1024; do
+      # shellcheck disable=SC2046  # one word per flag and value
+      ( step "table_${data}_b$b" "${SIDE_S:-540}" "${kvpop[@]}" eval --model smollm2-135m --data "$data" \
+          "${split[@]}" --seq-len 8192 --sequences 8 --budgets "$b" --policies tova,h2o,streaming_llm \
+          --trained "mlp_s0=$(mlp_dir "$b" 0)" --trained "mlp_s1=$(mlp_dir "$b" 1)" --rule static \
+          --tova-pool-layer "$(default_pool "$b")" --pool-decay "$(default_decay)" --no-progress --force \
+          --out "$HOME/table_${data}_b$b"
+        keep "table_${data}_b$b" ) &
+    done
+  done
+  wait
+  ;;
+confirm4)
+  mps_on
+  for b in 2048 1024; do
+    # shellcheck disable=SC2046
+    ( step "suite_b${b}_default" "${SIDE_S:-540}" "${kvpop[@]}" eval --model smollm2-135m --suite all \
+        --lengths "${LENGTHS:-4k,8000}" --depths 0,0.5,1 --samples 1 --suite-batch 8 --policies none --budgets "$b" \
+        $(trained_args "$b") --no-progress --force --out "$HOME/suite_b${b}_default"
+      keep "suite_b${b}_default" ) &
+    ( step "suite_b${b}_free" "${SIDE_S:-540}" "${kvpop[@]}" eval --model smollm2-135m --suite all \
+        --lengths "${LENGTHS:-4k,8000}" --depths 0,0.5,1 --samples 1 --suite-batch 8 \
+        --policies tova,h2o,streaming_llm --budgets "$b" --no-progress --force --out "$HOME/suite_b${b}_free"
+      keep "suite_b${b}_free" ) &
+  done
+  wait
+  ;;
+confirm5)
+  mps_on
+  bounded 2048 1024
+  ;;
+confirm6)
+  mps_on
+  bounded 4096 2048
+  ;;
 resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into this study, where `study` resumes them
   mkdir -p "$study_dir/runs"
   for d in .stage_d .stage_e; do [ -d "$d" ] && cp -r "$d"/* "$study_dir/runs/"; done
@@ -244,6 +365,6 @@ verify)  # issue 18 items 2, 4 (no staging): the CPU-built kernels on CUDA (the 
     --context 4096 --budget 1024 --out "$out/prefill_smollm2"
   ;;
 *)
-  echo "unknown phase $phase (1, 2, 2s, 3, 4, resume, speed, speed2, generate, verify)"; exit 2
+  echo "unknown phase $phase (1, 2, 2s, 3, 4, resume, speed, speed2, generate, verify, confirm1 to confirm6)"; exit 2
   ;;
 esac

@@ -753,7 +753,9 @@ def worker(spec_path: str) -> int:
                 cfg = source_config(path)
                 entry = Entry(e["name"], cfg.budget, cfg, trained=path)
             else:
-                entry = from_directory(path, name=e["name"])
+                # the study's rows are the methods as trained: a KVpop-mlp under the paper's static rule (`kvpop eval
+                # --trained` runs it as the recommended cascade by default)
+                entry = from_directory(path, name=e["name"], rule="static")
             # the nominal budget: every row of a budget counts the same positions (>= B), also an mLSTM
             # whose matched top-k holds B minus its state's size in KV entries
             entry.budget = e["budget"]

@@ -158,6 +158,73 @@ def test_decode_attention_matches_reference(dtype):
     assert (got.float() - want.float()).abs().max() < (ATOL if dtype == torch.float32 else 2e-2)
 
 
+def _soft_capped(q, k, v, mask, scale, cap):
+    """Soft-capped attention as Hugging Face's eager attention writes it (heads repeated, the cap before the mask)."""
+    G = q.shape[1] // k.shape[1]
+    logits = torch.tanh(q @ k.repeat_interleave(G, 1).transpose(-1, -2) * scale / cap) * cap
+    logits = logits.masked_fill(~mask.repeat_interleave(G, 1), float("-inf"))
+    empty = ~mask.any(-1).repeat_interleave(G, 1)[..., None]
+    probs = torch.softmax(logits.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    return probs @ v.repeat_interleave(G, 1)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,D,sink,window,topk,pad", [
+    (1, 4, 1, 63, 16, 2, 5, 7, 0), (2, 6, 2, 150, 8, 0, 1, 20, 9), (2, 4, 1, 40, 16, 0, 16, 0, 5),
+])
+def test_soft_capping_in_every_backend_that_takes_it(B, Hq, Hkv, S, D, sink, window, topk, pad):
+    # Gemma 2's `c * tanh(l / c)`: the backends that take it give the written-out attention, forward and backward;
+    # the fused kernels that cannot take it refuse it rather than drop it
+    from kvpop.ops.topk import mask_from_eviction
+
+    cap, scale = 2.0, D**-0.5
+    q, k, v, pos, valid, evict = _inputs(B, Hq, Hkv, S, D, sink, window, topk, pad)
+    q = q * 3  # logits well past the cap
+    args = (pos, valid, pos, valid, evict, sink, window, scale)
+    mask = mask_from_eviction(pos, valid, pos[:, None], valid[:, None], evict, sink, window)
+    want = _soft_capped(q, k, v, mask, scale, cap)
+    ref, ref_lse = sparse_attention(q, k, v, *args, return_lse=True, backend="reference", softcap=cap)
+    assert (ref - want).abs().max() < ATOL
+    assert (sparse_attention(q, k, v, *args, backend="reference")[0] - ref).abs().max() > 0.05
+    with torch.no_grad():
+        for backend in ("auto", "gather", "flex"):
+            out, lse = sparse_attention(q, k, v, *args, return_lse=True, backend=backend, topk=topk, softcap=cap)
+            assert (out - ref).abs().max() < ATOL, backend
+            fin = torch.isfinite(ref_lse)
+            assert torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - ref_lse[fin]).abs().max() < ATOL, backend
+    # with gradients ("auto": the gathered tiles, the reference inside each)
+    qs = [q.clone().requires_grad_() for _ in range(2)]
+    outs = [sparse_attention(x, k, v, *args, backend=b, topk=topk, softcap=cap)[0] for x, b in zip(qs, ("reference",
+                                                                                                       "auto"))]
+    grad = torch.randn_like(outs[0])
+    for o in outs:
+        (o * grad).sum().backward()
+    assert (outs[0] - outs[1]).abs().max() < ATOL and (qs[0].grad - qs[1].grad).abs().max() < 1e-4
+    for backend in ("cpu", "cpu_blocks", "sdpa"):
+        with pytest.raises(ValueError, match=f"backend='{backend}' takes no logit soft-capping"):
+            sparse_attention(q, k, v, *args, backend=backend, softcap=cap)
+
+
+def test_soft_capping_over_a_caches_slots_and_in_the_decode_step():
+    from kvpop.ops.attention import attention_with_probs, decode_attention
+    from kvpop.ops.topk import mask_from_eviction
+
+    cap, sink, window, topk = 1.5, 2, 3, 6
+    q, k, v, pos, valid, cand_pos, cand_valid, evict = _cache_like(2, 4, 1, sink + window + topk, 9, 16, sink, window,
+                                                                   topk)
+    q = q * 3
+    mask = mask_from_eviction(pos, valid, cand_pos, cand_valid, evict, sink, window)
+    out, _ = sparse_attention(q, k, v, pos, valid, cand_pos, cand_valid, evict, sink, window, 0.25, softcap=cap)
+    assert (out - _soft_capped(q, k, v, mask, 0.25, cap)).abs().max() < ATOL
+    # one query over the slots: the decode step's attention (no fused kernel takes the cap) and its probabilities
+    occupied = cand_pos[..., :11] >= 0
+    one, slots, values = q[:, :, :1], k[:, :, :11], v[:, :, :11]
+    want = _soft_capped(one, slots, values, occupied[:, :, None], 0.25, cap)
+    assert (decode_attention(one, slots, values, cand_pos[..., :11], 0.25, softcap=cap) - want).abs().max() < ATOL
+    got, probs = attention_with_probs(one, slots, values, occupied, 0.25, softcap=cap)
+    assert (got - want).abs().max() < ATOL and torch.allclose(probs.sum(-1), torch.ones(2, 1, 4))
+    assert (decode_attention(one, slots, values, occupied, 0.25) - want).abs().max() > 0.05
+
+
 # the shapes of the measurements behind `auto_backend`'s CUDA rule (docs/RESULTS.md): (batch, query heads, head dim)
 SMOLLM2, QWEN3_4B = (1, 9, 64), (1, 32, 128)
 

@@ -168,7 +168,8 @@ def test_a_trained_scorer_is_measured_and_evaluated_at_per_layer_budgets(tmp_pat
     assert budget == 22 and sum(per_layer) == 44
     with quiet():
         rc = main(["eval", "--model", "tiny-random-qwen3", "--data", "champ", "--seq-len", "96", "--sequences", "1",
-                   "--policies", "none", "--trained", str(final), "--layer-budgets", str(tmp_path / "own.json"),
+                   "--policies", "none", "--trained", str(final), "--rule", "static", "--layer-budgets",
+                   str(tmp_path / "own.json"),
                    "--out", str(tmp_path / "e")])
     assert rc == 0
     rows = {r["policy"]: r for r in json.loads((tmp_path / "e" / "results.json").read_text())["rows"]}

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kvpop
-from helpers import ARCHS, LOGIT_ATOL, assert_close, cache_kwargs, padded_batch, quiet, retrofitted
+from helpers import ARCHS, LOGIT_ATOL, assert_close, cache_kwargs, padded_batch, quiet, retrofitted, run_cached
 from kvpop.attention import Capture
 
 S = 48
@@ -60,25 +60,6 @@ def models():
 
 def _ids(seed=0, n=S, batch=1):
     return torch.randint(3, 300, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def run_cached(model, ids, split, **fwd):
-    """Prefill in the chunks `split` (lengths), then decode the rest one token at a time."""
-    cache = kvpop.KVpopCache(model)
-    cfg = model.kvpop.config
-    budgets = [cfg.for_layer(i).budget for i in range(len(cache.layers))]
-    outs, start = [], 0
-    steps = list(split) + [1] * (ids.shape[1] - sum(split))
-    for n in steps:
-        sl = slice(start, start + n)
-        extra = {k: v[:, : start + n] if k == "attention_mask" else v[:, sl] for k, v in fwd.items()}
-        outs.append(model(ids[:, sl], **extra, **cache_kwargs(cache)).logits)
-        for used, budget in zip(cache.slots_used(), budgets):
-            assert used.max() <= budget
-        start += n
-    for layer, budget in zip(cache.layers, budgets):
-        assert layer.keys.shape[2] == budget  # preallocated, never grown
-    return torch.cat(outs, 1), cache
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -57,15 +57,77 @@ def test_no_command_prints_help(capsys):
 def test_info(capsys, name, model_type):
     rc, out, _ = run(capsys, "info", "--model", name)
     assert rc == 0
-    fields = dict(line.split(":", 1) for line in out.strip().splitlines())
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    fields = _fields(out)
     assert fields["model type"] == model_type
-    assert fields["layers"] == "2"
+    assert fields["layers"] == "2: full attention in all 2 layers"
     assert fields["query heads"] == "4"
     assert fields["KV heads"].startswith("2")
     assert fields["head dim"] == "16"
     assert fields["max positions"] == "4096"
     assert fields["kvpop supports it"] == "yes"
+
+
+def _fields(out: str) -> dict[str, str]:
+    """The `name: value` rows of `kvpop info` (the KV table below them left out)."""
+    rows = (line.split(":", 1) for line in out.splitlines() if not line.startswith(("KV cache", " ")))
+    return {k.strip(): v.strip() for k, v in rows}
+
+
+def _kv_rows(out: str) -> dict[str, tuple[str, ...]]:
+    """The KV table of `kvpop info`: `{row name: (dense size, unit, share, retrofitted size, unit, share)}`."""
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"  (.+?\(\d+\))\s+([\d.]+) (B|KiB|MiB|GiB)\s+([\d.]+) %\s+([\d.]+) (B|KiB|MiB|GiB)\s+([\d.]+) %", line)
+        if m:
+            rows[m.group(1)] = m.groups()[1:]
+    return rows
+
+
+def test_info_shows_the_layer_kinds_and_the_kv_each_holds(capsys):
+    # tiny-random-gemma3: full attention in layers 2 and 5, a 16-token window in the other 4; 1 KV head of dim 16
+    rc, out, _ = run(capsys, "info", "--model", "tiny-random-gemma3", "--length", "1000", "--budget", "40")
+    assert rc == 0
+    assert _fields(out)["layers"] == "6: full attention in layers 2, 5; a sliding window of 16 tokens in the other 4"
+    assert "KV cache at 1000 tokens of one sequence (bfloat16):" in out
+    per_token = 1 * 16 * 2 * 2  # KV heads x head dim x (key, value) x bytes
+    full, sliding, bounded = 2 * 1000 * per_token, 4 * 16 * per_token, 2 * 40 * per_token
+    rows = _kv_rows(out)
+    assert set(rows) == {"full attention (2)", "sliding window 16 (4)", "all (6)"}
+    dense_total, bounded_total = full + sliding, bounded + sliding
+    for name, dense, kept in (("full attention (2)", full, bounded), ("sliding window 16 (4)", sliding, sliding),
+                              ("all (6)", dense_total, bounded_total)):
+        d, d_unit, d_share, b, b_unit, b_share = rows[name]
+        assert float(d) * {"B": 1, "KiB": 1024, "MiB": 2**20}[d_unit] == pytest.approx(dense, rel=1e-3)
+        assert float(b) * {"B": 1, "KiB": 1024, "MiB": 2**20}[b_unit] == pytest.approx(kept, rel=1e-3)
+        assert float(d_share) == pytest.approx(100 * dense / dense_total, abs=0.05)
+        # the retrofitted column's shares are of the retrofitted cache, the total's of the dense one
+        total = dense_total if name == "all (6)" else bounded_total
+        assert float(b_share) == pytest.approx(100 * kept / total, abs=0.05)
+    assert f"full-attention layers compressed {100 * (1 - 40 / 1000):.1f} %" in out
+
+
+def test_info_defaults_to_the_max_positions_and_reads_a_saved_budget(capsys, tmp_path):
+    from kvpop.models import load_model
+
+    rc, out, _ = run(capsys, "info", "--model", "tiny-random-gemma3", "--kv-dtype", "float32")
+    assert rc == 0 and "KV cache at 4096 tokens of one sequence (float32):" in out
+    assert f"retrofitted, budget {DEFAULT_BUDGET}" in out
+    assert _kv_rows(out)["full attention (2)"][:2] == ("1.0", "MiB")  # 2 layers x 4096 x 16 x 2 x 4 bytes
+    model, tok = load_model("tiny-random-gemma3")
+    kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(24, scorer_hidden=8)), tmp_path, tokenizer=tok)
+    rc, out, err = run(capsys, "info", "--model", str(tmp_path), "--length", "100", "--budget", "50")
+    assert rc == 0 and "retrofitted, budget 24" in out
+    assert "ignoring --budget" in err
+    # shorter than the budget: nothing is evicted
+    rc, out, _ = run(capsys, "info", "--model", "tiny-random-gemma3", "--length", "10")
+    assert "full-attention layers compressed 0.0 %, the whole cache 0.0 %" in out
+    assert _kv_rows(out)["sliding window 16 (4)"][:2] == ("2.5", "KiB")  # 4 layers x 10 tokens x 64 bytes
+
+
+@pytest.mark.parametrize("flag,value", [("--length", "0"), ("--budget", "-3")])
+def test_info_refuses_a_bad_length_or_budget(capsys, flag, value):
+    rc, _, err = run(capsys, "info", "--model", "tiny-random-gemma3", flag, value)
+    assert rc == 1 and err.startswith(f"kvpop info: error: {flag} {value}: must be >= 1")
 
 
 def test_info_unsupported_model(capsys, tmp_path):

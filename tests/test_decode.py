@@ -28,6 +28,9 @@ CONFIGS = {
     "cascade": kvpop.KVpopConfig(sink=2, window=3, topk=9, tova_pool=4, scorer_hidden=16),
     # the layer-wide cascade: TOVA's head average takes each token first, a per-head static pool its evictions
     "cascade-mean": kvpop.KVpopConfig(sink=0, window=1, topk=13, tova_pool=8, tova_head_average=True, scorer_hidden=16),
+    # its pool ranked by the accumulated attention instead (each step 0.9 x the last plus the latest)
+    "cascade-sum": kvpop.KVpopConfig(sink=0, window=1, topk=13, tova_pool=8, tova_head_average=True, pool_decay=0.9,
+                                     scorer_hidden=16),
 }
 
 
@@ -67,7 +70,8 @@ def _decode(model, name: str, ids: torch.Tensor, compile: bool, backend: str | N
     return torch.cat(tokens, 1), torch.stack(logits, 1), cache
 
 
-@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "evidence", "cascade", "cascade-mean", "dense"])
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "evidence", "cascade", "cascade-mean", "cascade-sum",
+                                  "dense"])
 def test_compiled_step_equals_eager(name):
     model = _model(name)
     # long enough that the window and top-k slots fill and evict during the decode steps
@@ -115,7 +119,7 @@ def test_a_new_prompt_length_does_not_compile_the_step_again(name):
     assert len(graphs) == 1, f"{len(graphs)} graphs for two prompt lengths"
 
 
-@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "evidence", "cascade", "cascade-mean"])
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "tova", "evidence", "cascade", "cascade-mean", "cascade-sum"])
 def test_compiled_step_takes_each_cache_tensor_once_at_a_static_address(name):
     # a view of a mutated buffer read in the step (`layer.keys`, `layer.pos`, ...) was a second graph input aliasing
     # it: AOT autograd merged the two into a synthetic base, and inductor's CUDA graphs then skipped the step for the
@@ -172,7 +176,7 @@ def test_cuda_graph_step_equals_eager(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["kvpop", "mlstm", "evidence", "cascade", "cascade-mean", "dense"])
+@pytest.mark.parametrize("name", ["kvpop", "mlstm", "evidence", "cascade", "cascade-mean", "cascade-sum", "dense"])
 def test_captured_cuda_graph_step_equals_eager(name):
     """On CUDA: the eager step captured once with torch.cuda.CUDAGraph (the default backend) replays the eager decode."""
     model = _model(name).cuda()
@@ -281,7 +285,7 @@ def test_eager_steps_are_counted():
 
 
 @pytest.mark.parametrize("name,context", [("kvpop", 40), ("mlstm", 40), ("evidence", 40), ("kvpop", 9), ("dense", 40),
-                                          ("cascade-mean", 40)])
+                                          ("cascade-mean", 40), ("cascade-sum", 40)])
 def test_fill_random(name, context):
     model = _model(name)
     cache = _cache(model, name, context + 4)
@@ -334,11 +338,12 @@ def test_bench_compiled_rows_and_random_fill():
 
 
 def test_bench_runs_the_layer_wide_cascade_beside_the_static_rule():
-    from kvpop.eval.bench import cascade_config
+    from kvpop.eval.bench import recommended_config
 
     cfg = kvpop.KVpopConfig(sink=2, window=4, topk=9, scorer_hidden=16)
-    assert cascade_config(cfg) == kvpop.KVpopConfig(sink=0, window=1, topk=14, tova_pool=10, tova_head_average=True,
-                                                    scorer_hidden=16)
+    assert recommended_config(cfg) == cfg.recommended()
+    assert recommended_config(cfg, 6) == kvpop.KVpopConfig(sink=0, window=1, topk=14, tova_pool=6,
+                                                           tova_head_average=True, scorer_hidden=16)
     with quiet():
         rows = bench_decode(tiny_model("qwen3"), (32,), cache_kinds=("kvpop", "cascade"), new_tokens=2, warmup=1,
                             device="cpu", config=cfg, compile=True, fill="random", compile_backend=BACKEND,
@@ -385,7 +390,7 @@ def test_retrofit_gives_generate_the_compile_config_and_detach_takes_it_back(mon
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["kvpop", "cascade-mean"])
+@pytest.mark.parametrize("name", ["kvpop", "cascade-mean", "cascade-sum"])
 def test_generate_on_cuda_compiles_with_kvpops_options(name):
     """`model.generate` with a KVpopCache and nothing set: the retrofit's compile config (inductor with kvpop's
     options, CUDA graphs), the eager run's tokens, one graph for the decode."""
@@ -467,13 +472,16 @@ def test_stepwise_logits_on_cuda_graphs_equal_the_teacher_forced_pass(policy, ba
     assert_close(got, expected, 1e-3, f"{policy} x{batch}: CUDA-graph steps vs teacher-forced logits")
 
 
-@pytest.mark.parametrize("policy", ["kvpop", "tova", "dms", "evidence", "cascade", "cascade-mean"])
+@pytest.mark.parametrize("policy", ["kvpop", "tova", "dms", "evidence", "cascade", "cascade-mean", "cascade-sum"])
 def test_fused_layer_step_equals_the_eager_step(policy):
     """`KVpopCache.fuse`: the per-layer decode step compiled once (here traced with aot_eager) changes nothing."""
     if policy == "cascade":
         cfg = kvpop.KVpopConfig(sink=2, window=3, topk=6, tova_pool=2, scorer_hidden=16)
     elif policy == "cascade-mean":
         cfg = kvpop.KVpopConfig(sink=0, window=1, topk=10, tova_pool=6, tova_head_average=True, scorer_hidden=16)
+    elif policy == "cascade-sum":
+        cfg = kvpop.KVpopConfig(sink=0, window=1, topk=10, tova_pool=6, tova_head_average=True, pool_decay=1.0,
+                                scorer_hidden=16)
     elif policy == "kvpop":
         cfg = kvpop.KVpopConfig(sink=2, window=4, topk=5, scorer="mlstm", mlstm_dim=8)
     elif policy == "evidence":

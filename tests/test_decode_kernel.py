@@ -100,10 +100,12 @@ SCORED = textwrap.dedent(
             # poisoned scratch slot: nothing may read or write it
             got_pri[..., N] = float("nan")
             scale = D ** -0.5
+            # "cascade_sum" fades its accumulated score (H2O's "sum" keeps it whole)
+            decay = 0.9 if score == "cascade_sum" else 1.0
             want = scored_attention_reference(q, k, v, pos[..., :N], want_pri[..., :N], prior[..., :N], real, scale,
-                                              score)
+                                              score, decay)
             # the buffers whole, as a cache passes them: the scratch slot is not the kernel's to touch
-            got = decode_attention_scored(q, k, v, pos, got_pri, prior, real, scale, score, split=split)
+            got = decode_attention_scored(q, k, v, pos, got_pri, prior, real, scale, score, split=split, decay=decay)
             tol = 2e-5 if dtype == torch.float32 else 2e-2
             G = Hq // Hkv
             if B > 1:
@@ -128,7 +130,7 @@ SCORED = textwrap.dedent(
     # a custom op that writes `pri` in place: a compiled step takes it as one call
     step = torch.compile(decode_attention_scored, backend="aot_eager", fullgraph=True)
     again = pri.clone()
-    out = step(q, k, v, pos, again, prior, real, scale, score, split=split)
+    out = step(q, k, v, pos, again, prior, real, scale, score, split=split, decay=decay)
     assert torch.equal(out, got) and torch.equal(again[..., :N], got_pri[..., :N])
     print("ok")
     """
@@ -171,3 +173,12 @@ def test_scored_attention_refuses_a_score_without_a_form():
         decode_attention_scored(q, k, k, pos, pri, None, torch.ones(1, dtype=torch.bool), 1.0, "prior")
     with pytest.raises(ValueError, match="must cover the 8 slots"):
         decode_attention_scored(q, k, k, pos[..., :7], pri[..., :7], None, torch.ones(1, dtype=torch.bool), 1.0, "max")
+
+
+def test_every_score_has_a_kernel_form():
+    # a dynamic policy's decode step runs the kernel only for the scores it has a form for (the others take the
+    # reference's path, slower on CUDA): a new score of `ops.dynamic.score_update` adds its line to SCORE_FORMS
+    from kvpop.ops.attention.decode_kernel import SCORE_FORMS
+    from kvpop.ops.dynamic import SCORES
+
+    assert set(SCORES) <= set(SCORE_FORMS), sorted(set(SCORES) - set(SCORE_FORMS))

@@ -313,3 +313,19 @@ def test_training_reaches_the_compression_target_and_eval_reports_the_cache_used
         model.generate(torch.randint(3, 250, (1, 40)), max_new_tokens=60, do_sample=False,
                        **cache_kwargs(cache))
     assert max(int(u.max()) for u in cache.slots_used()) <= 26
+
+
+def test_relaxed_attention_soft_caps_the_logits_before_the_soft_mask():
+    # Gemma 2: the gates' soft eviction bias is added to the capped logits, as the model's own mask is
+    torch.manual_seed(2)
+    B, Hkv, G, S, D, cap = 1, 1, 4, 30, 8, 1.0
+    q, k, v = 3 * torch.randn(B, Hkv * G, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    alpha = torch.rand(B, Hkv, S)
+    pos, valid = torch.arange(S)[None], torch.ones(B, S, dtype=torch.bool)
+    out, lse = relaxed_attention(q, k, v, pos, valid, alpha, 2, 5, D**-0.5, return_lse=True, chunk=7, softcap=cap)
+    logits = torch.tanh(q @ k.repeat_interleave(G, 1).transpose(-1, -2) * D**-0.5 / cap) * cap
+    logits = logits + soft_eviction_bias(torch.log(1 - alpha + EPS), pos, valid, pos, valid, 2, 5)
+    assert_close(out, torch.softmax(logits, -1) @ v.repeat_interleave(G, 1), 1e-5, "soft-capped relaxed attention")
+    assert_close(lse, torch.logsumexp(logits, -1), 1e-5, "its lse")
+    with pytest.raises(ValueError, match="backend='sdpa' takes no logit soft-capping"):
+        relaxed_attention(q, k, v, pos, valid, alpha, 2, 5, D**-0.5, backend="sdpa", softcap=cap)

@@ -673,3 +673,20 @@ def test_parallel_selection_kernel():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-4000:]
+
+
+@pytest.mark.parametrize("score", ["max", "mean", "sum"])
+@pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk", DECODED_SLOTS[1:])
+def test_soft_capped_walks_rank_by_the_capped_probabilities(score, B, Hkv, G, S, D, sink, window, topk):
+    # Gemma 2's logit soft-capping: the torch walk makes the reference walk's (the decode step's) decisions from the
+    # capped logits, which rank otherwise than the plain ones; the walks that cannot take the cap refuse it
+    args = _walk_args_from_decoded_slots(score, B, Hkv, G, S, D, sink, window, topk, False)
+    want = dynamic_walk(*args, backend="reference", softcap=0.5)
+    for backend in ("torch", "auto"):
+        got = dynamic_walk(*args, backend=backend, softcap=0.5)
+        for a, b, what in zip(got, want, ("evicted", "pos", "pri")):
+            assert torch.equal(a, b), f"{backend}: {what}"
+    assert not torch.equal(dynamic_walk(*args, backend="reference")[2], want[2])
+    for backend in ("triton", "parallel"):
+        with pytest.raises(ValueError, match=f"backend='{backend}' takes no logit soft-capping"):
+            dynamic_walk(*args, backend=backend, softcap=0.5)

@@ -213,3 +213,17 @@ def test_bench_score_generations_scores_a_store_as_eval_does(tmp_path, capsys):
         assert got[name]["nll"] == pytest.approx(row["nll"], rel=1e-6)
         assert got[name]["agreement"] == pytest.approx(row["agreement"], rel=1e-9)
     assert (tmp_path / "scored" / "fidelity.png").exists()
+
+
+def test_champ_prompt_of_a_base_model_without_a_chat_template(tiny):
+    from kvpop.eval.fidelity import BOXED_HINT, champ_prompt
+
+    _, tok = tiny
+    chat = champ_prompt(tok, "What is 2 + 2?")
+    assert "<|im_start|>user" in tok.decode(chat)
+    saved, tok.chat_template = tok.chat_template, None
+    try:
+        plain = tok.decode(champ_prompt(tok, "What is 2 + 2?"))
+    finally:
+        tok.chat_template = saved
+    assert plain.endswith(f"Problem: What is 2 + 2?{BOXED_HINT}\n\nSolution:")

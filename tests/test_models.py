@@ -127,6 +127,9 @@ def test_kvpop_directory_comes_back_retrofitted(tmp_path):
     kvpop.save(model, tmp_path, tokenizer=tok)
     again, tok2 = load_model(str(tmp_path))
     assert hasattr(again, "kvpop")
+    # by default the recommended policy over the saved scorers; the saved config runs them as trained
+    assert again.kvpop.config == model.kvpop.config.for_rule(None)
+    again, tok2 = load_model(str(tmp_path), config=model.kvpop.config)
     assert again.kvpop.config == model.kvpop.config
     ids = torch.arange(40)[None]
     assert torch.equal(model(ids).logits, again(ids).logits)

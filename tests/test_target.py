@@ -314,3 +314,36 @@ def test_compiled_flex_matches_chunked_at_length(dtype):
     flex = future_attention_target(query, key, lse, 256, backend="flex")
     chunked = future_attention_target(query, key, lse, 256, backend="chunked", chunk=512)
     assert_close(flex, chunked, ATOL_F32, f"flex vs chunked cuda {dtype}")
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "flex"])
+def test_soft_capped_logits(backend):
+    # Gemma 2 caps its logits (`c * tanh(l / c)`): p(d -> t) uses the capped logit, minus the lse the capped attention
+    # returned. Written out densely here; the uncapped target is far from it
+    B, Hq, Hkv, S, D, window, cap = 1, 4, 1, 90, 16, 5, 1.5
+    query, key, _ = make_inputs(B, Hq, Hkv, S, D, seed=4, sharpness=3.0)
+    G, scale = Hq // Hkv, D**-0.5
+    logits = torch.einsum("bhsx,bhtx->bhst", query.double(), key.double().repeat_interleave(G, 1)) * scale
+    logits = cap * torch.tanh(logits / cap)
+    pos = torch.arange(S)
+    lse = torch.logsumexp(logits.masked_fill(pos[None, :] > pos[:, None], float("-inf")), -1)  # [B, Hq, S]
+    p = torch.exp(logits - lse[..., None]).masked_fill(pos[:, None] < pos[None, :] + window, 0.0)  # [B, Hq, d, t]
+    mass = p.sum(-2) / (S - window - pos).clamp(min=1)
+    want = torch.log(1e-6 + mass).reshape(B, Hkv, G, S).amax(2).float()
+    out = future_attention_target(query, key, lse.float(), window, backend=backend, chunk=32, softcap=cap)
+    assert_close(out, want, ATOL_F32, f"{backend} soft-capped")
+    uncapped = future_attention_target(query, key, lse.float(), window, backend=backend, chunk=32)
+    assert (uncapped - want).abs().max() > 0.5
+    with pytest.raises(ValueError, match="softcap must be None or a finite number > 0"):
+        future_attention_target(query, key, lse.float(), window, backend=backend, softcap=0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_compiled_flex_soft_caps_like_the_reference(dtype):
+    query, key, lse = make_inputs(1, 8, 1, 1000, 64, seed=5, sharpness=3.0, dtype=dtype, device="cuda")
+    lse = perturb(lse)
+    ref = reference(query, key, lse, 16, softcap=2.0)
+    out = future_attention_target(query, key, lse, 16, softcap=2.0)
+    assert_close(out, ref, ATOL_F32 if dtype == torch.float32 else ATOL_BF16, f"flex cuda soft-capped {dtype}")

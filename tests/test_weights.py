@@ -43,7 +43,8 @@ def test_a_run_its_checkpoints_and_its_final_model_read_back_alike(run):
     assert source_config(run) == last.config == source_config(run / "final")
     assert read_weights(run / "checkpoints" / "step-00000002").step == 2
     final = read_weights(run / "final")
-    assert final.step is None and final.run is None and final.holds_base
+    # its final directory holds the scorers only as well (saved without the frozen base)
+    assert final.step is None and final.run is None and not final.holds_base
     base, _ = load_model("tiny-random-qwen3")
     ids = torch.randint(0, 250, (1, 64))
     want = policy_priorities(kvpop.load(run / "final"), ids)

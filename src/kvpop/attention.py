@@ -8,12 +8,20 @@ is looked up globally and nothing is stored on Hugging Face modules. The cases:
 - no cache (or a fresh one of another kind, as a plain `model(ids)` creates): teacher-forced
   sparse attention over the whole sequence, every layer ranking its own keys/values;
 - `kvpop_dense=True`: the original dense causal attention (the teacher), same numerics;
-- a DMS policy in training mode, teacher-forced: DMS's soft eviction mask (`baselines/dms.py`).
+- a DMS policy in training mode, teacher-forced: DMS's soft eviction mask (`baselines/dms.py`);
+- a sliding-window layer of a hybrid model (`layer_kinds.py`): its window, in every case above (the
+  teacher's own attention is that window too); nothing is captured for training.
+
+What the model's attention module passes along is honoured or refused, never dropped: `scaling` (Gemma's
+`query_pre_attn_scalar`), `softcap` (Gemma 2's logit soft-capping `c * tanh(l / c)`, applied in every
+execution, the training target's probabilities included), `sliding_window` (checked against the layer's
+kind); learned sink logits (`s_aux`, gpt-oss) are refused.
 
 Extra keyword arguments a caller may pass to the model forward (they flow down to here):
-`kvpop_dense: bool`, `kvpop_capture: Capture` (receives one `LayerRecord` per layer, for training),
+`kvpop_dense: bool`, `kvpop_capture: Capture` (receives one `LayerRecord` per full-attention layer, for training),
 `kvpop_rope: (cos, sin)` (the layer's rotary embeddings, passed by the retrofit's hook: `scorer_keys="pre_rope"`),
-`kvpop_priority: list[Tensor]` (static priorities per layer, [B, Hkv, S], replacing the policy's: the oracle),
+`kvpop_priority: list[Tensor]` (static priorities per full-attention layer, in order, [B, Hkv, S], replacing the
+policy's: the oracle),
 `kvpop_backend: str` (`sparse_attention`'s backend for the teacher-forced rule; `kvpop train --attention`).
 """
 
@@ -46,6 +54,7 @@ class LayerRecord:
     scale: float  # the logit scale of this layer's attention
     log_gamma: Tensor  # float32 [Hkv], the layer's decay at this forward (detached)
     gate: Tensor | None = None  # float32 [B, Hkv, S], DMS in training: the eviction gate logits a_t (differentiable)
+    softcap: float | None = None  # the logit soft-capping of this layer's attention (Gemma 2), None: none
 
 
 class Capture:
@@ -121,6 +130,7 @@ def kvpop_attention(
     if policy is None:
         raise RuntimeError("kvpop attention called without its layer policy: use kvpop.retrofit(model, cfg)")
     cfg = kwargs["kvpop_config"]
+    softcap = _check_call(module, policy, cfg, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if torch.is_autocast_enabled(query.device.type):
         # As SDPA does under autocast: in a float32 model under bf16 autocast, RoPE's float32 cos/sin promote q and
@@ -134,7 +144,8 @@ def kvpop_attention(
     cache = kwargs.get("kvpop_cache")
     if isinstance(cache, KVpopCache):
         valid = _padding(attention_mask, B, Q, query.device)
-        out = cache.layers[module.layer_idx].attend(query, key, value, valid, policy, scale, kwargs.get("kvpop_rope"))
+        out = cache.layers[module.layer_idx].attend(query, key, value, valid, policy, scale, kwargs.get("kvpop_rope"),
+                                                    softcap)
         return out.transpose(1, 2), None
     if key.shape[-2] != Q:
         raise ValueError(
@@ -144,14 +155,22 @@ def kvpop_attention(
 
     valid = _padding(attention_mask, B, Q, query.device)
     position = torch.cumsum(valid.long(), dim=-1) - 1  # [B, S]
+    backend = kwargs.get("kvpop_backend", "auto")
+    if policy.sliding:
+        # the rule with no sinks and no long-range slots: each token leaves at `t + window`, as in the model
+        # itself (also with kvpop_dense: the teacher attends this window too); nothing to capture
+        evict = (position + cfg.window)[:, None].expand(key.shape[:3]).contiguous()
+        out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict, 0, cfg.window, scale,
+                                  backend=backend, topk=0, softcap=softcap)
+        return out.transpose(1, 2), None
     if policy.dynamic and not kwargs.get("kvpop_dense", False):
         # TOVA / H2O: the decode step's decisions over the sequence (a walk), then one sparse attention
         priority = policy.priority(policy.scorer_key(key, kwargs.get("kvpop_rope")), value, position.clamp(min=0)).detach()
         with timed("kvpop.dynamic_walk"):
             evict = dynamic_eviction_positions(query, key, position, valid, priority, cfg.sink, cfg.window, cfg.topk,
-                                               scale, policy.score, pool=policy.pool)
+                                               scale, policy.score, pool=policy.pool, decay=policy.decay, softcap=softcap)
         out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict, cfg.sink, cfg.window,
-                                  scale, backend=kwargs.get("kvpop_backend", "auto"), topk=cfg.topk)
+                                  scale, backend=backend, topk=cfg.topk, softcap=softcap)
         return out.transpose(1, 2), None
     capture = kwargs.get("kvpop_capture")
     if cfg.policy == "dms" and policy.training and not kwargs.get("kvpop_dense", False):
@@ -160,10 +179,11 @@ def kvpop_attention(
 
         logits, alpha, priority = policy.relaxed(key, value)
         # no lse: DMS trains by the KL and its compression loss, never by the future-attention target
-        out, lse = relaxed_attention(query, key, value, position, valid, alpha, cfg.sink, cfg.window, scale)
+        out, lse = relaxed_attention(query, key, value, position, valid, alpha, cfg.sink, cfg.window, scale,
+                                     softcap=softcap)
         if capture is not None:
             capture.append(LayerRecord(module.layer_idx, query, key, lse, priority, position, valid, scale,
-                                       policy.log_gamma.detach(), gate=logits))
+                                       policy.log_gamma.detach(), gate=logits, softcap=softcap))
         return out.transpose(1, 2), None
     override = kwargs.get("kvpop_priority")
     if kwargs.get("kvpop_dense", False):
@@ -174,7 +194,8 @@ def kvpop_attention(
         with timed("kvpop.scorer"):
             rope = kwargs.get("kvpop_rope")
             if override is not None:
-                priority = override[module.layer_idx]
+                # one per full-attention layer, in order (a hybrid model's sliding layers have none)
+                priority = override[kwargs["kvpop_policy_layer"]]
             elif policy.evidence:
                 # scored when leaving the window, from the attention its window's queries gave it
                 priority = policy.attention_priority(query, key, value, position, valid, scale, rope)
@@ -187,12 +208,36 @@ def kvpop_attention(
     with timed("kvpop.sparse_attention"):
         out, lse = sparse_attention(
             query, key, value, position, valid, position, valid, evict, sink, window, scale,
-            return_lse=capture is not None, backend=kwargs.get("kvpop_backend", "auto"), topk=topk,
+            return_lse=capture is not None, backend=backend, topk=topk, softcap=softcap,
         )
     if capture is not None:
         capture.append(LayerRecord(module.layer_idx, query, key, lse, priority, position, valid, scale,
-                                   policy.log_gamma.detach()))
+                                   policy.log_gamma.detach(), softcap=softcap))
     return out.transpose(1, 2), None
+
+
+def _check_call(module: nn.Module, policy, cfg, kwargs: dict) -> float | None:
+    """What the model's attention module passed beyond q, k, v that changes the attention: the soft-capping to
+    apply (None: none), after refusing what the rule's attention cannot run. Python values only (no host sync)."""
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("this model's attention adds learned sink logits (s_aux, as gpt-oss does), which kvpop's "
+                         "attention does not compute")
+    passed = kwargs.get("sliding_window")
+    limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
+    # a layer runs as full attention where the model attends no window, or one no position reaches past
+    if policy.sliding:
+        agrees = passed == cfg.window
+    else:
+        agrees = passed is None or (limit is not None and passed >= limit)
+    if not agrees:
+        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} was retrofitted as "
+                         f"{f'a sliding window of {cfg.window}' if policy.sliding else 'full attention'}, but the model "
+                         f"attends it with sliding_window={passed}")
+    softcap = kwargs.get("softcap")
+    if softcap is not None and policy.evidence:
+        raise ValueError(f"the evidence scorer does not take logit soft-capping (this model caps its attention "
+                         f"logits at {softcap}); use scorer 'mlp' or 'mlstm'")
+    return None if softcap is None else float(softcap)
 
 
 def register() -> None:

@@ -205,8 +205,12 @@ class KVpopLayerCache(CacheLayerMixin):
         policy: LayerPolicy,
         scale: float,
         rope: tuple[Tensor, Tensor] | None = None,  # (cos, sin) [B, C, D] of the new tokens
+        softcap: float | None = None,
     ) -> Tensor:
-        """Insert a chunk of `C` new tokens and return their attention output [B, Hq, C, D]."""
+        """Insert a chunk of `C` new tokens and return their attention output [B, Hq, C, D].
+
+        `softcap`: the model's logit soft-capping `c * tanh(l / c)` (Gemma 2), in the attention and in what a
+        dynamic policy ranks by; None: none."""
         if policy.teacher_forced_only:
             raise ValueError(f"the {type(policy).__name__} ranks tokens by future attention: it cannot decode")
         if not self.is_initialized:
@@ -222,26 +226,27 @@ class KVpopLayerCache(CacheLayerMixin):
         else:
             priority = policy.priority(policy.scorer_key(key, rope), value, position.clamp(min=0)).detach()  # [B, Hkv, C]
         if C == 1:
-            out = self._decode(query, key, value, position[:, 0], valid[:, 0], priority[..., 0], scale, policy, rope)
+            out = self._decode(query, key, value, position[:, 0], valid[:, 0], priority[..., 0], scale, policy, rope,
+                               softcap)
         elif policy.dynamic and self.dynamic_prefill == "replay":
             outs = [
                 self._decode(query[:, :, j : j + 1], key[:, :, j : j + 1], value[:, :, j : j + 1],
                              position[:, j], valid[:, j], priority[..., j], scale, policy,
-                             None if rope is None else tuple(r[:, j : j + 1] for r in rope))
+                             None if rope is None else tuple(r[:, j : j + 1] for r in rope), softcap)
                 for j in range(C)
             ]
             out = torch.cat(outs, dim=2)
         elif policy.dynamic:
-            out = self._dynamic_chunk(query, key, value, position, valid, priority, scale, policy)
+            out = self._dynamic_chunk(query, key, value, position, valid, priority, scale, policy, softcap)
         else:
-            out = self._chunk(query, key, value, position, valid, priority, scale, policy, rope)
+            out = self._chunk(query, key, value, position, valid, priority, scale, policy, rope, softcap)
         # in place, like every per-step update here: a captured CUDA graph keeps the buffers' addresses
         self.seen.add_(valid.sum(-1))
         self.fresh = False
         return out
 
     def _decode(self, query, key, value, p: Tensor, real: Tensor, pri_new: Tensor, scale: float,
-                policy: LayerPolicy, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                policy: LayerPolicy, rope: tuple[Tensor, Tensor] | None = None, softcap: float | None = None) -> Tensor:
         """One token per row (`p`: [B] its position): Sec. 7's step with static shapes (`decode_step`)."""
         if policy.stateful:
             # before the leaving token is compared: with delay == window it is the one read out now
@@ -252,7 +257,7 @@ class KVpopLayerCache(CacheLayerMixin):
         # a dynamic policy's priorities are updated inside the step, by its score (`ops.dynamic.score_update`, as the
         # prefill walks apply it)
         out = step(self.buffers, query, key, value, p, real, pri_new, self.sink, self.window, self.topk, scale,
-                   policy.score if policy.dynamic else None, policy.pool, policy.tova_first)
+                   policy.score if policy.dynamic else None, policy.pool, policy.tova_first, policy.decay, softcap)
         if policy.evidence:
             cache_evidence.decode_accumulate(self, query, key, p, real, scale, policy, rope)
         return out
@@ -326,7 +331,7 @@ class KVpopLayerCache(CacheLayerMixin):
         return [*self.buffers, self.seen, self.length, *(self.state or ())]
 
     def _dynamic_chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float,
-                       policy: LayerPolicy) -> Tensor:
+                       policy: LayerPolicy, softcap: float | None = None) -> Tensor:
         """A dynamic policy's chunk: the decode step's decisions (`ops.dynamic.dynamic_walk`), then one attention.
 
         The walk decides which token each step evicts (and leaves the slots exactly as token-by-token
@@ -337,14 +342,14 @@ class KVpopLayerCache(CacheLayerMixin):
         B, H, C, D = key.shape
         evicted, pos, pri, prior = dynamic_walk(query, key, self.keys, self.pos, self.pri, position, valid, priority,
                                                 s, w, self.topk, scale, policy.score, slot_prior=self.prior,
-                                                pool=policy.pool)
+                                                pool=policy.pool, decay=policy.decay, softcap=softcap)
         new_pos = torch.where(valid, position, -1)[:, None, :].expand(B, H, C)
         cand_pos = torch.cat([self.pos, new_pos], dim=2)  # [B, H, slots + C]
         cand_k = torch.cat([self.keys, key.to(self.keys.dtype)], dim=2)
         cand_v = torch.cat([self.values, value.to(self.values.dtype)], dim=2)
         evict = eviction_from_steps(evicted, position, cand_pos)
         out = self._chunk_attention(query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_pos >= 0, evict,
-                                    scale)
+                                    scale, softcap)
         # the slots the walk left, filled from the candidates (empty slots stay zero)
         src = candidate_index(pos, cand_pos)[..., None]
         held = (pos >= 0)[..., None]
@@ -357,7 +362,7 @@ class KVpopLayerCache(CacheLayerMixin):
         return out
 
     def _chunk_attention(self, query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict,
-                         scale: float) -> Tensor:
+                         scale: float, softcap: float | None = None) -> Tensor:
         """A chunk's attention over its candidates (the slots, then its tokens) under their eviction positions.
 
         Into a fresh cache the slots are all empty: the chunk attends its own tokens, whose positions every
@@ -367,13 +372,14 @@ class KVpopLayerCache(CacheLayerMixin):
         s, w = self.sink, self.window
         if self.fresh:
             out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict[..., -key.shape[2]:],
-                                      s, w, scale)
+                                      s, w, scale, softcap=softcap)
         else:
-            out, _ = sparse_attention(query, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict, s, w, scale)
+            out, _ = sparse_attention(query, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict, s, w, scale,
+                                      softcap=softcap)
         return out
 
     def _chunk(self, query, key, value, position: Tensor, valid: Tensor, priority: Tensor, scale: float,
-               policy: LayerPolicy, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+               policy: LayerPolicy, rope: tuple[Tensor, Tensor] | None = None, softcap: float | None = None) -> Tensor:
         """Any number of tokens: the rule over `slots + chunk`, then the slots rewritten (`ops.slots`)."""
         s, w = self.sink, self.window
         B, H, C, _ = key.shape
@@ -403,7 +409,7 @@ class KVpopLayerCache(CacheLayerMixin):
         # a fresh chunk's candidates are its tokens, in position order: the kernel needs no sort on CUDA
         evict = eviction_positions(cand_pri, cand_pos, cand_valid, s, w, self.topk, ordered=alone)
         out = self._chunk_attention(query, key, value, cand_k, cand_v, position, valid, cand_pos, cand_valid, evict,
-                                    scale)
+                                    scale, softcap)
 
         # what the rule retains after the chunk's last real token goes back into the slot layout
         last = self.seen + valid.sum(-1) - 1  # [B]
@@ -427,6 +433,8 @@ def decode_step(
     score: str | None = None,
     pool: int | None = None,
     tova_first: bool = False,
+    decay: float = 1.0,
+    softcap: float | None = None,
 ) -> Tensor:
     """One decode step on a layer's slot buffers (keys, values, pos, pri, and the prior of KVpop-TOVA and the
     cascades; each with a scratch slot last).
@@ -439,11 +447,13 @@ def decode_step(
     tensors, ints and strings only, so that `torch.compile` traces it once for every layer (`fused_decode_step`).
     Masked writes go to the scratch slot instead of reading the old value back.
 
-    KVpop-cascade (`pool` an int): the last `pool` long-range slots are ranked by `pri`, the others by the static
-    priority in the prior buffer; the leaving token meets the static pool first and whichever loses meets the `pri`
-    pool (`ops.dynamic.reference.static_first_step`). None: one pool ranked by `pri`. With `tova_first` (the
-    layer-wide cascade, score "cascade_mean") the leaving token meets the `pri` pool first, and whichever loses
-    meets the static pool (`ops.dynamic.reference.tova_first_step`).
+    KVpop-cascade (`pool` an int, score "cascade"): the last `pool` long-range slots are ranked by `pri`, the
+    others by the static priority in the prior buffer; the leaving token meets the static pool first and
+    whichever loses meets the `pri` pool (`ops.dynamic.reference.static_first_step`). None: one pool ranked by
+    `pri`. With `tova_first` (the layer-wide cascades, scores "cascade_mean" and "cascade_sum") the leaving token
+    meets the `pri` pool first, and whichever loses meets the static pool (`ops.dynamic.reference.tova_first_step`).
+    `decay`: score "cascade_sum"'s weight of the accumulated score (`ops.dynamic.score_update`). `softcap`: the
+    model's logit soft-capping, None for none (the split kernels take none: the reference attention then).
 
     Returns:
         the attention output [B, Hq, 1, D].
@@ -454,10 +464,11 @@ def decode_step(
     step_slots(buffers, key, value, p, real, pri_new, sink, window, topk, static, tova_first)
     if score is None:
         # the positions as the occupancy: the CUDA kernel compares them itself (one launch less per layer)
-        return decode_attention(query, keys, values, buffers[2][:, :, :slots], scale)
+        return decode_attention(query, keys, values, buffers[2][:, :, :slots], scale, softcap)
     # the priorities' buffer whole (its scratch slot unused): a compiled step updates its own input in place
     prior = buffers[4] if len(buffers) > 4 else None
-    return decode_attention_scored(query, keys, values, buffers[2], buffers[3], prior, real, scale, score)
+    return decode_attention_scored(query, keys, values, buffers[2], buffers[3], prior, real, scale, score, decay,
+                                   softcap)
 
 
 _FUSED: dict[str, object] = {}
@@ -479,7 +490,8 @@ def fused_decode_step(backend: str = "inductor"):
 class KVpopCache(Cache):
     """The bounded cache for a model prepared by `kvpop.retrofit`; pass it as `cache=` (`past_key_values=` on 5.17).
 
-    Memory is `layers x Hkv x (sink + window + topk)` key/value slots whatever the generation length.
+    Memory is `layers x Hkv x (sink + window + topk)` key/value slots whatever the generation length; a hybrid
+    model's sliding-window layers hold their window `W` each (`kvpop.layer_kinds`).
     `dynamic_prefill`: how TOVA / H2O take a prompt: "walk" (`ops.dynamic`, the default) or "replay"
     (the decode step token by token; the same slots, slower: the reference).
     """
@@ -488,18 +500,19 @@ class KVpopCache(Cache):
         if config is None:
             if model is None:
                 raise ValueError("KVpopCache needs the retrofitted model (or config=KVpopConfig and num_layers)")
-            mods = kvpop_modules(model)
-            config, num_layers = mods.config, len(mods.layers)
-        else:
-            num_layers = model if isinstance(model, int) else len(kvpop_modules(model).layers)
+            config = kvpop_modules(model).config
         if config.match_mlp_memory:
             raise ValueError("KVpopCache needs a resolved config (its effective topk): pass the retrofitted model, "
                              "or config=cfg.resolve(head_dim)")
         if dynamic_prefill not in ("walk", "replay"):
             raise ValueError(f"dynamic_prefill={dynamic_prefill!r} must be 'walk' or 'replay'")
         self.config = config
-        config.check_layers(num_layers)
-        layers = [config.for_layer(i) for i in range(num_layers)]
+        if isinstance(model, int):
+            config.check_layers(model)
+            layers = [config.for_layer(i) for i in range(model)]
+        else:
+            # a hybrid model's sliding-window layers keep their window (`KVpopModules.layer_configs`)
+            layers = kvpop_modules(model).layer_configs(config)
         super().__init__(layers=[KVpopLayerCache(c.sink, c.window, c.topk, dynamic_prefill) for c in layers])
 
     @property
@@ -521,5 +534,6 @@ class KVpopCache(Cache):
         yield
 
     def slots_used(self) -> list[Tensor]:
-        """Per layer, the number of occupied slots per (batch row, KV head): int64 [B, Hkv]."""
+        """Per layer (sliding-window layers included), the number of occupied slots per (batch row, KV head): int64
+        [B, Hkv]."""
         return [(layer.pos >= 0).sum(-1) for layer in self.layers if layer.is_initialized]

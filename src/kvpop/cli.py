@@ -51,8 +51,15 @@ def command(name: str, help: str, args: Sequence[tuple[tuple[str, ...], dict[str
 
 
 MODEL = arg("--model", required=True, metavar="PATH_OR_PRESET",
-            help="a preset (tiny-random-qwen3, tiny-random-llama), a local Hugging Face model directory, "
-                 "or a directory written by kvpop.save; nothing is downloaded")
+            help="a preset (tiny-random-qwen3, tiny-random-llama, smollm2-135m, gemma3-270m, ...), a local Hugging Face "
+                 "model directory, a directory written by kvpop.save, or a GGUF file (converted once into the cache); "
+                 "nothing is downloaded")
+BASE = arg("--base", default=None, metavar="PATH_OR_PRESET",
+           help="for a --model saved without base weights (kvpop train --freeze-base's OUT/final): load its base "
+                "from this preset or local directory instead of the one it records (it must be the same model)")
+SCORERS = arg("--scorers", default=None, choices=("shipped", "untrained"),
+              help="for a preset that ships trained scorers (smollm2-135m): shipped (the default) runs them, as "
+                   "--model with their directory would; untrained retrofits random ones at --budget")
 DEVICE = arg("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)")
 DTYPE = arg("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
             help="model dtype (default: float32 for presets, the checkpoint's own otherwise)")
@@ -68,6 +75,10 @@ RULE = [
     arg("--topk", type=int, default=None, help="slots for the best-scored older tokens (default: the rest of the budget)"),
 ]
 RULE_FLAGS = ("budget", "sink", "window", "topk")
+POLICY_RULE = arg("--rule", choices=("cascade", "static"), default=None,
+                  help="how a trained KVpop-mlp directory runs: cascade, the recommended policy (the layer-wide "
+                       "KVpop-cascade, 3/4 of its budget - 1 long-range slots ranked by TOVA's head-averaged attention, "
+                       "the rest per KV head by the learned priority; the default), or static, the paper's static rule")
 
 
 def _device(name: str | None) -> str:
@@ -104,6 +115,27 @@ def _untrained(args: argparse.Namespace, cfg) -> None:
                     f"topk {cfg.topk}); train them with kvpop train and pass its OUT/final as --model")
 
 
+def _shipped_scorers(args: argparse.Namespace, policy: str = "kvpop") -> None:
+    """`--model PRESET` of a preset that ships trained scorers runs them: `args.model` becomes their directory
+    (unless `--scorers untrained`, or another `policy`), and one stderr line says which weights run."""
+    from kvpop import pretrained
+    from kvpop.models import PRESETS
+
+    path = pretrained.shipped(args.model) if args.model in PRESETS else None
+    if args.scorers == "untrained" or (args.scorers is None and (path is None or policy != "kvpop")):
+        return
+    if path is None:
+        ships = ", ".join(pretrained.available()) or "none"
+        raise ValueError(f"--scorers shipped: --model {args.model} ships no trained scorers (presets that do: {ships})")
+    if policy != "kvpop":
+        raise ValueError(f"--scorers shipped runs trained KVpop scorers; --policy {policy} is another policy")
+    from kvpop.retrofit import read_config
+
+    print(f"kvpop {args.command}: {args.model} runs its shipped trained scorers at budget {read_config(path).budget} "
+          f"(--scorers untrained for random ones): {pretrained.describe(path)}", file=sys.stderr)
+    args.model = str(path)
+
+
 def _ignored_rule_flags(args: argparse.Namespace) -> None:
     given = [f"--{k}" for k in RULE_FLAGS if k in args.given]
     if given:
@@ -129,11 +161,17 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
              "seconds to compile the first time, less from inductor's cache, TORCHINDUCTOR_CACHE_DIR) or "
              "cudagraph (the eager step captured once, its per-layer pieces compiled: ready in seconds, about "
              "1.4x slower per token at the Qwen3-8B shape)"),
+    POLICY_RULE,
     arg("--tova-pool", type=int, default=None, metavar="N",
         help="a trained KVpop-mlp directory as KVpop-cascade: N of its top-k slots ranked by TOVA per KV head"),
     arg("--tova-pool-layer", type=int, default=None, metavar="N",
-        help="a trained KVpop-mlp directory as the layer-wide KVpop-cascade at TOVA's split of its budget: N slots "
-             "ranked by TOVA's head average, the rest a per-head static pool (the thirteenth session's best row)"),
+        help="a trained KVpop-mlp directory as the layer-wide KVpop-cascade at TOVA's split of its budget with N pool "
+             "slots (the recommended policy's pool is 3/4 of budget - 1), the rest a per-head static pool"),
+    arg("--pool-decay", type=float, default=None, metavar="D",
+        help="with --tova-pool-layer: rank the pool by the head-averaged attention accumulated over the steps, each "
+             "step D x the last plus the latest (1: H2O's accumulated attention) instead of TOVA's latest"),
+    SCORERS,
+    BASE,
     DEVICE,
     DTYPE,
     NO_PROGRESS,
@@ -160,9 +198,11 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--temperature={args.temperature} must be a finite number > 0")
     # seeds the scorers of a fresh retrofit as well as sampling, so a run repeats exactly
     torch.manual_seed(args.seed)
+    _shipped_scorers(args)
     cfg = None if is_kvpop_dir(args.model) else _rule(args)  # bad flags fail before the model loads
-    cascade = _cascade_config(args)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device), config=cascade)
+    trained = _trained_config(args)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device), config=trained,
+                                  base=args.base)
     if cfg is None:
         _ignored_rule_flags(args)
     else:
@@ -196,31 +236,66 @@ def generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
 
     n_new = out.shape[1] - n_prompt
-    used = int(cache.slots_used()[0].max())
     print(f"[kvpop] {n_new} tokens in {elapsed:.2f} s ({n_new / elapsed:.1f} tokens/s, prefill included); "
-          f"cache: {used} of {cache.config.budget} slots per layer and KV head used for "
-          f"{int(cache.get_seq_length())} tokens seen", file=sys.stderr)
+          f"cache: {_slots_used(model, cache)} used for {int(cache.get_seq_length())} tokens seen", file=sys.stderr)
     return 0
 
 
-def _cascade_config(args: argparse.Namespace):
-    """`generate --tova-pool N` / `--tova-pool-layer N`: the directory's config as KVpop-cascade, checked before loading."""
+def _slots_used(model, cache) -> str:
+    """The slots a generation filled, of those each layer has, per layer kind (a hybrid model's sliding-window layers
+    hold their window)."""
+    from kvpop.modules import kvpop_modules
+
+    mods, used = kvpop_modules(model), [int(u.max()) for u in cache.slots_used()]
+    full = f"{max(used[i] for i in mods.policy_layers)} of {cache.config.budget} slots per"
+    if not mods.hybrid:
+        return f"{full} layer and KV head"
+    sliding = [i for i, w in enumerate(mods.windows) if w is not None]
+    return (f"{full} full-attention layer and KV head ({len(mods.policy_layers)} layers), "
+            f"{max(used[i] for i in sliding)} of {max(mods.windows[i] for i in sliding)} per sliding-window layer "
+            f"({len(sliding)} layers)")
+
+
+def _trained_config(args: argparse.Namespace):
+    """The config `generate` runs a trained directory under, checked before loading, and said on stderr: its rule
+    (`--rule`; by default the recommended policy for a KVpop-mlp), or `--tova-pool N` / `--tova-pool-layer N`
+    (`--pool-decay D`) over its weights. None for a model that is not a kvpop directory."""
     from kvpop.models import is_kvpop_dir
     from kvpop.retrofit import read_config
 
     asked = [(flag, n, layer) for flag, n, layer in (("--tova-pool", args.tova_pool, False),
                                                      ("--tova-pool-layer", args.tova_pool_layer, True)) if n is not None]
-    if not asked:
-        return None
     if len(asked) > 1:
         raise ValueError("give --tova-pool or --tova-pool-layer, not both")
-    flag, n, layer = asked[0]
+    if asked and args.rule is not None:
+        raise ValueError(f"give --rule or {asked[0][0]}, not both ({asked[0][0]} sets the pool of the cascade it runs)")
+    if args.pool_decay is not None and not (asked and asked[0][2]):
+        raise ValueError("--pool-decay ranks the pool of --tova-pool-layer N: give it with --tova-pool-layer")
     if not is_kvpop_dir(args.model):
-        raise ValueError(f"{flag} runs a trained KVpop-mlp directory (kvpop train's OUT/final) as KVpop-cascade; "
-                         f"--model {args.model} is not one")
+        if asked:
+            raise ValueError(f"{asked[0][0]} runs a trained KVpop-mlp directory (kvpop train's OUT/final) as "
+                             f"KVpop-cascade; --model {args.model} is not one")
+        if args.rule == "cascade":
+            raise ValueError(f"--rule cascade runs a trained KVpop-mlp directory (kvpop train's OUT/final); --model "
+                             f"{args.model} has no trained scorers")
+        return None
     saved = read_config(args.model)
-    _check_pool(flag, n, saved, layer, args.model)
-    return saved.with_tova_pool(n, layer=layer)
+    if asked:
+        flag, n, layer = asked[0]
+        _check_pool(flag, n, saved, layer, args.model)
+        _check_decay("--pool-decay", args.pool_decay)
+        cfg, why = saved.with_tova_pool(n, layer=layer, decay=args.pool_decay), flag
+    else:
+        cfg = saved.for_rule(args.rule)
+        why = f"--rule {args.rule}" if args.rule else "the default" + (
+            ", the recommended policy; --rule static runs the paper's static rule" if cfg != saved else "")
+    _note(args, f"{args.model} runs {cfg.describe()} ({why})")
+    return cfg
+
+
+def _check_decay(flag: str, decay: float | None) -> None:
+    if decay is not None and not 0 < decay <= 1:
+        raise ValueError(f"{flag} {decay} must lie in (0, 1] (1: H2O's accumulated attention)")
 
 
 def _check_pool(flag: str, n: int, cfg, layer: bool, where: str) -> None:
@@ -266,11 +341,10 @@ def _generate_compiled(args: argparse.Namespace, model, tokenizer, input_ids, ca
     elapsed = time.perf_counter() - start
     print(tokenizer.decode(new[0], skip_special_tokens=True))
     n_new = new.shape[1]
-    used = int(cache.slots_used()[0].max())
     first = "" if decoder.first_step_s is None else f", {decoder.first_step_s:.1f} s of it the first step (compiling)"
     print(f"[kvpop] {n_new} tokens in {elapsed:.2f} s ({n_new / elapsed:.1f} tokens/s, prefill and compilation "
-          f"included{first}); cache: {used} of {cache.config.budget} slots per layer and KV head used for "
-          f"{int(cache.get_seq_length())} tokens seen", file=sys.stderr)
+          f"included{first}); cache: {_slots_used(model, cache)} used for {int(cache.get_seq_length())} tokens seen",
+          file=sys.stderr)
     return 0
 
 
@@ -290,20 +364,34 @@ def _supported(config) -> str:
     return "yes"
 
 
-@command("info", "show a model's architecture and whether kvpop supports it", [MODEL])
+@command("info", "show a model's architecture, whether kvpop supports it, and the KV cache each layer kind holds", [
+    MODEL,
+    arg("--length", type=int, default=None,
+        help="tokens of one sequence for the KV table (default: the model's max positions)"),
+    arg("--budget", type=int, default=None,
+        help=f"entries a full-attention layer keeps per KV head when retrofitted (default: a kvpop.save directory's "
+             f"own, else {DEFAULT_BUDGET})"),
+    arg("--kv-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+        help="the cache's dtype for the byte counts (default bfloat16)"),
+])
 def info(args: argparse.Namespace) -> int:
     from kvpop.models import is_kvpop_dir, load_config
     from kvpop.retrofit import read_config
 
+    if args.length is not None and args.length < 1:
+        raise ValueError(f"--length {args.length}: must be >= 1")
+    if args.budget is not None and args.budget < 1:
+        raise ValueError(f"--budget {args.budget}: must be >= 1")
     config = load_config(args.model)
     config = getattr(config, "text_config", None) or config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    saved = read_config(args.model) if is_kvpop_dir(args.model) else None
     rows = {
         "model": args.model,
         "model type": config.model_type,
-        "layers": config.num_hidden_layers,
+        "layers": _layer_summary(config),
         "query heads": heads,
         "KV heads": f"{kv_heads} (groups of {heads // kv_heads})",
         "head dim": head_dim,
@@ -311,8 +399,13 @@ def info(args: argparse.Namespace) -> int:
         "vocab size": config.vocab_size,
         "kvpop supports it": _supported(config),
     }
-    if is_kvpop_dir(args.model):
-        c = read_config(args.model).to_dict()
+    if saved is not None:
+        from kvpop.retrofit import read_layout
+
+        layout = read_layout(args.model)
+        rows["base weights"] = ("in the directory" if layout.base_weights else
+                                f"from {layout.describe_base()} (the directory holds the scorers only)")
+        c = saved.to_dict()
         rows["retrofitted with"] = (f"sink={c['sink']} window={c['window']} topk={c['topk']} "
                                     f"(budget {c['sink'] + c['window'] + c['topk']}), policy {c['policy']}, "
                                     f"scorer {c['scorer']}"
@@ -322,14 +415,84 @@ def info(args: argparse.Namespace) -> int:
                                        else "")
                                     + (f", KVpop-cascade with {c['tova_pool']} TOVA slots"
                                        + (" (layer-wide: TOVA's head average, fed first)" if c.get("tova_head_average")
-                                          else "") if c.get("tova_pool") else ""))
+                                          else "")
+                                       + (f", pool decay {c['pool_decay']}" if c.get("pool_decay") is not None else "")
+                                       if c.get("tova_pool") else ""))
+        rows["runs as"] = read_config(args.model).for_rule().describe()
         if c.get("scorer") == "mlstm":
             matched = c.get("extra", {}).get("match_mlp_memory")
             rows["retrofitted with"] += (f", delay {c['window'] if c.get('delay') is None else c['delay']}"
                                          + (f", topk matched to the MLP's {matched['mlp_topk']}" if matched else ""))
     for key, value in rows.items():
         print(f"{key + ':':20s}{value}")
+    for line in _kv_table(args, config, saved):
+        print(line)
     return 0
+
+
+def _layer_summary(config) -> str:
+    """`18: full attention in layers 5, 11, 17; a sliding window of 512 tokens in the other 15`, or the kinds named."""
+    from kvpop.layer_kinds import describe_layers
+
+    try:
+        return f"{config.num_hidden_layers}: {describe_layers(config)}"
+    except ValueError:
+        # the reason is in "kvpop supports it"
+        return f"{config.num_hidden_layers} ({', '.join(sorted(set(getattr(config, 'layer_types', None) or ['?'])))})"
+
+
+def _share(n: int, total: int) -> str:
+    """`n` bytes and its share of `total`, 20 characters: `   96.0 MiB  92.7 %`."""
+    size = next((f"{n / 2**e:.1f} {unit}" for e, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")) if n >= 2**e),
+                f"{n} B")
+    return f"{size:>11s} {100 * n / total:5.1f} %" if total else f"{size:>11s}"
+
+
+def _kv_table(args: argparse.Namespace, config, saved) -> list[str]:
+    """The KV cache each layer kind holds at `--length` tokens, dense and retrofitted, as lines of a table."""
+    import torch
+
+    import kvpop
+    from kvpop.layer_kinds import FULL, kv_bytes, layer_windows
+
+    try:
+        windows = layer_windows(config)
+    except ValueError:
+        # the reason is in "kvpop supports it"
+        return []
+    limit = getattr(config, "max_position_embeddings", None)
+    if args.length is None and not limit:
+        return ["KV cache:           pass --length: the config states no max positions"]
+    length = args.length or limit
+    if saved is not None and args.budget is not None:
+        _ignored_rule_flags(args)
+    if saved is not None:
+        cfg = saved
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        cfg = kvpop.KVpopConfig.for_budget(budget=args.budget).resolve(head_dim)
+    dtype = getattr(torch, args.kv_dtype)
+    dense = kv_bytes(config, length, None, dtype)
+    bounded = kv_bytes(config, length, cfg, dtype)
+    total_dense = sum(k.bytes for k in dense.values())
+    total_bounded = sum(k.bytes for k in bounded.values())
+    window = sorted({w for w in windows if w is not None})
+    names = {FULL: "full attention", "sliding_attention": f"sliding window {'/'.join(map(str, window))}"}
+    beyond = f", beyond the model's {limit} positions" if limit and length > limit else ""
+    budget = cfg.for_layer(0).budget if cfg.layer_topk is None else f"{cfg.budget} on average"
+    lines = [f"KV cache at {length} tokens of one sequence ({args.kv_dtype}{beyond}):",
+             f"  {'layers':24s}{'dense':>20s}   {f'retrofitted, budget {budget}':>20s}"]
+    for kind, d in dense.items():
+        lines.append(f"  {f'{names[kind]} ({d.layers})':24s}{_share(d.bytes, total_dense)}   "
+                     f"{_share(bounded[kind].bytes, total_bounded)}")
+    lines.append(f"  {f'all ({config.num_hidden_layers})':24s}{_share(total_dense, total_dense)}   "
+                 f"{_share(total_bounded, total_dense)} of dense")
+    full = dense.get(FULL)
+    if full is not None and full.bytes:
+        saved_share = 1 - bounded[FULL].bytes / full.bytes
+        lines.append(f"  full-attention layers compressed {100 * saved_share:.1f} %, the whole cache "
+                     f"{100 * (1 - total_bounded / total_dense):.1f} %")
+    return lines
 
 
 @command("train", "distill a KVpop retrofit: scorers by the boundary loss, base weights by KL to the dense model", [
@@ -647,7 +810,8 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
              "tova_windowed and h2o_windowed (4 sinks, window B/4), oracle; kvpop and dms untrained; or none"),
     arg("--trained", action="append", default=[], metavar="[NAME=]DIR",
         help="a kvpop.save directory (e.g. OUT/final of kvpop train), evaluated at its own budget and labelled "
-             "NAME (default: its policy); repeatable"),
+             "NAME (default: its policy); `shipped`: the trained scorers shipped for the --model preset (labelled "
+             "shipped); repeatable"),
     arg("--sink", type=int, default=None, help="sinks of the training-free policies (default: each policy's own, "
                                                "0 for tova and h2o, 4 otherwise)"),
     arg("--tova-pool", default=None, metavar="N[,N]",
@@ -658,6 +822,12 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
              "budget (no sinks, window 1): N slots ranked by TOVA's paper score (the layer's head average), which "
              "takes each token first, the other budget - 1 - N a per-head static pool that keeps the best of its "
              "evictions (rows NAME+lpoolN; the same weights)"),
+    arg("--pool-decay", default=None, metavar="D[,D]",
+        help="the --tova-pool-layer rows with their pool ranked by the head-averaged attention accumulated over the "
+             "steps, each step D x the last plus the latest: 1 is H2O's accumulated attention (rows NAME+lpoolN+h2o), "
+             "below 1 older steps fade (NAME+lpoolN+dD); 'none' keeps TOVA's latest attention (NAME+lpoolN) "
+             "(default: none)"),
+    POLICY_RULE,
     arg("--layer-budgets", action="append", default=[], metavar="FILE",
         help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
              "(the same total memory as the uniform row); repeatable"),
@@ -701,6 +871,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
     from kvpop.eval.evaluate import Evaluator, check_base, format_table, from_directory, headline, held_out_rows
     from kvpop.models import load_model
+    from kvpop.retrofit import read_config
     from kvpop.train.mix import parse_mixture
 
     if not args.suite:
@@ -708,18 +879,22 @@ def evaluate(args: argparse.Namespace) -> int:
     _refuse_earlier_results(args)
     device = _device(args.device)
     torch.manual_seed(args.seed)
-    trained = [_trained_arg(t) for t in args.trained]
+    trained = [_shipped_entry(args, *_trained_arg(t)) for t in args.trained]
     args.trained = [d for _, d in trained]
-    entries = [from_directory(d, name) for name, d in trained]
+    entries = [from_directory(d, name, rule=args.rule) for name, d in trained]
     seen: dict[tuple[str, int], str] = {}
     for (_, d), e in zip(trained, entries):
         if (e.name, e.budget) in seen:
             raise ValueError(f"--trained {seen[e.name, e.budget]} and {d} are both {e.name!r} at budget {e.budget}: "
                              f"label them, e.g. --trained mine={d}")
         seen[e.name, e.budget] = d
-    entries += _tova_pool_entries(args, entries)
+        _note(args, f"--trained {d} ({e.name}) runs {e.cfg.describe()}"
+                    + ("" if args.rule else " (the default: the recommended policy; --rule static runs the paper's "
+                                            "static rule)" if e.cfg.tova_pool and not read_config(d).tova_pool else ""))
+    directories = list(entries)
+    entries += _tova_pool_entries(args, directories)
     entries += _training_free_entries(args)
-    entries += _layer_budget_entries(args, entries)
+    entries += _layer_budget_entries(args, directories)
     base, tokenizer = load_model(args.model, device=device)
     if getattr(base, "kvpop", None) is not None:
         raise ValueError(f"--model must be the base model; pass kvpop directories with --trained ({args.model})")
@@ -767,7 +942,7 @@ def evaluate(args: argparse.Namespace) -> int:
         for entry, row in zip(evaluator.entries, rows):
             if entry.cfg.policy == "oracle":
                 continue
-            model = load(entry.trained, device=device) if entry.trained else retrofit(base, entry.cfg)
+            model = load(entry.trained, device=device, config=entry.cfg) if entry.trained else retrofit(base, entry.cfg)
             row["pass_at_1"], _ = rollouts_pass_at_1(model, tokenizer, problems, args.rollouts, args.max_new_tokens,
                                                      seed=args.seed)
             if not entry.trained:
@@ -783,6 +958,20 @@ def evaluate(args: argparse.Namespace) -> int:
     print(table)
     print(json.dumps(headline(rows)))
     return 0
+
+
+def _shipped_entry(args: argparse.Namespace, name: str | None, path: str) -> tuple[str | None, str]:
+    """`--trained shipped` (no such directory here): the scorers shipped for the --model preset."""
+    from kvpop import pretrained
+
+    if path != "shipped" or Path(path).exists():
+        return name, path
+    found = pretrained.shipped(args.model)
+    if found is None:
+        raise ValueError(f"--trained shipped: --model {args.model} ships no trained scorers (presets that do: "
+                         f"{', '.join(pretrained.available()) or 'none'})")
+    print(f"kvpop eval: --trained shipped: {pretrained.describe(found)}", file=sys.stderr)
+    return name or "shipped", str(found)
 
 
 def _training_free_entries(args: argparse.Namespace) -> list:
@@ -810,9 +999,12 @@ def _training_free_entries(args: argparse.Namespace) -> list:
                 entries.append(training_free(p, b, sink=args.sink))
             except ValueError as err:
                 raise ValueError(f"--policies {p} at --budgets {b}: {err}") from None
+    from kvpop import pretrained
+
+    ships = " (or --trained shipped: those shipped for it)" if pretrained.shipped(args.model) else ""
     for p in dict.fromkeys(p for p in policies if p in ("kvpop", "dms")):
         _note(args, f"--policies {p}: its {'scorers' if p == 'kvpop' else 'gates'} are untrained (random) here; "
-                    "pass a trained directory with --trained")
+                    f"pass a trained directory with --trained{ships if p == 'kvpop' else ''}")
     return entries
 
 
@@ -829,10 +1021,15 @@ def _held_out_problems(args: argparse.Namespace) -> list[dict]:
 
 
 def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
-    """`--tova-pool N[,N]`: each trained KVpop-mlp directory also as KVpop-cascade with N TOVA slots (`NAME+poolN`);
-    `--tova-pool-layer N[,N]`: as the layer-wide cascade at TOVA's split (`NAME+lpoolN`)."""
+    """`--tova-pool N[,N]`: each trained KVpop-mlp directory (`entries`, saved for the static rule) also as
+    KVpop-cascade with N TOVA slots (`NAME+poolN`); `--tova-pool-layer N[,N]`: as the layer-wide cascade at TOVA's
+    split (`NAME+lpoolN`), for each `--pool-decay` (`NAME+lpoolN+h2o`, `NAME+lpoolN+dD`)."""
     from kvpop.eval.evaluate import with_tova_pool
+    from kvpop.retrofit import read_config
 
+    decays = _pool_decays(args.pool_decay)
+    if args.pool_decay is not None and args.tova_pool_layer is None:
+        raise ValueError("--pool-decay ranks the pools of --tova-pool-layer rows: give --tova-pool-layer N[,N]")
     out = []
     for flag, value, layer in (("--tova-pool", args.tova_pool, False),
                                ("--tova-pool-layer", args.tova_pool_layer, True)):
@@ -842,13 +1039,28 @@ def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
             pools = [int(n) for n in value.split(",") if n.strip()]
         except ValueError:
             raise ValueError(f"{flag}={value!r} must be comma-separated integers") from None
-        static = [e for e in entries if e.cfg.static_mlp]
+        static = [(e, read_config(e.trained)) for e in entries]
+        static = [(e, saved) for e, saved in static if saved.static_mlp]
         if not static:
             raise ValueError(f"{flag} needs a --trained KVpop-mlp directory (the static rule) to run as KVpop-cascade")
-        for e in static:
+        for e, saved in static:
             for n in pools:
-                _check_pool(flag, n, e.cfg, layer, f"--trained {e.trained}")
-                out.append(with_tova_pool(e, n, layer=layer))
+                _check_pool(flag, n, saved, layer, f"--trained {e.trained}")
+                out += [with_tova_pool(e, n, layer=layer, decay=d) for d in (decays if layer else [None])]
+    return out
+
+
+def _pool_decays(value: str | None) -> list[float | None]:
+    """`--pool-decay D[,D]` -> decays, None for 'none' (TOVA's latest attention)."""
+    if value is None:
+        return [None]
+    out = []
+    for d in (x.strip() for x in value.split(",") if x.strip()):
+        try:
+            out.append(None if d == "none" else float(d))
+        except ValueError:
+            raise ValueError(f"--pool-decay={value!r} must be comma-separated decays in (0, 1] or 'none'") from None
+        _check_decay("--pool-decay", out[-1])
     return out
 
 
@@ -856,6 +1068,7 @@ def _layer_budget_entries(args: argparse.Namespace, entries: list) -> list:
     """`--layer-budgets FILE`: the same rows at per-layer budgets of equal memory (`<name>+layers`)."""
     from kvpop.eval.budgets import read
     from kvpop.eval.evaluate import training_free, with_layer_budgets
+    from kvpop.retrofit import read_config
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip() not in ("", "none", "streaming_llm")]
     out = []
@@ -863,9 +1076,10 @@ def _layer_budget_entries(args: argparse.Namespace, entries: list) -> list:
         budget, per_layer = read(path)
         out += [training_free(p, budget, sink=args.sink, layer_budgets=per_layer) for p in policies]
         # a trained static scorer ranks the same way at any top-k: the same weights, per-layer slots
-        out += [with_layer_budgets(e, per_layer) for e in entries
-                if e.trained and e.budget == budget and e.cfg.layer_topk is None and e.cfg.policy == "kvpop"
-                and not e.cfg.tova_pool]
+        for e in entries:
+            saved = read_config(e.trained)
+            if e.budget == budget and saved.layer_topk is None and saved.policy == "kvpop" and not saved.tova_pool:
+                out.append(with_layer_budgets(e, per_layer))
     return out
 
 
@@ -910,7 +1124,8 @@ def budgets(args: argparse.Namespace) -> int:
     if getattr(base, "kvpop", None) is not None:
         raise ValueError(f"--model must be a base model, not a kvpop directory ({args.model}); use --trained DIR")
     if args.trained:
-        model = kvpop.load(args.trained, device=_device(args.device))
+        # where the scorer's own ranking loses mass: the static rule it was trained for
+        model = kvpop.load(args.trained, device=_device(args.device), rule="static")
         cfg, measured = model.kvpop.config, model
     else:
         cfg = kvpop.KVpopConfig.for_budget(args.budget, sink=args.sink, window=args.window)
@@ -1023,6 +1238,8 @@ def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -
     arg("--out", default="eviction_pattern.png", help="PNG path (default eviction_pattern.png); an existing file "
                                                       "needs --force"),
     arg("--force", action="store_true", help="replace an existing --out"),
+    SCORERS,
+    BASE,
     arg("--device", default=None),
     NO_PROGRESS,
 ])
@@ -1034,8 +1251,9 @@ def viz(args: argparse.Namespace) -> int:
     from kvpop.train.data import load_texts
 
     refuse_existing(args.out, "--out", args.force)
+    _shipped_scorers(args, policy=args.policy)
     cfg = None if is_kvpop_dir(args.model) else _rule(args, policy=args.policy)
-    model, tokenizer = load_model(args.model, device=_device(args.device))
+    model, tokenizer = load_model(args.model, device=_device(args.device), base=args.base)
     if cfg is None:
         _ignored_rule_flags(args)
     else:

@@ -28,6 +28,28 @@ setting is 2048 of 8192. Split as `for_budget` splits any budget: 4 sinks, a win
 DEFAULT_SINK = 4
 
 
+RULES = ("cascade", "static")
+"""How a trained KVpop-mlp directory runs (`KVpopConfig.for_rule`, `kvpop.load(rule=...)`, the CLI's `--rule`):
+`cascade`, the recommended policy (the default), or `static`, the paper's static rule."""
+RECOMMENDED_POOL_FRACTION = (3, 4)
+"""The recommended policy's pool, as a fraction of the layer-wide cascade's `budget - 1` long-range slots."""
+RECOMMENDED_POOL_DECAY: float | None = None
+"""The recommended policy's pool ranking (`KVpopConfig.pool_decay`): None, TOVA's latest attention."""
+
+
+def recommended_pool(budget: int) -> int:
+    """The recommended policy's pool at `budget`: 3/4 of the `budget - 1` long-range slots of the layer-wide cascade,
+    rounded down (the rest is the per-head static pool ranked by the learned priority).
+
+    One fraction at every budget and compression ratio. Development rows support it: on the GPU at S = 8192 it was
+    the best of 1/2, 3/4 and 7/8 at B = 1024 and level with 7/8 at B = 2048.
+    """
+    if not _is_int(budget) or budget < 1:
+        raise ValueError(f"budget={budget!r} must be an integer >= 1")
+    num, den = RECOMMENDED_POOL_FRACTION
+    return (budget - 1) * num // den
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -104,6 +126,11 @@ class KVpopConfig:
     ranks so too (one ranking for every KV head) and therefore takes the token leaving the window first; the
     per-head static pool keeps the best of what it evicts by the learned priority (`KVpopConfig.for_budget`
     gives it TOVA's split)."""
+    pool_decay: float | None = None
+    """The layer-wide KVpop-cascade only (`tova_pool` with `tova_head_average`): what ranks its pool. None: TOVA's
+    paper score, the latest query's attention averaged over the layer's query heads. A decay `d` in (0, 1]: that
+    attention accumulated over the steps, each step's score `d x` the previous one plus the latest (score
+    "cascade_sum"): `d = 1` is H2O's accumulated attention, `d < 1` weighs a step `age` steps ago by `d ** age`."""
     dms_temperature: float = 0.1
     """DMS only: temperature of the Gumbel-sigmoid relaxation of the eviction gates in training. > 0."""
     dms_target_retention: float | None = None
@@ -173,6 +200,11 @@ class KVpopConfig:
         _check(isinstance(self.tova_head_average, bool), "tova_head_average", self.tova_head_average, "must be a bool")
         _check(not self.tova_head_average or self.policy == "tova" or self.tova_pool > 0, "tova_head_average",
                self.tova_head_average, "applies to policy='tova' and to KVpop-cascade (tova_pool > 0) only")
+        _check(self.pool_decay is None or (isinstance(self.pool_decay, (int, float)) and not isinstance(self.pool_decay, bool)
+                                           and 0.0 < self.pool_decay <= 1.0), "pool_decay", self.pool_decay,
+               "must be None (TOVA's latest attention) or a decay in (0, 1] (1: H2O's accumulated attention)")
+        _check(self.pool_decay is None or (self.tova_pool > 0 and self.tova_head_average), "pool_decay", self.pool_decay,
+               "applies to the layer-wide KVpop-cascade only (tova_pool > 0 with tova_head_average=True)")
         _check(self.policy not in RECENCY_POLICIES or self.topk == 0, "topk", self.topk,
                f"must be 0 for policy {self.policy!r}, which keeps only sinks and the window "
                f"(use window = budget - sink; KVpopConfig.for_budget does it)")
@@ -272,20 +304,91 @@ class KVpopConfig:
         """KVpop-mlp with the paper's static rule (no KVpop-TOVA prior, no cascade): the configs a TOVA pool extends."""
         return self.policy == "kvpop" and self.scorer == "mlp" and self.tova_prior is None and not self.tova_pool
 
-    def with_tova_pool(self, pool: int, layer: bool = False) -> KVpopConfig:
+    def with_tova_pool(self, pool: int, layer: bool = False, decay: float | None = None) -> KVpopConfig:
         """This KVpop-mlp config run as KVpop-cascade with `pool` TOVA slots (the same scorer weights serve it).
 
         `layer`: the layer-wide cascade (`tova_head_average`) at TOVA's split of the same budget (no sinks, a window
-        of 1, `budget - 1` long-range slots), `pool` of them in the pool TOVA's paper ranking fills first.
+        of 1, `budget - 1` long-range slots), `pool` of them in the pool TOVA's paper ranking fills first; with
+        `decay` (`pool_decay`) that pool ranks by the accumulated attention instead (1: H2O's).
         """
         _check(self.static_mlp, "tova_pool", pool,
                f"applies to a KVpop-mlp config with the static rule (this one: policy {self.policy!r}, scorer "
                f"{self.scorer!r}, tova_prior={self.tova_prior}, tova_pool={self.tova_pool})")
+        _check(layer or decay is None, "pool_decay", decay, "applies to the layer-wide cascade only (layer=True)")
         if not layer:
             return dataclasses.replace(self, tova_pool=pool)
         _check(self.layer_topk is None, "layer_topk", self.layer_topk,
                "the layer-wide cascade takes TOVA's split of one budget; drop the per-layer budgets")
-        return dataclasses.replace(self, sink=0, window=1, topk=self.budget - 1, tova_pool=pool, tova_head_average=True)
+        return dataclasses.replace(self, sink=0, window=1, topk=self.budget - 1, tova_pool=pool, tova_head_average=True,
+                                   pool_decay=decay)
+
+    def at_budget(self, budget: int) -> KVpopConfig:
+        """This KVpop-mlp config's scorer at another budget, split as `for_budget` splits it (4 sinks, a window of a
+        quarter): a static priority ranks the same way at any top-k, so the same weights serve it."""
+        _check(self.static_mlp and self.layer_topk is None, "policy", self.policy,
+               "only a KVpop-mlp with the static rule at one budget moves to another budget (at_budget)")
+        split = KVpopConfig.for_budget(budget)
+        return dataclasses.replace(self, sink=split.sink, window=split.window, topk=split.topk)
+
+    @property
+    def static_rule(self) -> KVpopConfig:
+        """The paper's static rule of this config: a KVpop-cascade without its pool (the scorer trained as KVpop-mlp's,
+        at the same split), any other config as it is."""
+        if not self.tova_pool:
+            return self
+        return dataclasses.replace(self, tova_pool=0, tova_head_average=False, pool_decay=None)
+
+    def for_rule(self, rule: str | None = None) -> KVpopConfig:
+        """The config a trained directory saved with this config runs under `rule` (one of `RULES`, or None).
+
+        - None (the default): the recommended policy where it applies, a KVpop-mlp trained for the static rule at
+          one budget (`recommended`); any other config as saved (a cascade, per-layer budgets, the mLSTM, DMS, ...);
+        - "cascade": the recommended policy; refused for a config it does not apply to;
+        - "static": the paper's static rule (`static_rule`).
+        The saved config itself is never changed: this is applied when a directory is loaded (`kvpop.load`).
+        """
+        if rule not in (None, *RULES):
+            raise ValueError(f"rule={rule!r} is invalid: use one of {RULES} (or None for the default)")
+        if rule == "static":
+            return self.static_rule
+        if self.tova_pool or (rule is None and not self.recommends_cascade):
+            return self
+        return self.recommended()
+
+    @property
+    def recommends_cascade(self) -> bool:
+        """Whether the recommended policy applies: a KVpop-mlp with the static rule at one budget (no per-layer
+        budgets) with room for a pool (`recommended_pool(budget) >= 1`)."""
+        return self.static_mlp and self.layer_topk is None and recommended_pool(self.budget) >= 1
+
+    def recommended(self) -> KVpopConfig:
+        """This KVpop-mlp config as the recommended policy: the layer-wide KVpop-cascade at TOVA's split of its budget,
+        its pool `recommended_pool(budget)` slots ranked by `RECOMMENDED_POOL_DECAY` (the same scorer weights)."""
+        _check(self.recommends_cascade, "tova_pool", self.tova_pool,
+               f"the recommended policy runs a KVpop-mlp trained for the static rule at one budget of at least 3 "
+               f"(this one: policy {self.policy!r}, scorer {self.scorer!r}, tova_prior={self.tova_prior}, tova_pool="
+               f"{self.tova_pool}, layer_topk={self.layer_topk}, budget {self.budget}); run it with rule='static'")
+        return self.with_tova_pool(recommended_pool(self.budget), layer=True, decay=RECOMMENDED_POOL_DECAY)
+
+    def describe(self) -> str:
+        """What this config's rule does, in one line (the CLI says it when a trained directory loads)."""
+        split = f"{self.sink} sinks, window {self.window}"
+        if self.policy != "kvpop":
+            return f"policy {self.policy} at budget {self.budget} ({split}, {self.topk} long-range slots)"
+        if self.tova_pool and self.tova_head_average:
+            rank = ("TOVA's latest attention" if self.pool_decay is None else "H2O's accumulated attention"
+                    if self.pool_decay == 1 else f"the attention accumulated with decay {self.pool_decay}")
+            return (f"the layer-wide KVpop-cascade at budget {self.budget}: {self.tova_pool} of {self.topk} long-range "
+                    f"slots ranked by {rank} (the layer's head average), {self.topk - self.tova_pool} per KV head by "
+                    f"the learned priority ({split})")
+        if self.tova_pool:
+            return (f"KVpop-cascade at budget {self.budget}: {self.topk - self.tova_pool} of {self.topk} long-range "
+                    f"slots per KV head by the learned priority, {self.tova_pool} by TOVA's latest attention ({split})")
+        if self.tova_prior is not None:
+            return f"KVpop-TOVA at budget {self.budget} (prior weight {self.tova_prior}; {split})"
+        per_layer = "" if self.layer_topk is None else ", per-layer budgets"
+        return (f"the static rule at budget {self.budget}: {self.topk} long-range slots per KV head ranked by the "
+                f"learned priority ({split}{per_layer}), scorer {self.scorer}")
 
     def check_layers(self, num_layers: int) -> None:
         """Raise unless `layer_topk` (if given) has one entry per layer of a model with `num_layers` layers."""

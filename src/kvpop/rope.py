@@ -8,7 +8,10 @@ attention scaling of YaRN-style variants), so the inverse is
 
     k = (k' cos - rotate_half(k') sin) / (cos^2 + sin^2).
 
-Qwen3 normalises keys before RoPE, so this gives the normalised key, which is what the scorer wants.
+Qwen3 and Gemma 3 normalise keys before RoPE (QK-norm), so this gives the normalised key, which is what
+the scorer wants. A model with a RoPE base per layer kind (Gemma 3: 1e6 in the full-attention layers,
+1e4 in the sliding-window ones) hands each attention module its own (cos, sin); the retrofit passes on
+that layer's, so each layer undoes its own rotation.
 Computed in float32; the same elementwise ops on the same inputs in training, prefill and decoding.
 """
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvpop.baselines.dms import DMSPolicy
 from kvpop.baselines.h2o import H2OPolicy
 from kvpop.baselines.oracle import OraclePolicy
-from kvpop.baselines.streaming_llm import RecencyPolicy
+from kvpop.baselines.streaming_llm import RecencyPolicy, SlidingWindowPolicy
 from kvpop.baselines.tova import TOVAPolicy
 from kvpop.config import KVpopConfig
 from kvpop.policy import CascadePolicy, EvidencePolicy, LayerPolicy, MLSTMPolicy, ScorerPolicy, TOVAPriorPolicy
@@ -37,4 +37,5 @@ def make_policy(cfg: KVpopConfig, num_kv_heads: int, head_dim: int, group: int =
     return POLICY_CLASSES[cfg.policy](cfg, num_kv_heads, head_dim)
 
 
-__all__ = ["POLICY_CLASSES", "SCORER_CLASSES", "DMSPolicy", "H2OPolicy", "OraclePolicy", "RecencyPolicy", "TOVAPolicy", "make_policy"]
+__all__ = ["POLICY_CLASSES", "SCORER_CLASSES", "DMSPolicy", "H2OPolicy", "OraclePolicy", "RecencyPolicy",
+           "SlidingWindowPolicy", "TOVAPolicy", "make_policy"]

@@ -142,10 +142,13 @@ def soft_eviction_bias(
     return bias.masked_fill(~allowed, float("-inf"))
 
 
-def _relaxed_block(query, key, value, log_keep, q_pos, q_valid, k_pos, k_valid, sink, window, scale):
-    """Attention of one block of queries under the soft bias (explicit softmax, float32)."""
+def _relaxed_block(query, key, value, log_keep, q_pos, q_valid, k_pos, k_valid, sink, window, scale, softcap=None):
+    """Attention of one block of queries under the soft bias (explicit softmax, float32; logits soft-capped by
+    `softcap` first, as the model caps them)."""
     B, Hkv, G, Q, D = query.shape
     logits = torch.einsum("bhgqd,bhnd->bhgqn", query.float(), key.float()) * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     logits = logits + soft_eviction_bias(log_keep, q_pos, q_valid, k_pos, k_valid, sink, window)[:, :, None]
     # a row with no key (a padding query) would give NaN, in the backward pass too (logsumexp of
     # -inf only): it gets finite logits here and zero weights below, so no gradient reaches it
@@ -156,7 +159,7 @@ def _relaxed_block(query, key, value, log_keep, q_pos, q_valid, k_pos, k_valid, 
     return torch.einsum("bhgqn,bhnd->bhgqd", probs, value.float()), lse.masked_fill(empty[..., 0], float("-inf"))
 
 
-def _relaxed_block_sdpa(query, key, value, log_keep, q_pos, q_valid, k_pos, k_valid, sink, window, scale):
+def _relaxed_block_sdpa(query, key, value, log_keep, q_pos, q_valid, k_pos, k_valid, sink, window, scale, softcap=None):
     """`_relaxed_block` through SDPA with the soft bias as its additive mask (no lse: returns None).
 
     `key`, `value` come with their heads already repeated to the query heads ([B, Hkv * G, N, D]).
@@ -189,6 +192,7 @@ def relaxed_attention(
     return_lse: bool = False,
     chunk: int = 512,
     backend: str = "auto",
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Teacher-forced attention with DMS's soft eviction: differentiable in `alpha`, `q`, `k`, `v`.
 
@@ -202,13 +206,17 @@ def relaxed_attention(
             "auto": "sdpa" on CUDA when no lse is asked for, else "explicit". On an H200 the explicit
             form made DMS the slowest training row (about 2x the KVpop-mlp step): it moves the
             float32 `chunk x S` logits and probabilities through memory several times per block.
+        softcap: the model's logit soft-capping `c * tanh(l / c)` (Gemma 2), None for none; "sdpa" cannot take it,
+            so "auto" runs "explicit" then.
     Returns:
         out [B, Hq, S, D] in the query's dtype, and lse float32 [B, Hq, S] or None.
     """
     if backend == "auto":
-        backend = "sdpa" if query.is_cuda and not return_lse else "explicit"
+        backend = "sdpa" if query.is_cuda and not return_lse and softcap is None else "explicit"
     if backend not in ("explicit", "sdpa"):
         raise ValueError(f"backend={backend!r} must be 'auto', 'explicit' or 'sdpa'")
+    if backend == "sdpa" and softcap is not None:
+        raise ValueError(f"backend='sdpa' takes no logit soft-capping (softcap={softcap}): use 'explicit'")
     if backend == "sdpa" and return_lse:
         raise ValueError("backend='sdpa' returns no lse: use backend='explicit' for return_lse=True")
     B, Hq, S, D = query.shape
@@ -225,7 +233,8 @@ def relaxed_attention(
     outs, lses = [], []
     for start in range(0, S, chunk):
         sl = slice(start, start + chunk)
-        args = (q[:, :, :, sl], key, value, log_keep, position[:, sl], valid[:, sl], position, valid, sink, window, scale)
+        args = (q[:, :, :, sl], key, value, log_keep, position[:, sl], valid[:, sl], position, valid, sink, window, scale,
+                softcap)
         if S > chunk and torch.is_grad_enabled():
             out, lse = checkpoint(block, *args, use_reentrant=False)
         else:

@@ -17,8 +17,8 @@ steps; the first one captures or compiles ("compile_s": from inductor's on-disk 
 process compiled the same graph, cold otherwise). A compiled run that fails records its exception in "error".
 
 Cache kinds: "dense", "kvpop" (the static rule, or the model's own retrofit), any other policy name at the
-same budget, and "cascade": the layer-wide KVpop-cascade (`KVpopConfig.with_tova_pool(pool, layer=True)`,
-TOVA's split of the budget) with a TOVA pool of `--tova-pool-layer` slots (default 3/4 of `budget - 1`).
+same budget, and "cascade": the recommended policy, the layer-wide KVpop-cascade at TOVA's split of the same
+budget (`KVpopConfig.recommended`; `--tova-pool-layer` sets its pool, default 3/4 of `budget - 1`).
 
 `--fill random` skips running the model over the context: each cache is filled directly with random
 keys/values as if `context` tokens had been seen (a `KVpopCache` with every slot occupied, positions
@@ -53,18 +53,30 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from kvpop.cache import KVpopCache, cache_kwargs
-from kvpop.config import KVpopConfig
+from kvpop.config import RECOMMENDED_POOL_DECAY, KVpopConfig
 from kvpop.eval.args import BENCH_ARGS
 from kvpop.retrofit import KVpopModules, detach, retrofit
 
 DENSE = "dense"
-CASCADE = "cascade"
+RECOMMENDED = "cascade"
+"""The benchmarks' name for the recommended policy of a trained KVpop-mlp (`KVpopConfig.for_rule`)."""
 
 
-def cascade_config(config: KVpopConfig, pool: int | None = None) -> KVpopConfig:
-    """Cache kind "cascade": `config` (KVpop-mlp) as the layer-wide KVpop-cascade, `pool` TOVA slots (default 3/4 of
-    `budget - 1`, the other quarter the per-head static pool)."""
-    return config.with_tova_pool(3 * (config.budget - 1) // 4 if pool is None else pool, layer=True)
+def recommended_config(config: KVpopConfig, pool: int | None = None) -> KVpopConfig:
+    """KVpop-mlp `config` as the recommended policy (`KVpopConfig.recommended`), or, with `pool`, as the same
+    layer-wide KVpop-cascade with a pool of `pool` slots instead of `config.recommended_pool(budget)`."""
+    if pool is None:
+        return config.recommended()
+    return config.with_tova_pool(pool, layer=True, decay=RECOMMENDED_POOL_DECAY)
+
+
+def policy_config(name: str, budget: int, pool: int | None = None) -> KVpopConfig:
+    """The config a benchmark runs for a policy name at `budget`: `cascade`, the recommended policy (the layer-wide
+    KVpop-cascade a trained KVpop-mlp directory runs by default; `pool` its pool, default the recommended one), else
+    `KVpopConfig.for_budget(budget, policy=name)`."""
+    if name == RECOMMENDED:
+        return recommended_config(KVpopConfig.for_budget(budget), pool)
+    return KVpopConfig.for_budget(budget, policy=name)
 
 
 def cache_bytes(cache) -> int:
@@ -89,8 +101,8 @@ def _prepared(model, kind: str, config: KVpopConfig | None, seed: int,
     """The model as cache `kind` needs it, in place: plain for "dense", retrofitted otherwise; restored after.
 
     No copy of the weights is made, so CUDA peak memory counts one model. "kvpop" uses the model's
-    own retrofit if it has one, else `config`; "cascade" runs that config as the layer-wide KVpop-cascade with
-    `pool` TOVA slots (`cascade_config`); any other kind is a policy name run with `config`'s budget.
+    own retrofit if it has one, else `config`; "cascade" runs that config as the recommended policy (`pool` its pool,
+    `recommended_config`); any other kind is a policy name run with `config`'s budget.
     """
     stashed = None
     if _is_retrofitted(model):
@@ -106,8 +118,8 @@ def _prepared(model, kind: str, config: KVpopConfig | None, seed: int,
         else:
             if config is None:
                 raise ValueError(f"cache kind {kind!r} needs a KVpopConfig for a model that is not retrofitted")
-            if kind == CASCADE:
-                cfg = cascade_config(config, pool)
+            if kind == RECOMMENDED:
+                cfg = recommended_config(config, pool)
             else:
                 cfg = config if kind == "kvpop" else dataclasses.replace(config, policy=kind)
             # the scorers' random init draws from a private generator state: runs repeat exactly
@@ -277,7 +289,7 @@ def bench_decode(
         compile_backend: how compiled rows run the step (`kvpop.decode.Decoder`): a `torch.compile`
             backend ("inductor", the default, with `kvpop.decode.COMPILE_OPTIONS` on CUDA) or "cudagraph"
             (the eager step captured as a CUDA graph).
-        cascade_pool: the TOVA pool of cache kind "cascade" (default 3/4 of `budget - 1`).
+        cascade_pool: the pool of cache kind "cascade" (default the recommended policy's, 3/4 of `budget - 1`).
     Returns:
         One dict per (context, cache kind, compiled): "cache", "compiled", "fill", "context", "batch",
         "new_tokens", "ms_per_token", "ms_min", "tokens_per_s", "prefill_s", "compile_s" (compiled rows),
@@ -465,6 +477,18 @@ def _load(args: argparse.Namespace, device: str):
     return load_bench_model(args.model, device, args.dtype, args.num_layers, args.seed)
 
 
+def _layers_note(config) -> str:
+    """For the header of a hybrid model: the budget holds in its full-attention layers, the others keep their window."""
+    from kvpop.layer_kinds import describe_layers, layer_windows
+
+    try:
+        hybrid = any(layer_windows(config))
+    except ValueError:
+        # a model kvpop refuses (its dense rows may still run): nothing to add
+        return ""
+    return f" in the full-attention layers ({describe_layers(config)})" if hybrid else ""
+
+
 def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
     """`kvpop bench`: print the header and table, then the JSON line; write --json-out and --plot.
 
@@ -493,7 +517,7 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
           f"{c.num_attention_heads} query / {kv_heads} KV heads of dim {head_dim}, {str(dtype).removeprefix('torch.')}) "
           f"on {device}; batch {args.batch}, {args.new_tokens} timed steps after {args.warmup}; "
           f"cache filled by {args.fill}{'; eager and compiled' if args.compile else ''}; "
-          f"KVpop sink={rule.sink} window={rule.window} topk={rule.topk} (budget {rule.budget})")
+          f"KVpop sink={rule.sink} window={rule.window} topk={rule.topk} (budget {rule.budget}){_layers_note(c)}")
     rows = bench_decode(model, contexts, kinds, new_tokens=args.new_tokens, batch=args.batch, warmup=args.warmup,
                         device=device, config=config, prefill_chunk=args.prefill_chunk, seed=args.seed,
                         compile=args.compile, fill=args.fill, compile_backend=args.compile_backend,

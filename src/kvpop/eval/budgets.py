@@ -60,7 +60,8 @@ def lost_mass(
     """
     teacher = priorities_from_records(records, cfg) if priorities is None else list(priorities)
     out = torch.zeros(len(teacher), len(candidates), dtype=torch.float64)
-    for rec, pri in zip(sorted(records, key=lambda r: r.layer_idx), teacher):
+    # one row per captured layer, in order (a hybrid model's full-attention layers only)
+    for row, (rec, pri) in enumerate(zip(sorted(records, key=lambda r: r.layer_idx), teacher)):
         q, k = rec.query, rec.key
         pos, valid = rec.position, rec.valid
         start = cfg.sink + cfg.window
@@ -69,10 +70,10 @@ def lost_mass(
             evict = eviction_positions(pri, pos[:, None], valid[:, None], cfg.sink, cfg.window, topk, ordered=True)
             # values do not matter for the normaliser: the keys stand in for them (no copy)
             _, lse = sparse_attention(q, k, k, pos, valid, pos, valid, evict, cfg.sink, cfg.window, rec.scale,
-                                      return_lse=True)
+                                      return_lse=True, softcap=rec.softcap)
             kept = torch.exp((lse - rec.lse.float()).clamp(max=0.0))  # [B, Hq, S]; sparse mass <= dense mass
             lost = (1.0 - kept) * counted[:, None, :]
-            out[rec.layer_idx, j] = lost.double().sum().cpu()
+            out[row, j] = lost.double().sum().cpu()
     return out
 
 
@@ -146,7 +147,7 @@ def measure(model: nn.Module, batches: Iterable[Tensor], cfg: KVpopConfig | None
         if cfg is not None:
             raise ValueError("a retrofitted model measures its own split: pass cfg=None")
         cfg = model.kvpop.config
-        if cfg.layer_topk is not None or model.kvpop.layers[0].dynamic or cfg.topk == 0:
+        if cfg.layer_topk is not None or model.kvpop.policies[0].dynamic or cfg.topk == 0:
             raise ValueError(f"measuring needs a uniform static ranking; {cfg.policy!r} with layer_topk="
                              f"{cfg.layer_topk} and topk={cfg.topk} has none")
     else:

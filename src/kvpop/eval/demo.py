@@ -4,13 +4,16 @@
 
 SmolLM2-135M-Instruct and the champ math solutions (both from PyPI, nothing downloaded from a hub):
 train KVpop-mlp at S = 2048 for B = 512 (CR 75 %) and B = 256 (CR 88 %) - scorer-only on a CPU,
-full distillation when CUDA is present - then compare it with StreamingLLM, TOVA, H2O and the
-oracle on held-out problems (teacher-forced), on long-context tasks answered through each bounded
+full distillation when CUDA is present - and run it as the recommended policy (`kvpop`: the layer-wide
+KVpop-cascade, `KVpopConfig.for_rule`; beside it `kvpop-static`, the paper's static rule of the same
+weights, and `kvpop-shipped`, the package's trained weights where it ships them), then compare it with
+StreamingLLM, TOVA, H2O and the oracle on held-out problems (teacher-forced), on long-context tasks answered through each bounded
 cache (passkey retrieval and variable tracking at 2k tokens, `kvpop.eval.suite`) and on long
 generation (each policy's own text scored by the dense model, `kvpop.eval.fidelity`); plot the
 eviction pattern, the recall per layer, the tasks, the generation NLL and the memory / latency of
 decoding, and generate a sample answer with the bounded cache. The tables go to stdout, and the
-last line of stdout is one JSON object with the rows.
+last line of stdout is one JSON object with the rows. Under the table the demo says, per budget, whether the
+learned row beats the training-free rows (`verdict`), and where not, by how much.
 """
 
 from __future__ import annotations
@@ -68,6 +71,56 @@ class DemoPlan:
         return cls()
 
 
+TRAINING_FREE_RIVALS = ("streaming_llm", "tova", "h2o")
+"""The training-free rows the learned row must beat (`verdict`): KL below each, top-1 within `TOP1_SLACK` of the best."""
+TOP1_SLACK = 0.01
+
+
+def shipped_entries(model_name: str, budgets: tuple[int, ...]) -> list:
+    """Rows of the package's trained weights for `model_name` (`kvpop.pretrained.shipped`), one per budget, run as the
+    recommended policy at that budget (a static scorer ranks the same at any split); none where none ship."""
+    try:
+        from kvpop.pretrained import shipped
+    except ImportError:
+        return []
+    from kvpop.eval.evaluate import Entry
+    from kvpop.retrofit import read_config
+
+    path = shipped(model_name)
+    if path is None:
+        return []
+    saved = read_config(path)
+    return [Entry("kvpop-shipped", b, saved.at_budget(b).for_rule(), trained=str(path)) for b in budgets]
+
+
+def verdict(rows: list[dict], budgets: tuple[int, ...], learned: str = "kvpop", reason: str = "") -> list[str]:
+    """Per budget, one line: whether the `learned` row's KL is below every training-free rival's and its top-1 within
+    `TOP1_SLACK` of the best rival's; where not, which rival wins and by how much, and `reason`."""
+    lines = []
+    for b in budgets:
+        at = {r["policy"]: r for r in rows if r["budget"] == b}
+        mine, rivals = at.get(learned), [at[p] for p in TRAINING_FREE_RIVALS if p in at]
+        if mine is None or not rivals:
+            continue
+        best_kl = min(rivals, key=lambda r: r["kl"])
+        best_top1 = max(rivals, key=lambda r: r["top1_agreement"])
+        kl_ok = mine["kl"] < best_kl["kl"]
+        top1_ok = mine["top1_agreement"] >= best_top1["top1_agreement"] - TOP1_SLACK
+        head = f"B = {b}: {learned} KL {mine['kl']:.4f}, top-1 {mine['top1_agreement']:.3f}"
+        if kl_ok and top1_ok:
+            lines.append(f"{head}: below every training-free row's KL (best {best_kl['policy']} {best_kl['kl']:.4f}), "
+                         f"top-1 within {TOP1_SLACK} of the best ({best_top1['policy']} "
+                         f"{best_top1['top1_agreement']:.3f})")
+            continue
+        lost = []
+        if not kl_ok:
+            lost.append(f"KL not below {best_kl['policy']}'s {best_kl['kl']:.4f}")
+        if not top1_ok:
+            lost.append(f"top-1 more than {TOP1_SLACK} below {best_top1['policy']}'s {best_top1['top1_agreement']:.3f}")
+        lines.append(f"{head}: {'; '.join(lost)}" + (f". {reason}" if reason else ""))
+    return lines
+
+
 def _log(msg: str) -> None:
     print(f"[kvpop demo] {msg}", file=sys.stderr, flush=True)
 
@@ -107,17 +160,27 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
         # a demo run again redoes its training: the previous one is replaced (kept until the new one checkpoints)
         trained[budget] = train(tcfg, cfg, overwrite=True, argv=command.split())
 
-    # 2. evaluate every policy on held-out problems, each sequence from a document start
+    # 2. evaluate every policy on held-out problems, each sequence from a document start: the trained weights as the
+    # recommended policy (the default a user gets) and under the static rule, the shipped weights where they exist
     tokens = held_out_rows("champ", tokenizer, plan.seq_len, plan.eval_sequences, seed=seed)
+    shipped = shipped_entries(model_name, plan.budgets)
+    if shipped:
+        _log(f"shipped weights: {shipped[0].trained}, as {shipped[0].cfg.describe()} (and at each budget)")
     entries = []
     for budget in plan.budgets:
         entries.append(from_directory(str(trained[budget]), name="kvpop"))
+        entries.append(from_directory(str(trained[budget]), name="kvpop-static", rule="static"))
+        entries += [e for e in shipped if e.budget == budget]
         entries += [training_free(p, budget) for p in plan.baselines]
+    _log(f"the learned row runs {entries[0].cfg.describe()} (the default); kvpop-static the paper's static rule")
     evaluator = Evaluator(base, entries, device=device)
     for row in tqdm(tokens, desc="kvpop eval", unit="seq"):
         evaluator.add(row[None])
     rows = evaluator.rows(plan.seq_len)
     table = format_table(rows)
+    verdicts = verdict(rows, plan.budgets, reason=(
+        f"Its scorer trained {plan.train_steps} {'distillation' if cuda else 'scorer-only'} steps here, on "
+        f"{plan.eval_sequences} held-out row(s): a small sample"))
 
     # 3. where users meet eviction: long-context tasks answered through each bounded cache, and long
     # generation scored by the dense model (the same trained rows and training-free policies)
@@ -157,11 +220,13 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
     labels = plots.token_labels(tokenizer, trace[0, positions].tolist())
     figures["eviction_pattern"] = str(plots.plot_eviction_pattern(
         counts.cpu().numpy(), labels, model.config.num_key_value_heads, out / "eviction_pattern.png",
-        title=f"KVpop-mlp, B = {big}: KV heads (of {model.config.num_key_value_heads}) retaining each token"))
-    kv_entry = next(e for e in evaluator.entries if e.name == "kvpop" and e.budget == big)
+        title=f"KVpop, the recommended policy, B = {big}: KV heads (of {model.config.num_key_value_heads}) "
+              "retaining each token"))
+    # recall against the oracle is a static ranking's: the trained weights under the static rule
+    kv_entry = next(e for e in evaluator.entries if e.name == "kvpop-static" and e.budget == big)
     figures["recall_per_layer"] = str(plots.plot_recall_per_layer(
         kv_entry.recall.result().per_head, out / "recall_per_layer.png",
-        title=f"Top-k retention recall vs. the oracle, B = {big}"))
+        title=f"Top-k retention recall vs. the oracle, the static rule's ranking, B = {big}"))
     _log("benchmarking decode memory and latency against context length")
     bench_rows = bench_decode(model, list(plan.bench_contexts), new_tokens=8, warmup=2, device=device)
     figures["memory_latency"] = str(plots.plot_memory_latency(
@@ -180,6 +245,9 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
 
     result = {
         "rows": rows,
+        "verdict": verdicts,
+        "learned_rule": entries[0].cfg.describe(),
+        "shipped": shipped[0].trained if shipped else None,
         "plan": asdict(plan),
         "device": device,
         "model": model_name,
@@ -195,10 +263,14 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
         "command": command,
     }
     (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "table.txt").write_text(table + "\n")
+    (out / "table.txt").write_text(table + "\n" + "".join(f"{line}\n" for line in verdicts))
     (out / "tasks.txt").write_text(suite_table + "\n")
     (out / "fidelity.txt").write_text(fidelity_table + "\n")
     print(table)
+    print("kvpop: the recommended policy (the default); kvpop-static: the same weights under the paper's static rule"
+          + ("; kvpop-shipped: the package's trained weights" if shipped else ""))
+    for line in verdicts:
+        print(line)
     print(f"\nLong-context tasks through each cache ({', '.join(plan.suite_tasks)}; correct / prompts):")
     print(suite_table)
     print(f"\nLong generation at B = {small_budget} ({plan.fidelity_tokens} tokens, scored by the dense model):")

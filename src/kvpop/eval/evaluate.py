@@ -118,9 +118,10 @@ def held_out_rows(
     return document_rows(texts, tokenizer, seq_len, rows=sequences)
 
 
-def from_directory(path: str, name: str | None = None) -> Entry:
-    """A trained directory, labelled `name` or else by its policy (`kvpop`, `dms`, `streaming_llm_plus`)."""
-    cfg = read_config(path)
+def from_directory(path: str, name: str | None = None, rule: str | None = None) -> Entry:
+    """A trained directory, labelled `name` or else by its policy (`kvpop`, `dms`, `streaming_llm_plus`), run as
+    `kvpop.load` runs it: a KVpop-mlp as the recommended policy unless `rule="static"` (`KVpopConfig.for_rule`)."""
+    cfg = read_config(path).for_rule(rule)
     return Entry(name or cfg.policy, cfg.budget, cfg, trained=str(path))
 
 
@@ -142,25 +143,43 @@ def check_base(path: str, base: nn.Module) -> bool:
 def with_layer_budgets(entry: Entry, budgets: Sequence[int]) -> Entry:
     """`entry` (a trained static scorer or a training-free policy) at per-layer budgets `B_l`, the same memory.
 
-    A static scorer ranks the same way whatever the top-k, so a trained directory needs no retraining.
+    A static scorer ranks the same way whatever the top-k, so a trained directory needs no retraining; it runs its
+    saved config (the static rule it was trained for) at those budgets.
     """
-    if entry.cfg.layer_topk is not None or entry.cfg.policy in ("streaming_llm", "streaming_llm_plus", "dms"):
+    cfg = read_config(entry.trained) if entry.trained else entry.cfg
+    if cfg.layer_topk is not None or cfg.policy in ("streaming_llm", "streaming_llm_plus", "dms"):
         raise ValueError(f"{entry.name}: per-layer budgets need a uniform ranked split, got policy "
-                         f"{entry.cfg.policy!r} with layer_topk={entry.cfg.layer_topk}")
-    return Entry(f"{entry.name}+layers", entry.budget, entry.cfg.with_layer_budgets(list(budgets)), trained=entry.trained)
+                         f"{cfg.policy!r} with layer_topk={cfg.layer_topk}")
+    return Entry(f"{entry.name}+layers", entry.budget, cfg.with_layer_budgets(list(budgets)), trained=entry.trained)
 
 
-def with_tova_pool(entry: Entry, pool: int, layer: bool = False) -> Entry:
-    """A trained KVpop-mlp directory run as KVpop-cascade with `pool` TOVA slots (`KVpopConfig.with_tova_pool`):
-    `NAME+poolN`, or with `layer` the layer-wide cascade at TOVA's split of its budget, `NAME+lpoolN`. The cascade's
-    scorer trains as KVpop-mlp's, so the same weights serve it."""
+def with_tova_pool(entry: Entry, pool: int, layer: bool = False, decay: float | None = None) -> Entry:
+    """A trained KVpop-mlp directory run as KVpop-cascade with `pool` TOVA slots (`KVpopConfig.with_tova_pool` of the
+    saved config): `NAME+poolN`, or with `layer` the layer-wide cascade at TOVA's split of its budget, `NAME+lpoolN`,
+    whose pool ranks by the accumulated attention with `decay` (`NAME+lpoolN+h2o` at 1, `NAME+lpoolN+dD` below). The
+    cascade's scorer trains as KVpop-mlp's, so the same weights serve it."""
     if not entry.trained:
         raise ValueError(f"{entry.name}: a TOVA pool applies to a trained KVpop-mlp directory, not a training-free row")
     try:
-        cfg = entry.cfg.with_tova_pool(pool, layer=layer)
+        cfg = read_config(entry.trained).with_tova_pool(pool, layer=layer, decay=decay)
     except ValueError as err:
         raise ValueError(f"{entry.name}: {err}") from None
-    return Entry(f"{entry.name}+{'l' if layer else ''}pool{pool}", entry.budget, cfg, trained=entry.trained)
+    rank = "" if decay is None else "+h2o" if decay == 1 else f"+d{decay:g}"
+    return Entry(f"{entry.name}+{'l' if layer else ''}pool{pool}{rank}", entry.budget, cfg, trained=entry.trained)
+
+
+def run_as(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
+    """Run a loaded directory's weights under another config with the same parameters (another pool, rule or split),
+    in place: the policies are rebuilt for `cfg` and take the trained scorers back."""
+    mods = kvpop_modules(model)
+    state, base, training = mods.state_dict(), mods.base, mods.training
+    detach(model)
+    retrofit(model, cfg)
+    mods = kvpop_modules(model)
+    mods.load_state_dict(state)
+    mods.base = base
+    mods.train(training)
+    return model
 
 
 class Evaluator:
@@ -179,26 +198,18 @@ class Evaluator:
     def _model(self, entry: Entry) -> nn.Module:
         if entry.trained is None:
             return retrofit(self.base, entry.cfg)
-        if entry.cfg.tova_pool:
-            # KVpop-cascade from a KVpop-mlp directory: other policy modules over the same weights (`with_tova_pool`)
-            key = f"{entry.trained}+{'l' if entry.cfg.tova_head_average else ''}pool{entry.cfg.tova_pool}"
-            if key not in self._trained:
-                model = load(entry.trained, device=self.device, config=entry.cfg)
-                self._trained[key] = (model, model.kvpop.config)
-            return self._trained[key][0]
         if entry.trained not in self._trained:
-            model = load(entry.trained, device=self.device)
-            self._trained[entry.trained] = (model, model.kvpop.config)
-        model, saved = self._trained[entry.trained]
-        # the same weights at another split (per-layer budgets, `with_layer_budgets`): swapped in for this entry
-        model.kvpop.config = entry.cfg if entry.cfg.layer_topk is not None else saved
+            self._trained[entry.trained] = load(entry.trained, device=self.device, config=entry.cfg)
+        model = self._trained[entry.trained]
+        # one copy of a directory's weights for all its rows: another rule, pool or split (`with_tova_pool`,
+        # `with_layer_budgets`) rebuilds the policies over the same weights
+        if kvpop_modules(model).config != entry.cfg:
+            run_as(model, entry.cfg)
         return model
 
     def _release(self, entry: Entry, model: nn.Module) -> None:
         if entry.trained is None:
             detach(model)
-        elif not entry.cfg.tova_pool:
-            model.kvpop.config = self._trained[entry.trained][1]
 
     @torch.no_grad()
     def add(self, input_ids: Tensor, progress=None) -> None:
@@ -249,7 +260,7 @@ class Evaluator:
         cfg = kvpop_modules(model).config
         if cfg.policy == "dms":
             return self._run_dms(entry, model, ids), None
-        if model.kvpop.layers[0].dynamic or cfg.topk == 0:
+        if model.kvpop.policies[0].dynamic or cfg.topk == 0:
             # TOVA / H2O: the decode step's decisions by the prefill walk (`ops.dynamic`, bit-equal to
             # token-by-token decoding), then one sparse attention: the logits a user's decode would give
             return model(ids, use_cache=False).logits.float(), None
@@ -306,6 +317,7 @@ class Evaluator:
                 "topk": e.cfg.topk,
                 "layer_topk": list(e.cfg.layer_topk) if e.cfg.layer_topk else None,
                 "trained": e.trained,
+                "rule": e.cfg.describe(),
             }
             if e.recall is not None:
                 rec = e.recall.result()

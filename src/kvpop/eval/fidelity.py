@@ -133,7 +133,11 @@ def dense_scores(
 
 
 def champ_prompt(tokenizer, problem: str) -> list[int]:
-    """A champ problem as a user turn asking for a boxed answer, with the generation prompt: token ids."""
+    """A champ problem as a user turn asking for a boxed answer, with the generation prompt: token ids.
+
+    A base model without a chat template gets the problem as plain text, then `Solution:` (its BOS first)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(f"Problem: {problem}{BOXED_HINT}\n\nSolution:")["input_ids"]
     text = tokenizer.apply_chat_template([{"role": "user", "content": problem + BOXED_HINT}], tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -381,7 +381,7 @@ def priorities_from_records(
             raise ValueError("oracle priorities need unpadded sequences: the target has no notion of padding")
         r_tgt = future_attention_target(
             rec.query, rec.key, rec.lse, window, scale=rec.scale,
-            eps=cfg.target_eps, agg=cfg.target_agg, count_norm=cfg.target_count_norm,
+            eps=cfg.target_eps, agg=cfg.target_agg, count_norm=cfg.target_count_norm, softcap=rec.softcap,
         )
         out.append(teacher_priority(r_tgt, rec.log_gamma, cfg.decay_step))
     return out

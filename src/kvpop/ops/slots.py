@@ -255,10 +255,12 @@ def step_slots_torch(
                 move(src, torch.where(leaving & beats & (cand_pri > float("-inf")), w_idx, scratch))
             if static:
                 move(slot, torch.where(promote_s, s_idx, scratch))
-    # the new token into its slot (a padding step: the scratch slot); a prior buffer takes its priority too
+    # the new token into its slot (a padding step: the scratch slot); with a prior buffer its priority is its prior,
+    # and its score starts at 0 (`write_new_token`)
     dst = torch.where(real[:, None], slot, scratch).view(-1)
     new_pri = pri_new.reshape(B * H).float()
-    news = (key.reshape(B * H, -1), value.reshape(B * H, -1), p[:, None].expand(B, H).reshape(B * H), new_pri, new_pri)
+    score = new_pri if len(buffers) == 4 else torch.zeros_like(new_pri)
+    news = (key.reshape(B * H, -1), value.reshape(B * H, -1), p[:, None].expand(B, H).reshape(B * H), score, new_pri)
     for f, new in zip(flat, news):
         f[dst] = new.to(f.dtype)
 
@@ -272,11 +274,14 @@ def new_token_slot(p: Tensor, sink: int, window: int) -> Tensor:
 def write_new_token(buffers: tuple[Tensor, ...], idx: Tensor, key: Tensor, value: Tensor, p: Tensor, real: Tensor,
                     pri_new: Tensor) -> None:
     """The new token into slot `idx` ([B, H, 1]) of every buffer, a padding step's into the scratch slot (the last);
-    a prior buffer (the fifth: KVpop-TOVA, KVpop-cascade) takes its priority too, its prior at insertion."""
+    with a prior buffer (the fifth: KVpop-TOVA, KVpop-cascade) its priority is its prior at insertion, and its score
+    in the priority buffer starts at 0, no attention seen yet (`ops.dynamic.score`)."""
     B, H, n = buffers[0].shape[:3]
     dst = torch.where(real[:, None, None], idx, n - 1)
     new_pos = p[:, None, None].expand(B, H, 1)
-    for buf, new in zip(buffers, (key, value, new_pos, pri_new[..., None], pri_new[..., None])):
+    new_pri = pri_new[..., None]
+    news = (key, value, new_pos, new_pri) if len(buffers) == 4 else (key, value, new_pos, torch.zeros_like(new_pri), new_pri)
+    for buf, new in zip(buffers, news):
         write_slot(buf, dst, new.to(buf.dtype))
 
 
@@ -402,7 +407,8 @@ if triton is not None:
             if HAS_STATIC:
                 _move_slot(k_row, v_row, pos_row, pri_row, prior_row, slot, tl.where(promote_s, s_idx, N), sk_n, sv_n,
                            o_d, m_d, o_dv, m_dv, HAS_PRIOR)
-        # the new token into its slot (a padding step: the scratch slot); a prior buffer takes its priority too
+        # the new token into its slot (a padding step: the scratch slot); with a prior buffer its priority is its
+        # prior, and its score starts at 0, no attention seen yet (`write_new_token`)
         dst = tl.where(real, slot, N)
         new_k = tl.load(nk_ptr + i_b64 * nk_b + i_h64 * nk_h + o_d, mask=m_d)
         new_v = tl.load(nv_ptr + i_b64 * nv_b + i_h64 * nv_h + o_dv, mask=m_dv)
@@ -410,9 +416,11 @@ if triton is not None:
         tl.store(k_row + dst * sk_n + o_d, new_k.to(k_ptr.dtype.element_ty), mask=m_d)
         tl.store(v_row + dst * sv_n + o_dv, new_v.to(v_ptr.dtype.element_ty), mask=m_dv)
         tl.store(pos_row + dst, p)
-        tl.store(pri_row + dst, new_pri)
         if HAS_PRIOR:
+            tl.store(pri_row + dst, tl.zeros([], tl.float32))
             tl.store(prior_row + dst, new_pri)
+        else:
+            tl.store(pri_row + dst, new_pri)
 
 
 def step_slots_kernel(

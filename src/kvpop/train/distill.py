@@ -7,8 +7,9 @@ The student is the model with KVpop attention in every layer. Its base weights l
 `KL(teacher || student)` against a frozen dense copy (the teacher); its scorers and decays learn
 only from the boundary loss on the future-attention target, computed from the student's own
 sparse attention. `--freeze-base` trains the scorers alone (no teacher copy, no KL): the mode a
-CPU runs in minutes. Under `torchrun` the same command runs data-parallel (DDP, or FSDP2 with
-`--fsdp`), each rank taking its share of every global batch.
+CPU runs in minutes; its `OUT/final` holds the scorers and where the base is found, not the base.
+Under `torchrun` the same command runs data-parallel (DDP, or FSDP2 with `--fsdp`), each rank
+taking its share of every global batch.
 
 Nothing is lost: a checkpoint (model, optimizer, scheduler, RNG states, step) is written
 atomically every `--save-every` steps and on Ctrl-C, the previous one kept until the new one is
@@ -292,7 +293,7 @@ class Distiller:
         if tcfg.batch_size % self.dist.world:
             raise ValueError(f"--batch-size {tcfg.batch_size} must be a multiple of the number of ranks ({self.dist.world})")
         torch.manual_seed(tcfg.seed)
-        model, self.tokenizer = load_model(tcfg.model, device=self.device)
+        model, self.tokenizer = load_model(tcfg.model, device=self.device, config=as_trained(tcfg.model))
         pretrained = getattr(model, "kvpop", None)
         source = None
         if init_from is not None:
@@ -483,7 +484,8 @@ class Distiller:
                     teacher_logits = self.teacher(batch, use_cache=False).logits
                 with timed("kvpop.kl"):
                     loss_kl = kl_divergence(teacher_logits, logits, t.kl_topk)
-        n_layers = len(kvpop_modules(self.model).layers)
+        # the layers the policy runs in (a hybrid model's sliding-window layers have nothing to learn)
+        n_layers = len(kvpop_modules(self.model).policy_layers)
         if len(records) != n_layers:
             raise TrainingError(f"captured {len(records)} of {n_layers} layers: a wrapper dropped the kvpop_capture kwarg")
         losses, keep, acc = [], [], []
@@ -496,7 +498,7 @@ class Distiller:
             losses.append(loss)
             keep.append(extra["retention"])
         for rec in records if k.topk > 0 and k.policy != "dms" else []:
-            lk = k.for_layer(rec.layer_idx)  # per-layer budgets: this layer's own top-k
+            lk = kvpop_modules(self.model).layer_config(rec.layer_idx)  # per-layer budgets: this layer's own top-k
             if lk.topk == 0:
                 # a layer given no long-range slots has no ranking to learn; a zero loss keeps its scorer in
                 # the graph (DDP expects a gradient for every parameter)
@@ -505,7 +507,7 @@ class Distiller:
             with timed("kvpop.target"):
                 r_tgt = future_attention_target(
                     rec.query.detach(), rec.key.detach(), rec.lse.detach(), lk.window, scale=rec.scale,
-                    eps=lk.target_eps, agg=lk.target_agg, count_norm=lk.target_count_norm,
+                    eps=lk.target_eps, agg=lk.target_agg, count_norm=lk.target_count_norm, softcap=rec.softcap,
                 )
             with timed("kvpop.boundary_loss"):
                 pi_tgt = teacher_priority(r_tgt, rec.log_gamma, lk.decay_step)
@@ -731,15 +733,26 @@ class Distiller:
             state = self._full_state_dict()
             if self.dist.main:
                 # an unsharded copy to hold the gathered weights
-                model, _ = load_model(self.tcfg.model, device="cpu")
+                model, _ = load_model(self.tcfg.model, device="cpu", config=as_trained(self.tcfg.model))
                 if getattr(model, "kvpop", None) is None:
                     retrofit(model, self.kcfg)
                 model.kvpop.base = kvpop_modules(self.model).base
                 model.load_state_dict(state)
-                save(model, path, tokenizer=self.tokenizer)
+                save(model, path, **self._save_layout())
         elif self.dist.main:
-            save(self.model, path, tokenizer=self.tokenizer)
+            save(self.model, path, **self._save_layout())
         self._barrier()
+
+    def _save_layout(self) -> dict[str, Any]:
+        """`save`'s arguments: a base left as --model's is not written again (the directory records where it is
+        found), unless --model is a kvpop directory holding base weights of its own."""
+        from kvpop.models import is_kvpop_dir
+        from kvpop.retrofit import read_layout
+
+        model = self.tcfg.model
+        if self._holds_base or (is_kvpop_dir(model) and read_layout(model).base_weights):
+            return {"tokenizer": self.tokenizer}
+        return {"base_weights": False, "base": model}
 
     def save_checkpoint(self) -> None:
         """Write the checkpoint of this step (`kvpop.train.checkpoint.write`): the previous one stays until it is complete."""
@@ -863,6 +876,15 @@ def _device_type(name: str) -> str:
 def _same_place(a: str, b: str) -> bool:
     """The same preset, or the same file or directory however it is spelled (`./runs/x` and `runs/x`)."""
     return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
+
+
+def as_trained(model: str) -> KVpopConfig | None:
+    """A kvpop directory's saved config, which training continues (not the rule `kvpop.load` runs it under by
+    default); None for a base model."""
+    from kvpop.models import is_kvpop_dir
+    from kvpop.retrofit import read_config
+
+    return read_config(model) if is_kvpop_dir(model) else None
 
 
 def train(tcfg: TrainConfig, kcfg: KVpopConfig | None, *, resume: bool = False, overwrite: bool = False,

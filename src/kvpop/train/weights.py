@@ -3,11 +3,12 @@ curve over a run's checkpoints evaluates (`bench/recall_curve.py`).
 
     OUT                              a run directory: its newest complete checkpoint (a finished run's last step)
     OUT/checkpoints/step-00000600    that checkpoint
-    OUT/final, any kvpop.save dir    its scorers and base weights
+    OUT/final, any kvpop.save dir    its scorers and base weights (an adapter's: its scorers only)
 
 A checkpoint holds what its run trained: the scorers (DMS: its gates) and, unless the run froze the
-base (`--freeze-base`), the base weights; a `kvpop.save` directory holds both. `model_with` puts
-them on a copy of the base model they were trained from.
+base (`--freeze-base`), the base weights; a `kvpop.save` directory holds both, or the scorers alone
+where it was saved without base weights. `model_with` puts them on a copy of the base model they
+were trained from.
 """
 
 from __future__ import annotations
@@ -98,8 +99,17 @@ def read_weights(path: str | Path) -> TrainedWeights:
     """The trained weights at `path`: a run directory (its newest checkpoint), a checkpoint or a `kvpop.save` directory."""
     found = _locate(path)
     if isinstance(found, Path):
-        model = load(found, device="cpu")
-        return TrainedWeights(found, None, None, read_config(found), read_base(found), model.state_dict(), None)
+        from kvpop.files import read_safetensors
+        from kvpop.retrofit import SCORERS_FILE, read_layout
+
+        # the saved config as it was trained (not the rule a load would run it under)
+        config = read_config(found)
+        if read_layout(found).base_weights:
+            state = load(found, device="cpu", config=config).state_dict()
+        else:
+            # an adapter: the scorers alone, on the base `check_base` matches
+            state = {SCORERS + k: v for k, v in read_safetensors(found / SCORERS_FILE, "the scorer weights").items()}
+        return TrainedWeights(found, None, None, config, read_base(found), state, None)
     state = found.read(parts=("model.pt",))
     run = found.path.parent if found.manifest is None else found.path.parent.parent
     step = state.get("step", found.step)

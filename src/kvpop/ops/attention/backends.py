@@ -85,16 +85,24 @@ def run_backend(
     window: int,
     scale: float,
     return_lse: bool,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The rule's attention by one of `BACKENDS` (see `sparse_attention`); returns out and lse (or None)."""
+    """The rule's attention by one of `BACKENDS` (see `sparse_attention`); returns out and lse (or None).
+
+    `softcap` (the logit soft-capping): "flex" and "reference" take it; the fused "cpu", "cpu_blocks" and "sdpa"
+    kernels cannot, and refuse it."""
     shared = k_pos.dim() == 2
+    if softcap is not None and backend not in ("flex", "reference"):
+        raise ValueError(f"backend={backend!r} takes no logit soft-capping (softcap={softcap}): use 'flex' or "
+                         "'reference'")
     if backend == "flex":
         if not shared:
             raise ValueError("backend='flex' needs key positions shared by the heads ([B, N]); use 'sdpa'")
         from kvpop.ops.attention.flex import flex_sparse_attention
 
         return flex_sparse_attention(
-            query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale, return_lse=return_lse
+            query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, scale, return_lse=return_lse,
+            softcap=softcap,
         )
     if backend == "cpu_blocks":
         from kvpop.ops.attention.cpu import cpu_block_sparse_attention
@@ -122,7 +130,7 @@ def run_backend(
         return sdpa_masked_attention(query, key, value, mask, scale), None
     from kvpop.ops.attention.reference import masked_attention  # lazily: the fast backends never load it
 
-    return masked_attention(query, key, value, mask, scale, return_lse=return_lse)
+    return masked_attention(query, key, value, mask, scale, return_lse=return_lse, softcap=softcap)
 
 
 __all__ = ["BACKENDS", "GATHER_MIN_WORK", "GATHER_TILE_CUDA", "auto_backend", "run_backend"]

@@ -127,7 +127,7 @@ if triton is not None:
     @triton.jit
     def _score_block(
         m_ptr, l_ptr, s_ptr, pos_ptr, pri_ptr, prior_ptr, real_ptr, i_b, i_u,
-        Hkv, G, N, n_splits, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h,
+        Hkv, G, N, n_splits, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h, decay,
         BS: tl.constexpr, BG: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr, BLOCK_U: tl.constexpr,
         REDUCE: tl.constexpr, ACCUMULATE: tl.constexpr, ADD_PRIOR: tl.constexpr,
     ):
@@ -169,7 +169,8 @@ if triton is not None:
         occupied = tl.load(pos_ptr + i_b64 * sp_b + (o_h * sp_h)[:, None] + o_n[None, :], mask=m_hn, other=-1) >= 0
         p_pri = pri_ptr + i_b64 * sq_b + (o_h * sq_h)[:, None] + o_n[None, :]
         if ACCUMULATE:
-            new = tl.load(p_pri, mask=m_hn, other=0.0) + new
+            # H2O's sum (decay 1, an exact product) or "cascade_sum"'s fading one
+            new = tl.load(p_pri, mask=m_hn, other=0.0) * decay + new
         if ADD_PRIOR:
             new = new + tl.load(prior_ptr + i_b64 * sr_b + (o_h * sr_h)[:, None] + o_n[None, :], mask=m_hn, other=0.0)
         real = tl.load(real_ptr + i_b) != 0
@@ -178,7 +179,7 @@ if triton is not None:
     @triton.jit
     def decode_combine_score_kernel(
         m_ptr, l_ptr, acc_ptr, out_ptr, s_ptr, pos_ptr, pri_ptr, prior_ptr, real_ptr,
-        Hkv, G, N, DV, n_splits, n_blocks, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h,
+        Hkv, G, N, DV, n_splits, n_blocks, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h, decay,
         BS: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr,
         BLOCK_U: tl.constexpr, REDUCE: tl.constexpr, ACCUMULATE: tl.constexpr, ADD_PRIOR: tl.constexpr,
     ):
@@ -192,8 +193,8 @@ if triton is not None:
             j = i - n_heads
             n_u = tl.cdiv(N, BLOCK_U)
             _score_block(m_ptr, l_ptr, s_ptr, pos_ptr, pri_ptr, prior_ptr, real_ptr, j // n_u, j % n_u, Hkv, G, N,
-                         n_splits, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h, BS, BG, HP, GP, BLOCK_U, REDUCE, ACCUMULATE,
-                         ADD_PRIOR)
+                         n_splits, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h, decay, BS, BG, HP, GP, BLOCK_U, REDUCE,
+                         ACCUMULATE, ADD_PRIOR)
 
 
 def decode_attention_split(
@@ -223,12 +224,13 @@ SCORE_FORMS: dict[str, tuple[int, bool, bool]] = {
     "sum": (1, True, False),
     "mean": (2, False, False),
     "cascade_mean": (2, False, False),
+    "cascade_sum": (2, True, False),
     "prior": (2, False, True),
 }
 """How `decode_attention_scored` turns a step's probabilities `P [B, Hkv, G, N]` into slot priorities, per score of
-`ops.dynamic.score_update` (the reference): (reduction, adds the slot's priority, adds the slot's prior), the
-reduction 0 the max over a KV head's query heads, 1 their sum, 2 the mean over every query head of the layer. A new
-score of one of these forms is one line here; any other score runs the reference (`cache.decode_step`)."""
+`ops.dynamic.score_update` (the reference): (reduction, adds the slot's priority times `decay`, adds the slot's
+prior), the reduction 0 the max over a KV head's query heads, 1 their sum, 2 the mean over every query head of the
+layer. A new score of one of these forms is one line here; any other score runs the reference (`cache.decode_step`)."""
 
 SCORE_TILE = 4096
 """Elements of a priority-update program's `[KV heads, query heads per KV head, slots]` tile (powers of two): its
@@ -246,6 +248,7 @@ def decode_attention_scored(
     scale: float,
     score: str,
     split: int = SPLIT,
+    decay: float = 1.0,
 ) -> Tensor:
     """A dynamic policy's decode attention (`reference.scored_attention_reference`): the split attention over the
     occupied slots, and every occupied slot's priority rewritten from the step's probabilities as `score` says
@@ -275,7 +278,7 @@ def decode_attention_scored(
         raise ValueError(f"pos, pri and prior ({', '.join(str(tuple(t.shape)) for t in slots)}) must cover the "
                          f"{key.shape[2]} slots of the keys {tuple(key.shape)}")
     return _scored_op(query, key, value, pos, pri, prior if add_prior else None, real, float(scale), int(split),
-                      reduce, accumulate)
+                      reduce, accumulate, float(decay))
 
 
 def _split_pass(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale: float, split: int,
@@ -333,7 +336,7 @@ def _(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale: float,
 
 @torch.library.custom_op("kvpop::decode_attention_scored", mutates_args=("pri",))
 def _scored_op(query: Tensor, key: Tensor, value: Tensor, pos: Tensor, pri: Tensor, prior: Tensor | None,
-               real: Tensor, scale: float, split: int, reduce: int, accumulate: bool) -> Tensor:
+               real: Tensor, scale: float, split: int, reduce: int, accumulate: bool, decay: float) -> Tensor:
     B, Hq = query.shape[:2]
     Hkv, N, Dv = key.shape[1], key.shape[2], value.shape[-1]
     G = Hq // Hkv
@@ -348,12 +351,12 @@ def _scored_op(query: Tensor, key: Tensor, value: Tensor, pos: Tensor, pri: Tens
     decode_combine_score_kernel[(B * Hq + n_blocks,)](
         m, l_sum, acc, out, logits, pos, pri, rank, real.contiguous(),
         Hkv, G, N, Dv, n_splits, n_blocks, pos.stride(0), pos.stride(1), pri.stride(0), pri.stride(1),
-        rank.stride(0), rank.stride(1),
+        rank.stride(0), rank.stride(1), decay,
         BS=triton.next_power_of_2(n_splits), BG=BG, BDV=BDV, HP=HP, GP=GP, BLOCK_U=block_u, REDUCE=reduce,
         ACCUMULATE=accumulate, ADD_PRIOR=prior is not None, num_warps=4)
     return out
 
 
 @_scored_op.register_fake
-def _(query, key, value, pos, pri, prior, real, scale, split, reduce, accumulate) -> Tensor:
+def _(query, key, value, pos, pri, prior, real, scale, split, reduce, accumulate, decay) -> Tensor:
     return query.new_empty(*query.shape[:3], value.shape[-1])

@@ -60,6 +60,18 @@ def _flex_for(device: torch.device):
     return _compiled_flex
 
 
+def soft_cap_mod(softcap: float, device: torch.device):
+    """The `score_mod` of a logit soft-capping `c * tanh(score / c)` (FlexAttention's score is already scaled).
+
+    `c` is a captured tensor, not a constant: one compiled kernel serves every cap."""
+    cap = torch.tensor(float(softcap), dtype=torch.float32, device=device)
+
+    def score_mod(score, b, h, q, k):
+        return torch.tanh(score / cap) * cap
+
+    return score_mod
+
+
 def _check(query, key, value, q_pos, q_valid, k_pos, k_valid, evict) -> None:
     B, Hq, Q, D = query.shape
     if key.dim() != 4 or key.shape[0] != B or key.shape[-1] != D or value.shape != key.shape:
@@ -101,6 +113,7 @@ def flex_sparse_attention(
     scale: float,
     return_lse: bool = False,
     block_size: int = 128,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention of each query over the keys the retention rule keeps visible to it.
 
@@ -116,6 +129,7 @@ def flex_sparse_attention(
         sink, window: the budget split of `KVPOP.md` Sec. 1.
         scale: logit scale (usually `D ** -0.5`).
         block_size: FlexAttention's sparse block size (128 unless the kernel is tuned otherwise).
+        softcap: the model's logit soft-capping `c * tanh(l / c)` of the scaled logits, as a `score_mod`; None: none.
     Returns:
         out [B, Hq, Q, D] in the query's dtype, and lse float32 [B, Hq, Q] (natural log) or None.
         Rows with no visible key give zeros and `lse = -inf`.
@@ -123,9 +137,10 @@ def flex_sparse_attention(
     _check(query, key, value, q_pos, q_valid, k_pos, k_valid, evict)
     Hq = query.shape[1]
     block_mask = sparse_block_mask(q_pos, q_valid, k_pos, k_valid, evict, sink, window, Hq, block_size)
+    kwargs = {} if softcap is None else {"score_mod": soft_cap_mod(softcap, query.device)}
     out, lse = flex_with_lse(_flex_for(query.device), query, key, value, block_mask=block_mask, scale=scale,
-                             enable_gqa=True)
+                             enable_gqa=True, **kwargs)
     return out, (lse.float() if return_lse else None)
 
 
-__all__ = ["flex_sparse_attention"]
+__all__ = ["flex_sparse_attention", "soft_cap_mod"]

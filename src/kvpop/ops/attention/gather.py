@@ -190,25 +190,28 @@ def gather_sparse_attention(
     return_lse: bool = False,
     block: int | None = None,
     backend: str = "auto",
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`sparse_attention` (shared key positions) computed tile by tile over each query tile's gathered keys.
 
     `topk` bounds the gathered width (`sink + window + topk + block - 1`: a static shape); None takes the largest
     tile's count instead. `block`: queries per tile (None: `BLOCK` of the device). `backend` runs the gathered batch:
     "flex", "cpu" or "reference", as in `sparse_attention`; "auto" is FlexAttention on CUDA, else the CPU's fused
-    kernel. Returns out [B, Hq, Q, D] and, if asked, lse float32 [B, Hq, Q], as `sparse_attention`.
+    kernel. `softcap`: the logit soft-capping, which the fused CPU kernel cannot take ("auto" then runs the gathered
+    batch through "reference" off CUDA). Returns out [B, Hq, Q, D] and, if asked, lse float32 [B, Hq, Q], as
+    `sparse_attention`.
     """
     from kvpop.ops.attention.cpu import available
 
     if backend == "auto":
-        backend = "flex" if query.is_cuda else "cpu" if available(query) else "reference"
+        backend = "flex" if query.is_cuda else "cpu" if available(query) and softcap is None else "reference"
     if backend not in ("flex", "cpu", "reference"):
         raise ValueError(f"backend={backend!r}: the gathered tiles run through 'flex', 'cpu' or 'reference'")
     block = BLOCK["cuda" if query.is_cuda else "cpu"] if block is None else block
     if block < 1:
         raise ValueError(f"block={block}: a query tile holds at least one query")
     g = gather_tiles(query, key, value, q_pos, q_valid, k_pos, k_valid, evict, sink, window, topk, block)
-    out, lse = run_backend(backend, *g[:-1], sink, window, scale, return_lse)
+    out, lse = run_backend(backend, *g[:-1], sink, window, scale, return_lse, softcap)
     return scatter_tiles(out, lse, g.layout)
 
 

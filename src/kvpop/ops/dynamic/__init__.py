@@ -10,7 +10,7 @@ same call the static policies make (`ops/attention`).
 `dynamic_walk` picks the backend: `reference` (the decode step, token by token), `torch` (the same
 loop with a fraction of its operations, vectorised over batch and heads; the CPU default), `triton`
 (one program per (batch, KV head), or per batch row for the layer-wide scores, that walks all positions with the
-slot state on chip; the CUDA default for "max", "sum", "cascade" and "cascade_mean") or `parallel` (a block of decisions speculated at once, verified at once,
+slot state on chip; the CUDA default for "max", "sum" and the cascades) or `parallel` (a block of decisions speculated at once, verified at once,
 redone from the first mismatch; `parallel.py`; the CUDA default for "mean"). Every backend makes the decode step's decisions; the torch walk computes the very same
 floats as the decode step (`step_probs`, `score_update`), so its slots equal a token-by-token replay
 bit for bit. The derivation is in `README.md` beside this file.
@@ -23,12 +23,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kvpop.ops.dynamic.score import SCORES, Score, score_update
+from kvpop.ops.dynamic.score import CASCADES, LAYER_CASCADES, SCORES, Score, score_update
 from kvpop.ops.topk import NEVER
 
 Backend = Literal["auto", "reference", "torch", "triton", "parallel"]
-CASCADES = ("cascade", "cascade_mean")
-"""KVpop-cascade's scores: two pools of long-range slots (`pool`), each slot carrying its static priority."""
 
 
 def dynamic_walk(
@@ -48,6 +46,8 @@ def dynamic_walk(
     backend: Backend = "auto",
     slot_prior: Tensor | None = None,  # [B, H, N]
     pool: int | None = None,
+    decay: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Insert `C` tokens into the slots of a dynamic policy, deciding each step's eviction.
 
@@ -79,7 +79,12 @@ def dynamic_walk(
             priority, ties to the newer position), and the loser of that is evicted. "cascade_mean" (the layer's
             head average, one ranking for every KV head): the other way round, so that the score pool holds the
             same tokens in every head: the leaving token meets the score pool's weakest first (it wins ties), and
-            whichever loses meets the static pool's weakest by (prior, position). None for every other score.
+            whichever loses meets the static pool's weakest by (prior, position). "cascade_sum" decides as
+            "cascade_mean", its pool ranked by the accumulated attention. None for every other score.
+        decay: "cascade_sum" only, in [0, 1]: each step's score is `decay x` the last plus the step's head-averaged
+            attention (1: H2O's accumulated attention; 0: TOVA's latest, "cascade_mean"'s decisions).
+        softcap: the model's logit soft-capping (Gemma 2), applied to the logits the probabilities come from, as the
+            decode step does. The Triton and parallel walks do not take it: "auto" runs the torch walk then.
     Returns:
         evicted: int64 [B, H, C], the position of the token step `j` evicted (-1: none);
         pos, pri: the slots' positions and priorities after the chunk, [B, H, N];
@@ -102,16 +107,29 @@ def dynamic_walk(
     if score not in SCORES:
         raise ValueError(f"score={score!r} must be one of {SCORES}")
     if (score in ("prior", *CASCADES)) != (slot_prior is not None):
-        raise ValueError(f"score={score!r} and slot_prior: the slots' priors are given with scores 'prior', "
-                         "'cascade' and 'cascade_mean' only")
+        raise ValueError(f"score={score!r} and slot_prior: the slots' priors are given with scores 'prior' and "
+                         f"{', '.join(map(repr, CASCADES))} only")
     if slot_prior is not None and slot_prior.shape != (B, H, N):
         raise ValueError(f"slot_prior {tuple(slot_prior.shape)} must be [B, H, N] = [{B}, {H}, {N}]")
     if (score in CASCADES) != (pool is not None):
-        raise ValueError(f"score={score!r} and pool={pool!r}: the pool size is given with scores 'cascade' and "
-                         "'cascade_mean' only")
+        raise ValueError(f"score={score!r} and pool={pool!r}: the pool size is given with scores "
+                         f"{', '.join(map(repr, CASCADES))} only")
     if pool is not None and not (isinstance(pool, int) and 0 <= pool <= topk):
         raise ValueError(f"pool={pool!r} must be an integer in [0, topk={topk}]")
+    if decay != 1.0 and not (score == "cascade_sum" and 0.0 <= decay <= 1.0):
+        raise ValueError(f"decay={decay!r}: score 'cascade_sum' takes a decay in [0, 1]; the other scores none")
     args = (query, key, slot_keys, slot_pos, slot_pri, position, valid, priority, sink, window, topk, scale, score)
+    if softcap is not None:
+        if backend not in ("auto", "torch", "reference"):
+            raise ValueError(f"backend={backend!r} takes no logit soft-capping (softcap={softcap}): use 'auto', "
+                             "'torch' or 'reference'")
+        if backend == "reference":
+            from kvpop.ops.dynamic.reference import dynamic_walk_reference
+
+            return dynamic_walk_reference(*args, slot_prior, pool, decay, softcap=softcap)
+        from kvpop.ops.dynamic.walk import dynamic_walk_torch
+
+        return dynamic_walk_torch(*args, slot_prior, pool, decay, softcap=softcap)
     if score in CASCADES:
         # two pools per step: the parallel walk does not implement it; the kernel does (the CUDA default)
         if backend == "parallel":
@@ -124,14 +142,14 @@ def dynamic_walk(
         if backend == "reference":
             from kvpop.ops.dynamic.reference import dynamic_walk_reference
 
-            return dynamic_walk_reference(*args, slot_prior, pool)
+            return dynamic_walk_reference(*args, slot_prior, pool, decay)
         if backend == "triton":
             from kvpop.ops.dynamic.kernel import dynamic_walk_triton
 
-            return dynamic_walk_triton(*args, slot_prior=slot_prior, pool=pool)
+            return dynamic_walk_triton(*args, slot_prior=slot_prior, pool=pool, decay=decay)
         from kvpop.ops.dynamic.walk import dynamic_walk_torch
 
-        return dynamic_walk_torch(*args, slot_prior, pool)
+        return dynamic_walk_torch(*args, slot_prior, pool, decay)
     if score == "prior" and backend == "triton":
         raise ValueError(f"backend={backend!r} does not run score 'prior' (its kernel carries no priors): use "
                          "'auto', 'parallel', 'torch' or 'reference'")
@@ -207,6 +225,8 @@ def dynamic_eviction_positions(
     score: Score,
     backend: Backend = "auto",
     pool: int | None = None,
+    decay: float = 1.0,
+    softcap: float | None = None,
 ) -> Tensor:
     """Teacher-forced: the eviction position of every token of a sequence under a dynamic policy.
 
@@ -222,7 +242,7 @@ def dynamic_eviction_positions(
     evicted = dynamic_walk(
         query, key, key.new_zeros(B, H, N, D), position.new_full((B, H, N), -1), empty, position, valid, priority,
         sink, window, topk, scale, score, backend, slot_prior=empty if score in ("prior", *CASCADES) else None,
-        pool=pool,
+        pool=pool, decay=decay, softcap=softcap,
     )[0]
     return eviction_from_steps(evicted, position, torch.where(valid, position, -1)[:, None, :].expand(B, H, S))
 
@@ -243,6 +263,7 @@ def candidate_index(slot_pos: Tensor, cand_pos: Tensor) -> Tensor:
 
 __all__ = [
     "CASCADES",
+    "LAYER_CASCADES",
     "NEVER",
     "SCORES",
     "Score",

@@ -5,9 +5,9 @@ Same decisions as `walk.dynamic_walk_torch` (the reference of this kernel), for 
 heads of the layer) with a program per batch row, since all KV heads of a row then hold the same
 slots (the program averages the heads' probabilities); "cascade" (KVpop-cascade) with a program per
 (batch, KV head), carrying each slot's static priority beside its score (two pools, `ops.dynamic.dynamic_walk`);
-"cascade_mean" (the layer-wide KVpop-cascade) with a program per batch row that holds every KV head's slots as
-`[BH, BN]` blocks (`dynamic_walk_layer_fwd_kernel`): the score is the layer's head average, so the program needs
-every head's probabilities, while each head keeps its own static pool.
+"cascade_mean" and "cascade_sum" (the layer-wide KVpop-cascades) with a program per batch row that holds every KV
+head's slots as `[BH, BN]` blocks (`dynamic_walk_layer_fwd_kernel`): the score is the layer's head average (the
+latest, or accumulated), so the program needs every head's probabilities, while each head keeps its own static pool.
 
 The walk goes in blocks of `BLOCK_C` tokens. Per block, one batched GEMM (cuBLAS, float32) gives the
 logits of the block's queries against its candidates: the slots as they are at the block's start
@@ -35,8 +35,9 @@ from torch import Tensor
 from kvpop.ops.triton_support import available as available
 from kvpop.ops.triton_support import tl, triton
 
-SCORES = {"max": 0, "sum": 1, "mean": 2, "cascade": 3, "cascade_mean": 4}
-"""The scores this module implements: `dynamic_walk_fwd_kernel`'s `SCORE` constant (4: `dynamic_walk_layer_fwd_kernel`)."""
+SCORES = {"max": 0, "sum": 1, "mean": 2, "cascade": 3, "cascade_mean": 4, "cascade_sum": 5}
+"""The scores this module implements: `dynamic_walk_fwd_kernel`'s `SCORE` constant (4 and 5:
+`dynamic_walk_layer_fwd_kernel`)."""
 
 
 
@@ -158,7 +159,11 @@ if triton is not None:
                 b_col = tl.where(moved, leave_col, b_col)
             here = real & at
             b_pos = tl.where(here, p, b_pos)
-            b_pri = tl.where(here, new_pri, b_pri)
+            if SCORE == 3:
+                # a score beside a static priority starts at 0 (`ops.dynamic.score`); the step overwrites it
+                b_pri = tl.where(here, 0.0, b_pri)
+            else:
+                b_pri = tl.where(here, new_pri, b_pri)
             b_col = tl.where(here, N + j, b_col)
             occupied = m_n & (b_pos >= 0)
             b_acc = tl.zeros([BN], dtype=tl.float32)
@@ -215,11 +220,12 @@ if triton is not None:
         valid_ptr,  # [B, C] int8
         new_pri_ptr,  # [B, H, C] float32
         ev_ptr,  # [B, H, C] int64, out
-        C, CB, H, N, SINK, WINDOW, STATIC, POOL,
-        G: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+        C, CB, H, N, SINK, WINDOW, STATIC, POOL, DECAY,
+        G: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, ACC: tl.constexpr,
     ):
-        # the layer-wide cascade ("cascade_mean"), a program per batch row: every step's priorities average the
-        # probabilities of all H * G query heads, so one program holds all the row's KV heads, a head per row of
+        # the layer-wide cascades ("cascade_mean"; with ACC "cascade_sum", whose score accumulates: `DECAY x` the last
+        # plus the step's), a program per batch row: every step's priorities average the probabilities of all H * G
+        # query heads, so one program holds all the row's KV heads, a head per row of
         # the [BH, BN] blocks. The sinks, the window and the TOVA pool hold the same tokens in every head, but the
         # static pools do not (their priorities are per head), so every head walks its own slots: the per-head
         # decisions are then the torch walk's without assuming the heads agree. Positions and columns are int32
@@ -293,10 +299,10 @@ if triton is not None:
             b_pri = tl.where(into_t, leave_pri[:, None], b_pri)
             b_col = tl.where(into_t, leave_col[:, None], b_col)
             b_rank = tl.where(into_t, leave_rank[:, None], b_rank)
-            # a new token's static priority is its priority at insertion
+            # a new token's static priority is its priority at insertion, its score starts at 0 (`ops.dynamic.score`)
             here = real & at
             b_pos = tl.where(here, p, b_pos)
-            b_pri = tl.where(here, new_pri[:, None], b_pri)
+            b_pri = tl.where(here, 0.0, b_pri)
             b_col = tl.where(here, N + j, b_col)
             b_rank = tl.where(here, new_pri[:, None], b_rank)
             occupied = b_pos >= 0
@@ -311,7 +317,10 @@ if triton is not None:
                 b_e = tl.exp(b_s - b_m[:, None])
                 b_p = b_e / tl.sum(b_e, axis=1)[:, None]
                 b_acc += tl.sum(tl.where(m_h[:, None], b_p, 0.0), axis=0)
-            b_pri = tl.where(real & occupied, (b_acc / (H * G))[None, :], b_pri)
+            if ACC:
+                b_pri = tl.where(real & occupied, b_pri * DECAY + (b_acc / (H * G))[None, :], b_pri)
+            else:
+                b_pri = tl.where(real & occupied, (b_acc / (H * G))[None, :], b_pri)
             p, real, new_pri = p_next, real_next, new_pri_next
             j += 1
         m_hn = m_h[:, None] & m_n[None, :]
@@ -340,20 +349,21 @@ def dynamic_walk_triton(
     num_warps: int | None = None,
     slot_prior: Tensor | None = None,  # [B, H, N], the cascades only
     pool: int | None = None,  # the cascades only
+    decay: float = 1.0,  # "cascade_sum" only
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """See `ops.dynamic.dynamic_walk`; `num_warps` overrides the launch's (for `bench/bench_walk.py`).
 
-    The cascades ("cascade", "cascade_mean": KVpop-cascade) take the slots' static priorities `slot_prior` and the
+    The cascades ("cascade", "cascade_mean", "cascade_sum": KVpop-cascade) take the slots' static priorities `slot_prior` and the
     score pool's size `pool`, and return the priors after the chunk as a fourth result (None for the other scores)."""
     if triton is None:
         raise RuntimeError("the Triton walk needs `triton` (pip install triton)")
     if score not in SCORES:
         raise ValueError(f"score={score!r} must be one of {tuple(SCORES)}")
-    layer = score == "cascade_mean"
+    layer = score in ("cascade_mean", "cascade_sum")
     cascade = score == "cascade" or layer
     if cascade != (slot_prior is not None and pool is not None):
-        raise ValueError(f"score={score!r}: the slots' priors and the pool size go with scores 'cascade' and "
-                         "'cascade_mean' only")
+        raise ValueError(f"score={score!r}: the slots' priors and the pool size go with scores 'cascade', "
+                         "'cascade_mean' and 'cascade_sum' only")
     mean = score == "mean"
     if mean and not (torch.equal(slot_pos, slot_pos[:, :1].expand_as(slot_pos))
                      and torch.equal(slot_pri, slot_pri[:, :1].expand_as(slot_pri))):
@@ -392,8 +402,8 @@ def dynamic_walk_triton(
                   priority[:, :, c0 : c0 + cb].contiguous())
         if layer:
             dynamic_walk_layer_fwd_kernel[(B,)](
-                logits, pos, pri, col, rank, *tokens, evb, cb, cb, H, N, sink, window, static, pool,
-                G=G, BH=BH, BN=BN, num_warps=warps)
+                logits, pos, pri, col, rank, *tokens, evb, cb, cb, H, N, sink, window, static, pool, float(decay),
+                G=G, BH=BH, BN=BN, ACC=score == "cascade_sum", num_warps=warps)
         else:
             dynamic_walk_fwd_kernel[(B,) if mean else (B * H,)](
                 logits, pos, pri, col, *tokens, evb, rank, cb, cb, H, N, sink, window, topk, static,

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from kvpop.ops.attention.reference import step_probs
-from kvpop.ops.dynamic.score import Score, score_update
+from kvpop.ops.dynamic.score import LAYER_CASCADES, Score, score_update
 
 
 def weakest_slot(rank: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -62,12 +62,14 @@ def dynamic_walk_reference(
     score: Score,
     slot_prior: Tensor | None = None,  # [B, H, N]
     pool: int | None = None,
+    decay: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Insert `C` tokens into `N = sink + window + topk` slots step by step; see `dynamic_walk`."""
     s, w, k = sink, window, topk
     pool = k if pool is None else pool
     static = k - pool  # KVpop-cascade's static pool, ranked by `slot_prior`: the long-range slots before the rest
-    tova_first = score == "cascade_mean"  # the layer-wide cascade: the pool ranked by `pri` takes the token first
+    tova_first = score in LAYER_CASCADES  # the layer-wide cascades: the pool ranked by `pri` takes the token first
     B, H, C, D = key.shape
     N = slot_pos.shape[-1]
     # the decode step's buffers: the slots plus a scratch slot that masked writes target
@@ -94,19 +96,23 @@ def dynamic_walk_reference(
         dst = torch.where(real[:, None, None], idx, N)
         keys.scatter_(2, dst[..., None].expand(-1, -1, -1, D), key[:, :, j : j + 1].to(keys.dtype))
         pos.scatter_(2, dst, p[:, None, None].expand(B, H, 1))
-        for buf in bufs:  # a new token's prior is its priority at insertion
-            buf.scatter_(2, dst, priority[:, :, j : j + 1].float())
+        # a new token's prior is its priority at insertion; with a prior its score starts at 0 (`ops.dynamic.score`)
+        new = priority[:, :, j : j + 1].float()
+        pri.scatter_(2, dst, new if slot_prior is None else torch.zeros_like(new))
+        if slot_prior is not None:
+            bufs[1].scatter_(2, dst, new)
         occupied = pos[:, :, :N] >= 0
-        probs = step_probs(query[:, :, j : j + 1], keys[:, :, :N], occupied, scale)
+        probs = step_probs(query[:, :, j : j + 1], keys[:, :, :N], occupied, scale, softcap)
         prior = None if slot_prior is None else bufs[1][:, :, :N]
-        updated = score_update(score, pri[:, :, :N], probs, occupied, prior)
+        updated = score_update(score, pri[:, :, :N], probs, occupied, prior, decay)
         pri[:, :, :N] = torch.where(real[:, None, None], updated, pri[:, :, :N])
     return evicted, pos[:, :, :N], pri[:, :, :N], (None if slot_prior is None else bufs[1][:, :, :N])
 
 
 def tova_first_step(buffers, pos: Tensor, pri: Tensor, rank: Tensor, idx: Tensor, leaving: Tensor, lo: int,
                     static: int, pool: int) -> Tensor:
-    """The layer-wide cascade's decision (score "cascade_mean"), with its moves; returns the evicted position [B, H, 1].
+    """The layer-wide cascades' decision (scores "cascade_mean", "cascade_sum"), with its moves; returns the evicted
+    position [B, H, 1].
 
     The token leaving the window (slot `idx`) meets the weakest of the pool ranked by `pri` (the last `pool`
     long-range slots; it is the newest, so it wins ties); whichever loses meets the static pool's weakest (the

@@ -10,8 +10,8 @@ from typing import Literal
 
 from torch import Tensor
 
-Score = Literal["max", "mean", "sum", "prior", "cascade", "cascade_mean"]
-SCORES = ("max", "mean", "sum", "prior", "cascade", "cascade_mean")
+Score = Literal["max", "mean", "sum", "prior", "cascade", "cascade_mean", "cascade_sum"]
+SCORES = ("max", "mean", "sum", "prior", "cascade", "cascade_mean", "cascade_sum")
 """`max`: TOVA, the largest probability over a KV head's query heads; `mean`: TOVA averaged over every
 query head of the layer (all KV heads then rank alike); `sum`: H2O, probabilities summed over the
 query heads and accumulated over steps; `prior`: KVpop-TOVA (`KVpopConfig.tova_prior`, an extension),
@@ -21,11 +21,23 @@ extension), `max` for the slots' TOVA score, while each slot also carries its st
 `slot_prior`), which ranks the static pool (`ops.dynamic.dynamic_walk`'s `pool`); `cascade_mean`: the layer-wide
 KVpop-cascade (`tova_pool` with `tova_head_average`), `mean` for the TOVA score, which is then one ranking for the
 layer: the TOVA pool takes the token leaving the window first and holds the same tokens in every KV head, and
-the per-head static pool keeps the best of what it evicts."""
+the per-head static pool keeps the best of what it evicts; `cascade_sum`: the layer-wide KVpop-cascade whose pool
+ranks by the attention accumulated over the steps (`KVpopConfig.pool_decay`): each step multiplies a slot's score
+by `decay` and adds the layer's head-averaged probability, so `decay = 1` is H2O's accumulated attention (its
+sum over the steps; averaged over the layer's query heads, one ranking for the layer) and `decay < 1` TOVA's latest
+attention plus the accumulated term, older steps weighed by `decay ** age` (`decay = 0` is `cascade_mean`).
+
+With a prior (`prior` and the cascades) a new token's priority goes to its prior, and its score starts at 0 (no
+attention seen yet): the accumulating score adds to it, the others overwrite it at the token's first step."""
+CASCADES = ("cascade", "cascade_mean", "cascade_sum")
+"""KVpop-cascade's scores: two pools of long-range slots (`pool`), each slot carrying its static priority."""
+LAYER_CASCADES = ("cascade_mean", "cascade_sum")
+"""The layer-wide cascades: one ranking for the layer, whose pool takes the token leaving the window first
+(`ops.dynamic.reference.tova_first_step`)."""
 
 
 def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor | None,
-                 prior: Tensor | None = None) -> Tensor:
+                 prior: Tensor | None = None, decay: float = 1.0) -> Tensor:
     """New slot priorities after one step.
 
     Args:
@@ -34,6 +46,7 @@ def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor
         probs: float32 [B, Hkv, G, N], the step's attention probabilities over the slots.
         occupied: bool [B, Hkv, N]; None: every slot (the same bits as an all-True mask).
         prior: float32 [B, Hkv, N], the slots' static priors; needed by `prior` only.
+        decay: `cascade_sum` only, in [0, 1]: the weight of the accumulated score against the step's attention.
     Returns:
         float32 [B, Hkv, N]; empty slots keep their priority.
     """
@@ -45,9 +58,13 @@ def score_update(score: Score, priority: Tensor, probs: Tensor, occupied: Tensor
     if score in ("max", "cascade"):
         # cascade: the pool that TOVA ranks is ranked per KV head, since the static pool's tokens differ by head
         new = probs.amax(dim=2)
-    elif score in ("mean", "prior", "cascade_mean"):
+    elif score in ("mean", "prior", "cascade_mean", "cascade_sum"):
         per_slot = probs.permute(0, 3, 1, 2).contiguous().view(B, N, H * G)
         new = (per_slot.sum(-1) / (H * G))[:, None].expand_as(priority)
+        if score == "cascade_sum":
+            # the slots of the pool and the window hold the same tokens in every KV head, so their accumulated
+            # scores stay equal across heads, as TOVA's do; `decay = 1` multiplies exactly (H2O's sum)
+            new = priority * decay + new
         if score == "prior":
             # the priors are the same in every KV head of the layer (`TOVAPriorPolicy`), so the heads keep the same
             # tokens in the same slots and the layer-wide mean adds up one token's probabilities, as for TOVA

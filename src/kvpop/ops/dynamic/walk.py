@@ -21,7 +21,7 @@ from torch import Tensor
 
 from kvpop.ops.attention.reference import slot_probs
 from kvpop.ops.dynamic.reference import move_slot, tova_first_step
-from kvpop.ops.dynamic.score import Score, score_update
+from kvpop.ops.dynamic.score import LAYER_CASCADES, Score, score_update
 
 _LAST = torch.iinfo(torch.long).max
 
@@ -42,6 +42,8 @@ def dynamic_walk_torch(
     score: Score,
     slot_prior: Tensor | None = None,  # [B, H, N]
     pool: int | None = None,
+    decay: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """See `ops.dynamic.dynamic_walk`."""
     s, w, k = sink, window, topk
@@ -90,6 +92,8 @@ def dynamic_walk_torch(
     new_key = key.to(keys.dtype)[:, :, :, None].unbind(2)  # [B, H, 1, D]
     new_pos = position[:, None, :, None].expand(B, H, C, 1).unbind(2)
     new_pri = priority.float()[..., None].unbind(2)
+    # with a prior a new token's score starts at 0 (`ops.dynamic.score`): one zero column serves every step
+    start = torch.zeros(B, H, 1, device=dev) if has_prior else None
     # the decode step scales each query (elementwise: the same bits for the whole chunk at once)
     queries = (query.reshape(B, H, G, C, D).float() * scale).transpose(2, 3).contiguous().unbind(2)  # [B, H, G, D]
     last = torch.tensor(_LAST, device=dev)
@@ -100,8 +104,8 @@ def dynamic_walk_torch(
     full = False
 
     for j in range(C):
-        if decide[j] and score == "cascade_mean":
-            # the layer-wide cascade: its decision is comparisons only, so the decode step's own code serves
+        if decide[j] and score in LAYER_CASCADES:
+            # the layer-wide cascades: their decision is comparisons only, so the decode step's own code serves
             out = tova_first_step((keys, pos, pri, prior), pos, pri, prior, idx[j], leave[j], s + w, static, pool)
             ev[j].copy_(out.masked_fill(~leave[j], -1))
         elif decide[j]:
@@ -146,13 +150,15 @@ def dynamic_walk_torch(
                 ev[j].masked_fill_(~leave[j], -1)
         keys.scatter_(2, dst4[j], new_key[j])
         pos.scatter_(2, dst1[j], new_pos[j])
-        pri.scatter_(2, dst1[j], new_pri[j])
         if has_prior:  # a new token's prior is its priority at insertion
+            pri.scatter_(2, dst1[j], start)
             prior.scatter_(2, dst1[j], new_pri[j])
+        else:
+            pri.scatter_(2, dst1[j], new_pri[j])
         if not full and may_fill[j]:
             full = bool((pos_n >= 0).all())
         occupied = None if full else pos_n >= 0
-        updated = score_update(score, pri_n, slot_probs(queries[j], keys_n, occupied), occupied,
-                               prior_n if has_prior else None)
+        updated = score_update(score, pri_n, slot_probs(queries[j], keys_n, occupied, softcap), occupied,
+                               prior_n if has_prior else None, decay)
         pri_n.copy_(torch.where(real[j], updated, pri_n) if padded else updated)
     return evicted[..., 0], pos_n, pri_n, (prior_n if has_prior else None)

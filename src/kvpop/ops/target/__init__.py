@@ -30,6 +30,7 @@ def future_attention_target(
     count_norm: bool = True,
     backend: Literal["auto", "reference", "chunked", "flex"] = "auto",
     chunk: int = 256,
+    softcap: float | None = None,
 ) -> Tensor:
     """Per-KV-head log future attention mass of every key: the label the scorers learn.
 
@@ -58,10 +59,15 @@ def future_attention_target(
         backend: `"auto"` picks `"flex"` on CUDA and `"chunked"` elsewhere; `"reference"` is the
             dense float64 definition (small `S` only); `"flex"` off CUDA runs eagerly (tests only).
         chunk: queries per step of the chunked backend (memory about `B * Hq * chunk * S * 4` bytes).
+        softcap: the model's logit soft-capping (Gemma 2): `p(d -> t)` uses its capped logits
+            `c * tanh(scale * q_d . k_t / c)`, as the attention (and its `lse`) did. None: none.
     Returns:
         float32 [B, Hkv, S].
     """
     window = _check(query, key, lse, window, eps, agg, backend, chunk)
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
     B, Hq, S, D = query.shape
     Hkv = key.shape[1]
     if scale is None:
@@ -72,15 +78,15 @@ def future_attention_target(
         if backend == "reference":
             from kvpop.ops.target.reference import future_attention_target_reference
 
-            return future_attention_target_reference(query, key, lse, window, scale, eps, agg, count_norm)
+            return future_attention_target_reference(query, key, lse, window, scale, eps, agg, count_norm, softcap)
         if backend == "flex":
             from kvpop.ops.target.flex import log_future_mass_flex
 
-            log_mass = log_future_mass_flex(query, key, lse, window, scale)
+            log_mass = log_future_mass_flex(query, key, lse, window, scale, softcap)
         else:
             from kvpop.ops.target.chunked import log_future_mass_chunked
 
-            log_mass = log_future_mass_chunked(query, key, lse, window, scale, chunk)
+            log_mass = log_future_mass_chunked(query, key, lse, window, scale, chunk, softcap)
         return pool_log_mass(log_mass.reshape(B, Hkv, Hq // Hkv, S), window, eps, agg, count_norm)
 
 

@@ -18,8 +18,11 @@ def log_future_mass_chunked(
     window: int,
     scale: float,
     chunk: int = 256,
+    softcap: float | None = None,
 ) -> Tensor:
-    """`log sum_{d >= t + window} exp(scale * q_d . k_t - lse[d])` for every query head and key `t`.
+    """`log sum_{d >= t + window} exp(l(d, t) - lse[d])` for every query head and key `t`.
+
+    `l(d, t) = scale * q_d . k_t`, soft-capped to `c * tanh(l / c)` with `softcap = c` (None: not capped).
 
     Args:
         query: [B, Hq, S, D]; query head `hq` reads KV head `hq // G`.
@@ -47,6 +50,8 @@ def log_future_mass_chunked(
         q = (query[:, :, d0:d1].float() * scale).reshape(B, Hkv, G * C, D)
         # one matmul per KV head: the G query heads sharing it are stacked along the columns
         logits = torch.matmul(k[:, :, :T], q.transpose(-1, -2)).view(B, Hkv, T, G, C)
+        if softcap is not None:
+            logits = logits.div_(softcap).tanh_().mul_(softcap)
         logits.sub_(lse[:, :, d0:d1].reshape(B, Hkv, 1, G, C))
         # only keys t > d0 - window miss some of the chunk's queries; mask just that band
         t0 = max(0, d0 - window + 1)

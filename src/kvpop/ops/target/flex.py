@@ -97,8 +97,11 @@ def log_future_mass_flex(
     lse: Tensor,  # [B, Hq, S]
     window: int,
     scale: float,
+    softcap: float | None = None,
 ) -> Tensor:
-    """`log sum_{d >= t + window} exp(scale * q_d . k_t - lse[d])` for every query head and key `t`.
+    """`log sum_{d >= t + window} exp(l(d, t) - lse[d])` for every query head and key `t`.
+
+    `l(d, t) = scale * q_d . k_t`, soft-capped to `c * tanh(l / c)` with `softcap = c` (None: not capped).
 
     Args:
         query: [B, Hq, S, D]; query head `hq` reads KV head `hq // G`.
@@ -126,8 +129,15 @@ def log_future_mass_flex(
     value = query.new_zeros(B, Hq, S, VALUE_DIM)
     lse = lse.float().contiguous()
 
-    def score_mod(score, b, h, t, d):
-        return score - lse[b, h, d]
+    if softcap is None:
+        def score_mod(score, b, h, t, d):
+            return score - lse[b, h, d]
+    else:
+        # a captured tensor, as `lse`: one compiled kernel for every cap
+        cap = torch.tensor(float(softcap), dtype=torch.float32, device=query.device)
+
+        def score_mod(score, b, h, t, d):
+            return torch.tanh(score / cap) * cap - lse[b, h, d]
 
     block_mask = _cached_block_mask(S, window, query.device)
     kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale)

@@ -20,6 +20,7 @@ def future_attention_target_reference(
     eps: float = 1e-6,
     agg: str = "max",
     count_norm: bool = True,
+    softcap: float | None = None,
 ) -> Tensor:
     """Future attention mass each key receives from the queries at least `window` steps later.
 
@@ -27,7 +28,7 @@ def future_attention_target_reference(
         query: [B, Hq, S, D]; query head `hq` reads KV head `hq // G`.
         key: [B, Hkv, S, D].
         lse: [B, Hq, S], the student's own log-normaliser of each query (natural log).
-        window, scale, eps, agg, count_norm: as in `kvpop.ops.target.future_attention_target`.
+        window, scale, eps, agg, count_norm, softcap: as in `kvpop.ops.target.future_attention_target`.
     Returns:
         float32 [B, Hkv, S].
     """
@@ -36,6 +37,8 @@ def future_attention_target_reference(
     G = Hq // Hkv
     q = query.double().reshape(B, Hkv, G, S, D)
     logits = torch.einsum("bhgdx,bhtx->bhgdt", q, key.double()) * scale  # [B, Hkv, G, S(d), S(t)]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     p = torch.exp(logits - lse.double().reshape(B, Hkv, G, S, 1))
     pos = torch.arange(S, device=query.device)
     future = pos[:, None] >= pos[None, :] + window  # [d, t]
