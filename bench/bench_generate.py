@@ -6,14 +6,18 @@
 
 Cache kinds: "dense" (the plain model, transformers' default `DynamicCache`), "static" (the plain model
 with `cache_implementation="static"`: on CUDA transformers then compiles the decode step, the
-"StaticCache + torch.compile" baseline), and any KVpop policy ("kvpop", "tova", "h2o", ...; "cascade": the
-recommended policy a trained KVpop-mlp runs by default; the retrofitted model with `cache=KVpopCache(model)`: on
-CUDA transformers compiles its step the same way). Per (context, kind) and repeat, interleaved: `generate` of 1 token (the prefill) and of
-`--new-tokens` tokens, greedy, every row forced to the full length. Reported, as medians over the
-repeats: ms per generated token with the prefill included (the user's view), the decode ms per token
-((total - prefill) / (n - 1)), and each as a ratio to the "dense" row of the same repeat. Untimed
-warm-up: on CUDA one full call per (context, kind), which compiles; elsewhere a short first call per kind. On the CPU the process's CPU time is
-reported beside the wall time (`--threads 1` makes it immune to other processes' load).
+"StaticCache + torch.compile" baseline, with transformers' defaults), any KVpop policy ("kvpop", "tova",
+"h2o", ...; the retrofitted model with `cache=KVpopCache(model)`: on CUDA transformers compiles its step
+with the compile config `kvpop.retrofit` gives the model, `kvpop.decode.generation_compile_config`),
+and "cascade": the recommended policy a trained KVpop-mlp runs by default, the layer-wide KVpop-cascade at the
+same budget (`--tova-pool-layer` sets its pool, default 3/4 of `budget - 1`). Per (context, kind) and repeat,
+interleaved: `generate` of 1 token (the prefill) and of `--new-tokens` tokens, greedy, every row forced to the
+full length. Reported, as medians over the repeats: ms per generated token with the prefill included (the
+user's view), the decode ms per token ((total - prefill) / (n - 1)), and each as a ratio to the "dense" row
+of the same repeat. Untimed warm-up: on CUDA one full call per (context, kind), which compiles
+("first_call_s"; "compile_s" is its excess over the timed call of the same length: inductor's on-disk cache
+makes it smaller in a second process); elsewhere a short first call per kind. On the CPU the process's CPU
+time is reported beside the wall time (`--threads 1` makes it immune to other processes' load).
 
 Output: a header, a human table, then one JSON line.
 """
@@ -57,9 +61,10 @@ def _generate(model, kind: str, ids: torch.Tensor, n: int) -> tuple[float, float
 
 
 def bench_generate(model, contexts: list[int], kinds: list[str], new_tokens: int, batch: int, budget: int,
-                   repeats: int, seed: int, device: torch.device) -> list[dict]:
+                   repeats: int, seed: int, device: torch.device, pool: int | None = None) -> list[dict]:
     runs: dict[tuple[int, str], list[dict]] = {}
     warm: set = set()
+    first: dict[tuple[int, str], float] = {}
     for context in contexts:
         gen = torch.Generator().manual_seed(seed * 1_000_003 + context)
         # ids from 3 on: no pad / bos / eos token in the prompt
@@ -69,13 +74,15 @@ def bench_generate(model, contexts: list[int], kinds: list[str], new_tokens: int
                 if kind not in PLAIN:
                     with torch.random.fork_rng(devices=[]):
                         torch.manual_seed(seed)
-                        kvpop.retrofit(model, policy_config(kind, budget))
+                        kvpop.retrofit(model, policy_config(kind, budget, pool))
                 try:
                     if device.type == "cuda" and (context, kind) not in warm:
                         # the shapes of the timed run: transformers compiles the step of a compileable cache on
                         # CUDA (a `StaticCache` of another length would compile again inside the timing)
-                        _generate(model, kind, ids, new_tokens)
+                        first[(context, kind)] = _generate(model, kind, ids, new_tokens)[0]
                         warm.add((context, kind))
+                        print(f"# {context} {kind}: first call (compiling) {first[(context, kind)]:.1f} s",
+                              file=sys.stderr, flush=True)
                     elif kind not in warm:
                         # first-call costs (lazy imports, allocator) outside the timing
                         _generate(model, kind, ids[:, : min(context, 64)], 2)
@@ -96,6 +103,12 @@ def bench_generate(model, contexts: list[int], kinds: list[str], new_tokens: int
             row = {"cache": kind, "context": context, "batch": batch, "new_tokens": new_tokens,
                    "budget": None if kind in PLAIN else budget,
                    "no_eviction": kind not in PLAIN and budget >= context}
+            if kind not in PLAIN:
+                cfg = policy_config(kind, budget, pool)
+                row["split"] = {"sink": cfg.sink, "window": cfg.window, "topk": cfg.topk, "tova_pool": cfg.tova_pool}
+            if (context, kind) in first:
+                row["first_call_s"] = first[(context, kind)]
+                row["compile_s"] = first[(context, kind)] - statistics.median(x["tot"][0] for x in rs)
             for i, clock in enumerate(("wall", "cpu")):
                 total = [x["tot"][i] * 1e3 / new_tokens for x in rs]
                 decode = [(x["tot"][i] - x["pre"][i]) * 1e3 / max(new_tokens - 1, 1) for x in rs]
@@ -115,7 +128,7 @@ def bench_generate(model, contexts: list[int], kinds: list[str], new_tokens: int
 def format_table(rows: list[dict], cpu: bool) -> str:
     clock = "cpu" if cpu else "wall"
     head = ("cache", "context", "budget", "ms/token (prefill incl.)", "vs dense", "prefill s", "decode ms/token",
-            "vs dense ")
+            "vs dense ", "first call s")
     lines = [head]
     def f(r, key, spec=".2f"):
         v = r.get(f"{clock}_{key}")
@@ -124,7 +137,8 @@ def format_table(rows: list[dict], cpu: bool) -> str:
     for r in rows:
         budget = "-" if r["budget"] is None else str(r["budget"]) + ("*" if r["no_eviction"] else "")
         lines.append((r["cache"], str(r["context"]), budget, f(r, "ms_per_token", ".1f"), f(r, "vs_dense"),
-                      f(r, "prefill_s"), f(r, "decode_ms", ".1f"), f(r, "decode_vs_dense")))
+                      f(r, "prefill_s"), f(r, "decode_ms", ".1f"), f(r, "decode_vs_dense"),
+                      "-" if "first_call_s" not in r else f"{r['first_call_s']:.1f}"))
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(x, widths))) for x in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
@@ -139,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m", help="a preset or local model directory (default smollm2-135m)")
     parser.add_argument("--contexts", default="2048,4096", help="comma-separated prompt lengths (default 2048,4096)")
     parser.add_argument("--caches", default="dense,kvpop",
-                        help="dense, static, or KVpop policies, split by KVpopConfig.for_budget (default dense,kvpop)")
+                        help="dense, static, KVpop policies split by KVpopConfig.for_budget, or cascade (the "
+                             "layer-wide KVpop-cascade) (default dense,kvpop)")
+    parser.add_argument("--tova-pool-layer", type=int, default=None, metavar="N",
+                        help="cache kind cascade: its TOVA pool, N of the budget - 1 long-range slots (default 3/4)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per call (default 64)")
     parser.add_argument("--batch", type=int, default=1, help="prompts per call (default 1)")
     parser.add_argument("--budget", type=int, default=512, help="KVpop budget, split by KVpopConfig.for_budget (default 512)")
@@ -173,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.new_tokens} new tokens, KVpop budget {args.budget}; median of {args.repeats} interleaved repeats; "
           f"load average before: {load}")
     rows = bench_generate(model, contexts, kinds, args.new_tokens, args.batch, args.budget, args.repeats, args.seed,
-                          device)
+                          device, args.tova_pool_layer)
     if device.type == "cpu":
         print(format_table(rows, cpu=True))
     print(format_table(rows, cpu=False))

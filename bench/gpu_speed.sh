@@ -26,11 +26,11 @@ step tests "${KVPOP_TESTS_S:-90}" python -m pytest -q -rs -p no:cacheprovider te
   tests/test_decode.py tests/test_retrofit.py::test_flex_path_on_cuda_equals_cpu_path -m "gpu or not slow" \
   -k "(kernel or cuda) and not test_cuda_graph_step_equals_eager"
 step train_attention "${KVPOP_TRAIN_ATTN_S:-140}" python bench/bench_train_attention.py --lengths 16384
-# KVpopCache and the dense cache, eager and as a captured CUDA graph (`--compile`; the eager step
-# captured once, no inductor: compiling the 36-layer step with inductor took over 150 s here)
+# KVpopCache and the dense cache, eager and as a captured CUDA graph (`--compile-backend cudagraph`: the eager step
+# captured once, no whole-step inductor compile; bench/gpu_speed_defaults.sh times the default, inductor)
 step decode_kvpop "${KVPOP_DECODE_S:-150}" python -m kvpop.eval.bench --model qwen3-8b-shape --device cuda \
-  --caches kvpop --contexts 4096,16384,65536,131072 --budget 2048 --window 256 --compile --fill random \
-  --new-tokens 32 --warmup 4
+  --caches kvpop --contexts 4096,16384,65536,131072 --budget 2048 --window 256 --compile --compile-backend cudagraph \
+  --fill random --new-tokens 32 --warmup 4
 step decode_dense "${KVPOP_DENSE_S:-120}" python -m kvpop.eval.bench --model qwen3-8b-shape --device cuda \
-  --caches dense --contexts 4096,16384,65536,131072 --budget 2048 --window 256 --compile --fill random \
-  --new-tokens 32 --warmup 4
+  --caches dense --contexts 4096,16384,65536,131072 --budget 2048 --window 256 --compile --compile-backend cudagraph \
+  --fill random --new-tokens 32 --warmup 4

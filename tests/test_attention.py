@@ -223,3 +223,50 @@ def test_soft_capping_over_a_caches_slots_and_in_the_decode_step():
     got, probs = attention_with_probs(one, slots, values, occupied, 0.25, softcap=cap)
     assert (got - want).abs().max() < ATOL and torch.allclose(probs.sum(-1), torch.ones(2, 1, 4))
     assert (decode_attention(one, slots, values, occupied, 0.25) - want).abs().max() > 0.05
+
+
+# the shapes of the measurements behind `auto_backend`'s CUDA rule (docs/RESULTS.md): (batch, query heads, head dim)
+SMOLLM2, QWEN3_4B = (1, 9, 64), (1, 32, 128)
+
+
+@pytest.mark.parametrize("shape,S,split,grad,topk_known,want", [
+    # a SmolLM2 distillation step at 8k (its step is bound by launches; the tiles were slower): FlexAttention
+    (SMOLLM2, 8192, (4, 256, 764), True, True, "flex"),
+    # Qwen3-4B's attention at 16k, B = 2048 (one layer's forward + backward 3.4x faster gathered): the tiles
+    (QWEN3_4B, 16384, (4, 512, 1532), True, True, "gather"),
+    # the same without a gradient (evaluation), or without a known bound (a host sync): FlexAttention
+    (QWEN3_4B, 16384, (4, 512, 1532), False, True, "flex"),
+    (QWEN3_4B, 16384, (4, 512, 1532), True, False, "flex"),
+    # the dense teacher keeps everything: nothing to save
+    (QWEN3_4B, 16384, (16384, 16384, 0), True, True, "flex"),
+    # short sequences: the budget holds most of the causal triangle
+    (QWEN3_4B, 4096, (4, 512, 1532), True, True, "flex"),
+])
+def test_auto_backend_on_cuda_picks_by_shape_and_budget(shape, S, split, grad, topk_known, want):
+    from kvpop.ops.attention.backends import auto_backend
+
+    sink, window, topk = split
+    B, Hq, D = shape
+    assert auto_backend("cuda", B, Hq, D, S, sink, window, topk if topk_known else None, True, grad) == want
+
+
+def test_auto_backend_threshold_and_the_other_devices():
+    from kvpop.ops.attention.backends import GATHER_MIN_WORK, GATHER_TILE_CUDA, auto_backend
+
+    # the rule's boundary: the saved work just below and at GATHER_MIN_WORK
+    B, Hq, D, S = 1, 32, 128, 8192
+    free = S / 2 - GATHER_TILE_CUDA  # what the budget may take before nothing is saved
+    at = int(free - GATHER_MIN_WORK / (B * Hq * D * S))  # the largest budget at which the work still counts
+    assert auto_backend("cuda", B, Hq, D, S, 0, 1, at - 1, True, True) == "gather"
+    assert auto_backend("cuda", B, Hq, D, S, 0, 1, at + 1, True, True) == "flex"
+    # a batch multiplies the work saved
+    assert auto_backend("cuda", 8, *SMOLLM2[1:], 8192, 4, 256, 764, True, True) == "gather"
+    # a cache's slots (positions per head) on CUDA: SDPA under the dense mask
+    assert auto_backend("cuda", *QWEN3_4B, 16384, 4, 512, 1532, False, True) == "sdpa"
+    # the CPU: the gathered tiles in training when the rule evicts, the fused kernel otherwise
+    assert auto_backend("cpu", *SMOLLM2, 2048, 4, 128, 380, True, True) == "gather"
+    assert auto_backend("cpu", *SMOLLM2, 2048, 2048, 2048, None, True, True) == "cpu"
+    assert auto_backend("cpu", *SMOLLM2, 2048, 4, 128, 380, False, True) == "cpu"
+    assert auto_backend("cpu", *SMOLLM2, 2048, 4, 128, 380, True, False) == "cpu_blocks"
+    assert auto_backend("cpu", *SMOLLM2, 2048, 4, 128, 380, True, True, cpu_kernels=False) == "reference"
+    assert auto_backend("mps", *SMOLLM2, 2048, 4, 128, 380, True, True) == "reference"

@@ -213,3 +213,22 @@ def test_existing_outputs_need_force(tmp_path, capsys):
     assert rc == 0 and json.loads(out_json.read_text())["model"] == "tiny-random-qwen3"
     assert main(["--model", "tiny-random-qwen3", "--device", "cpu", "--plot", str(tmp_path)]) == 1
     assert f"--plot {tmp_path} is a directory" in capsys.readouterr().err
+
+
+def test_the_bandwidth_floor():
+    from kvpop.eval.bench import PEAK_BANDWIDTH, add_floor, weight_bytes
+
+    model, _ = build_shape_model("tiny-qwen3-shape", "cpu", dtype=torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    # tied embeddings: the output layer reads the table, so every weight counts once
+    assert model.config.tie_word_embeddings and weight_bytes(model) == 2 * n
+    untied = build_shape_model("tiny-qwen3-shape", "cpu", dtype=torch.bfloat16)[0]
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    embedding = untied.get_input_embeddings().weight.numel()
+    assert weight_bytes(untied) == 2 * (sum(p.numel() for p in untied.parameters()) - embedding)
+    rows = [{"cache_mb": 1.0, "ms_per_token": 4.0, "batch": 1}, {"cache_mb": None, "ms_per_token": None, "batch": 1}]
+    assert add_floor(rows, 3 * 2**20, "NVIDIA H100 80GB HBM3") == PEAK_BANDWIDTH["H100"]
+    assert rows[0]["floor_ms"] == pytest.approx(4 * 2**20 / 3.35e12 * 1e3)
+    assert rows[0]["x_floor"] == pytest.approx(4.0 / rows[0]["floor_ms"])
+    assert rows[1]["floor_ms"] is None and rows[1]["x_floor"] is None
+    assert add_floor(rows, 1, "cpu (x86_64, 2 threads)") is None and rows[0]["floor_ms"] is None

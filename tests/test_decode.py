@@ -284,7 +284,8 @@ def test_eager_steps_are_counted():
     assert cache.get_seq_length() == 9 + STEPS
 
 
-@pytest.mark.parametrize("name,context", [("kvpop", 40), ("mlstm", 40), ("evidence", 40), ("kvpop", 9), ("dense", 40)])
+@pytest.mark.parametrize("name,context", [("kvpop", 40), ("mlstm", 40), ("evidence", 40), ("kvpop", 9), ("dense", 40),
+                                          ("cascade-mean", 40), ("cascade-sum", 40)])
 def test_fill_random(name, context):
     model = _model(name)
     cache = _cache(model, name, context + 4)
@@ -303,6 +304,10 @@ def test_fill_random(name, context):
                 assert torch.equal(cfg.sink + (ring - cfg.sink) % cfg.window,
                                    torch.arange(cfg.sink, cfg.sink + cfg.window))
             assert bool((layer.seen == context).all()) and layer.processed == context
+            # the cascades' static pool ranks by the prior buffer: filled where a slot is
+            assert (layer.prior is not None) == name.startswith("cascade")
+            if layer.prior is not None:
+                assert torch.equal(torch.isfinite(layer.prior), layer.pos >= 0)
     assert int(cache.get_seq_length()) == context
     # and decoding runs from it, eager and compiled alike
     decoder = Decoder(model, cache, compile=True, backend=BACKEND)
@@ -330,6 +335,99 @@ def test_bench_compiled_rows_and_random_fill():
         assert r["seen"] == 32 + (3 if r["compiled"] else 1) + 2
         assert (r["compile_s"] is not None) == r["compiled"]
     assert rows[1]["vs_dense"] == 1.0
+
+
+def test_bench_runs_the_layer_wide_cascade_beside_the_static_rule():
+    from kvpop.eval.bench import recommended_config
+
+    cfg = kvpop.KVpopConfig(sink=2, window=4, topk=9, scorer_hidden=16)
+    assert recommended_config(cfg) == cfg.recommended()
+    assert recommended_config(cfg, 6) == kvpop.KVpopConfig(sink=0, window=1, topk=14, tova_pool=6,
+                                                           tova_head_average=True, scorer_hidden=16)
+    with quiet():
+        rows = bench_decode(tiny_model("qwen3"), (32,), cache_kinds=("kvpop", "cascade"), new_tokens=2, warmup=1,
+                            device="cpu", config=cfg, compile=True, fill="random", compile_backend=BACKEND,
+                            cascade_pool=6)
+    assert [(r["cache"], r["compiled"], r["budget"]) for r in rows] == [("kvpop", False, 15), ("kvpop", True, 15),
+                                                                        ("cascade", False, 15), ("cascade", True, 15)]
+    assert all(r["error"] is None and r["ms_per_token"] > 0 for r in rows), [r["error"] for r in rows]
+
+
+def test_compile_options_are_scoped_to_kvpops_compiles():
+    from kvpop.decode import COMPILE_OPTIONS, compile_options, generation_compile_config
+
+    assert compile_options(torch.device("cpu")) is None and generation_compile_config(torch.device("cpu")) is None
+    config = generation_compile_config(torch.device("cuda"))
+    assert config.mode is None and config.options == COMPILE_OPTIONS and config.backend == "inductor"
+    # torch.compile takes them as transformers passes them: one bad option name would raise here
+    torch.compile(lambda x: x, **config.to_dict())
+    # nothing leaked into inductor's global config
+    import torch._inductor.config as inductor
+
+    assert not inductor.coordinate_descent_tuning and not inductor.max_autotune_gemm
+
+
+def test_retrofit_gives_generate_the_compile_config_and_detach_takes_it_back(monkeypatch):
+    from transformers.generation.configuration_utils import CompileConfig
+
+    import kvpop.decode
+
+    ours = CompileConfig(backend="aot_eager", mode=None)
+    # the CPU stands in for a GPU here: where `generate` compiles, the retrofit sets its config
+    monkeypatch.setattr(kvpop.decode, "generation_compile_config", lambda device: ours)
+    model = tiny_model("qwen3")
+    kvpop.retrofit(model, CONFIGS["kvpop"])
+    assert model.generation_config.compile_config is ours
+    kvpop.detach(model)
+    assert model.generation_config.compile_config is None
+    # a config of the user's own stays, through the retrofit and after it
+    mine = CompileConfig(mode="max-autotune")
+    model.generation_config.compile_config = mine
+    kvpop.retrofit(model, CONFIGS["kvpop"])
+    kvpop.detach(model)
+    assert model.generation_config.compile_config is mine
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["kvpop", "cascade-mean", "cascade-sum"])
+def test_generate_on_cuda_compiles_with_kvpops_options(name):
+    """`model.generate` with a KVpopCache and nothing set: the retrofit's compile config (inductor with kvpop's
+    options, CUDA graphs), the eager run's tokens, one graph for the decode."""
+    from torch._dynamo.utils import counters
+
+    from kvpop.decode import COMPILE_OPTIONS
+
+    model = tiny_model("qwen3").cuda()
+    kvpop.retrofit(model, CONFIGS[name])
+    assert model.generation_config.compile_config.options == COMPILE_OPTIONS
+    ids = torch.randint(3, 300, (2, 19), generator=torch.Generator().manual_seed(0)).cuda()
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    with quiet(), torch.no_grad():
+        eager = model.generate(ids, **kw, **cache_kwargs(model, kvpop.KVpopCache(model)), disable_compile=True)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = model.generate(ids, **kw, **cache_kwargs(model, kvpop.KVpopCache(model)))
+        skips, graphs = dict(counters["inductor"]), counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert torch.equal(compiled, eager)
+    assert graphs >= 1 and not skips.get("cudagraph_skips"), (graphs, skips)
+
+
+def test_the_first_step_is_timed():
+    model = _model("kvpop")
+    ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    cache = _cache(model, "kvpop", 30)
+    decoder = Decoder(model, cache, compile=True, backend=BACKEND)
+    assert decoder.first_step_s is None
+    with quiet(), torch.no_grad():
+        decoder.prefill(ids)
+        with decoder.decoding():
+            decoder.step(ids[:, -1:], torch.full((1, 1), 9))
+            first = decoder.first_step_s
+            decoder.step(ids[:, -1:], torch.full((1, 1), 10))
+    assert first is not None and first > 0 and decoder.first_step_s == first
+    torch._dynamo.reset()
 
 
 def test_bench_compiled_failure_is_a_row_error(monkeypatch):

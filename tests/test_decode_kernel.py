@@ -63,6 +63,80 @@ CHECK = textwrap.dedent(
 )
 
 
+SCORED = textwrap.dedent(
+    """
+    import torch
+    from kvpop.ops.attention.decode_kernel import SCORE_FORMS, decode_attention_scored
+    from kvpop.ops.attention.reference import scored_attention_reference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(1)
+    PRI_TOL = 2e-5
+    # (B, Hq, Hkv, N, D, split): SmolLM2's and Qwen3's heads, N off the splits and the update's blocks, one split
+    # and several, a padding row
+    for B, Hq, Hkv, N, D, split in [(2, 9, 3, 200, 64, 128), (1, 32, 8, 257, 128, 64), (3, 4, 4, 64, 16, 64)]:
+        # every score in float32 and bfloat16 across the shapes
+        for i, score in enumerate(sorted(SCORE_FORMS)):
+            dtype = (torch.float32, torch.bfloat16)[(i + N) % 2]
+            q = torch.randn(B, Hq, 1, D, generator=g)
+            # the cache's layout: buffers with a scratch slot, attended without it
+            kbuf, vbuf = torch.randn(B, Hkv, N + 1, D, generator=g), torch.randn(B, Hkv, N + 1, D, generator=g)
+            # ties: slots 1 and 2 hold the same key in every head (equal probabilities)
+            kbuf[:, :, 2] = kbuf[:, :, 1]
+            pos = torch.arange(N + 1).expand(B, Hkv, N + 1).clone()
+            pos[torch.rand(B, Hkv, N + 1, generator=g) < 0.3] = -1
+            pos[..., 1:3] = torch.tensor([5, 6])
+            real = torch.ones(B, dtype=torch.bool)
+            if B > 1:
+                # a padding step changes no priority; in its row one KV head has no slot yet (left padding)
+                real[-1] = False
+                pos[-1, 0] = -1
+            pri = torch.where(pos >= 0, torch.randn(B, Hkv, N + 1, generator=g), float("-inf"))
+            prior = torch.randn(B, Hkv, N + 1, generator=g)
+            q, kbuf, vbuf, pos, pri, prior, real = (t.to(device) for t in (q, kbuf, vbuf, pos, pri, prior, real))
+            q, kbuf, vbuf = q.to(dtype), kbuf.to(dtype), vbuf.to(dtype)
+            k, v = kbuf[:, :, :N], vbuf[:, :, :N]
+            want_pri, got_pri = pri.clone(), pri.clone()
+            # poisoned scratch slot: nothing may read or write it
+            got_pri[..., N] = float("nan")
+            scale = D ** -0.5
+            # "cascade_sum" fades its accumulated score (H2O's "sum" keeps it whole)
+            decay = 0.9 if score == "cascade_sum" else 1.0
+            want = scored_attention_reference(q, k, v, pos[..., :N], want_pri[..., :N], prior[..., :N], real, scale,
+                                              score, decay)
+            # the buffers whole, as a cache passes them: the scratch slot is not the kernel's to touch
+            got = decode_attention_scored(q, k, v, pos, got_pri, prior, real, scale, score, split=split, decay=decay)
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            G = Hq // Hkv
+            if B > 1:
+                # the head with no slot: the reference's softmax over nothing is NaN, the kernel gives zeros
+                assert (got[-1, :G] == 0).all() and torch.isnan(want[-1, :G]).all()
+                got[-1, :G], want[-1, :G] = 0, 0
+            err = (got.float() - want.float()).abs().max().item()
+            assert got.shape == want.shape and got.dtype == dtype and err < tol, (score, dtype, err)
+            assert torch.isnan(got_pri[..., N]).all()
+            a, b = want_pri[..., :N], got_pri[..., :N]
+            # the same slots updated (empty slots and padding rows keep their priority, -inf included)
+            assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.equal(a[torch.isinf(a)], b[torch.isinf(b)])
+            fin = torch.isfinite(a)
+            perr = (a[fin] - b[fin]).abs().max().item()
+            assert perr < PRI_TOL, (B, Hq, Hkv, N, score, dtype, perr)
+            if not real[-1]:
+                assert torch.equal(b[-1], pri[-1, :, :N]), score
+            # equal probabilities, equal priorities (the rule's ties), where the slots' history is equal too
+            if SCORE_FORMS[score][1] is False and SCORE_FORMS[score][2] is False:
+                tie = (pos[:, :, 1] >= 0) & real[:, None]
+                assert torch.equal(b[:, :, 1][tie], b[:, :, 2][tie]), score
+    # a custom op that writes `pri` in place: a compiled step takes it as one call
+    step = torch.compile(decode_attention_scored, backend="aot_eager", fullgraph=True)
+    again = pri.clone()
+    out = step(q, k, v, pos, again, prior, real, scale, score, split=split, decay=decay)
+    assert torch.equal(out, got) and torch.equal(again[..., :N], got_pri[..., :N])
+    print("ok")
+    """
+)
+
+
 def _run(code: str) -> None:
     if torch.cuda.is_available():
         exec(compile(code, "<kernel check>", "exec"), {})
@@ -82,3 +156,29 @@ def test_split_rejects_a_split_off_the_block():
     q, k = torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 8, 16)
     with pytest.raises(ValueError, match="multiple of 64"):
         decode_attention_split(q, k, k, torch.ones(1, 2, 8, dtype=torch.bool), 1.0, split=100)
+
+
+def test_scored_decode_attention_matches_reference():
+    _run(SCORED)
+
+
+def test_scored_attention_refuses_a_score_without_a_form():
+    from kvpop.ops.attention.decode_kernel import decode_attention_scored
+
+    q, k = torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 8, 16)
+    pos, pri = torch.zeros(1, 2, 8, dtype=torch.long), torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="score='median' has no kernel form"):
+        decode_attention_scored(q, k, k, pos, pri, None, torch.ones(1, dtype=torch.bool), 1.0, "median")
+    with pytest.raises(ValueError, match="adds the slots' priors"):
+        decode_attention_scored(q, k, k, pos, pri, None, torch.ones(1, dtype=torch.bool), 1.0, "prior")
+    with pytest.raises(ValueError, match="must cover the 8 slots"):
+        decode_attention_scored(q, k, k, pos[..., :7], pri[..., :7], None, torch.ones(1, dtype=torch.bool), 1.0, "max")
+
+
+def test_every_score_has_a_kernel_form():
+    # a dynamic policy's decode step runs the kernel only for the scores it has a form for (the others take the
+    # reference's path, slower on CUDA): a new score of `ops.dynamic.score_update` adds its line to SCORE_FORMS
+    from kvpop.ops.attention.decode_kernel import SCORE_FORMS
+    from kvpop.ops.dynamic import SCORES
+
+    assert set(SCORES) <= set(SCORE_FORMS), sorted(set(SCORES) - set(SCORE_FORMS))

@@ -119,26 +119,32 @@ def test_write_slots_names_why_the_kernel_cannot_run(monkeypatch):
 STEP = textwrap.dedent(
     """
     import torch
-    from kvpop.ops.slots import step_slots_kernel, step_slots_reference
+    from kvpop.ops.slots import step_slots_kernel, step_slots_reference, step_slots_torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    NAMES = ("keys", "values", "pos", "pri", "prior")
 
-    def run(B, H, sink, window, topk, steps, D, DV, dtype, seed, ties, block_n, compiled=False):
+    def run(B, H, sink, window, topk, steps, D, DV, dtype, seed, ties, block_n, static=0, tova_first=False, prior=False,
+            compiled=False, impl=None):
         # both from empty buffers (garbage in the scratch slot), token by token: padding steps in rows > 0, tied and
-        # -inf priorities (DMS's evict decision), keys and values given as strided views
+        # -inf priorities (DMS's evict decision), keys and values given as strided views. With a prior buffer the
+        # slots' priorities change between steps as a score update would change them (the same in both)
         g = torch.Generator().manual_seed(seed)
         n = sink + window + topk + 1
         bufs = [torch.zeros(B, H, n, D).to(dtype), torch.zeros(B, H, n, DV).to(dtype),
                 torch.full((B, H, n), -1, dtype=torch.long), torch.full((B, H, n), float("-inf"))]
+        if prior or static:
+            bufs.append(torch.full((B, H, n), float("-inf")))
         bufs[0][:, :, -1] = 7.0
         want = [b.to(device) for b in bufs]
         got = [b.clone() for b in want]
-        kernel = step_slots_kernel
+        kernel = impl or step_slots_kernel
         if compiled:
             # the custom op inside a compiled function: it must write the caller's buffers in place
-            kernel = torch.compile(step_slots_kernel, fullgraph=True, backend="inductor")
+            kernel = torch.compile(kernel, fullgraph=True, backend="inductor")
         seen = torch.zeros(B, dtype=torch.long)
-        promoted = 0
+        moved = [0, 0]
+        lo = sink + window
         for t in range(steps):
             real = torch.ones(B, dtype=torch.bool)
             real[1:] = torch.rand(B - 1, generator=g) > 0.2
@@ -152,12 +158,23 @@ STEP = textwrap.dedent(
             value = torch.randn(B, H, 1, DV, generator=g).to(dtype)
             args = [x.to(device) for x in (key, value, p, real, pri)]
             before = want[2].clone()
-            step_slots_reference(want, *args, sink, window, topk)
-            kernel(got, *args, sink, window, topk, block_n=block_n)
-            for name, a, b in zip(("keys", "values", "pos", "pri"), want, got):
-                assert torch.equal(a, b), (B, H, sink, window, topk, seed, t, name)
-            promoted += int((want[2][:, :, sink + window : -1] != before[:, :, sink + window : -1]).sum())
-        return promoted
+            step_slots_reference(want, *args, sink, window, topk, static, tova_first)
+            if impl is None:
+                kernel(got, *args, sink, window, topk, static, tova_first, block_n=block_n)
+            else:
+                kernel(got, *args, sink, window, topk, static, tova_first)
+            for name, a, b in zip(NAMES, want, got):
+                assert torch.equal(a, b), (B, H, sink, window, topk, static, tova_first, seed, t, name)
+            changed = want[2][:, :, :-1] != before[:, :, :-1]
+            moved[0] += int(changed[..., lo : lo + static].sum())
+            moved[1] += int(changed[..., lo + static :].sum())
+            if len(want) > 4:
+                # a score update: new priorities for the occupied slots (rounded: ties), the scratch slot's kept
+                new = torch.randn(B, H, n - 1, generator=g).to(device)
+                new = new.round() if ties else new
+                for bufs_ in (want, got):
+                    bufs_[3][:, :, :-1] = torch.where(bufs_[2][:, :, :-1] >= 0, new, bufs_[3][:, :, :-1])
+        return moved
 
     # (B, H, sink, window, topk, steps, D, DV, dtype, ties, block_n): several reduction blocks, topk 0, sink 0,
     # window 1 (TOVA's split), ties, bfloat16, a budget past the steps (empty long-range slots throughout)
@@ -168,10 +185,25 @@ STEP = textwrap.dedent(
         (2, 1, 1, 3, 40, 70, 16, 16, torch.float32, True, 1024),
         (2, 2, 4, 16, 64, 30, 8, 8, torch.float32, False, 8),
     ]
-    moves = [run(*c[:6], *c[6:9], seed=i, ties=c[9], block_n=c[10]) for i, c in enumerate(CASES)]
+    IMPL = globals().get("IMPL")
+    moves = [sum(run(*c[:6], *c[6:9], seed=i, ties=c[9], block_n=c[10], impl=IMPL)) for i, c in enumerate(CASES)]
     # the rule promoted tokens where it could (long-range slots changed), and never where there were none
     assert all(m > 0 for m in moves[:2]) and moves[2] == 0 and moves[3] > 0, moves
-    run(2, 2, 2, 4, 12, 25, 8, 8, torch.float32, seed=9, ties=True, block_n=4, compiled=True)
+    # the cascades: (sink, window, topk, static, tova_first), both pools, one of them empty, TOVA's split; and
+    # KVpop-TOVA's prior buffer with one pool
+    CASCADES = [
+        (2, 3, 9, 4, False), (0, 1, 11, 3, True), (1, 2, 8, 8, False), (0, 1, 7, 7, True), (2, 2, 7, 0, True),
+        (0, 1, 10, 0, False),
+    ]
+    for i, (sink, window, topk, static, tova_first) in enumerate(CASCADES):
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
+        moved = run(2, 2, sink, window, topk, 32, 8, 4, dtype, seed=20 + i, ties=i != 5, block_n=(2, 4, 1024)[i % 3],
+                    static=static, tova_first=tova_first, prior=True, impl=IMPL)
+        # tokens went into every pool the rule has
+        assert (moved[0] > 0) == (static > 0) and (moved[1] > 0) == (static < topk), (i, moved)
+    run(2, 2, 2, 4, 12, 25, 8, 8, torch.float32, seed=9, ties=True, block_n=4, compiled=True, impl=IMPL)
+    run(2, 2, 0, 1, 12, 25, 8, 8, torch.float32, seed=10, ties=True, block_n=4, static=5, tova_first=True, prior=True,
+        compiled=True, impl=IMPL)
     print("ok")
     """
 )
@@ -182,6 +214,13 @@ def test_step_kernel_updates_the_slots_as_the_reference():
     run_triton_check(STEP, "step kernel check")
 
 
+def test_step_in_fewer_operations_updates_the_slots_as_the_reference():
+    # the CPU's path (`step_slots_torch`): the same cases, in this process (the compiled runs through inductor too)
+    from kvpop.ops.slots import step_slots_torch
+
+    exec(compile(STEP, "torch step check", "exec"), {"IMPL": step_slots_torch})
+
+
 def test_step_slots_errors(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     t = torch.zeros(1, 1, 3, 2)
@@ -190,8 +229,12 @@ def test_step_slots_errors(monkeypatch):
     args = (new, new, torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.bool), torch.zeros(1, 1), 1, 1, 0)
     with pytest.raises(ValueError, match="backend='fused' must be"):
         step_slots((t, t, pos, pri), *args, backend="fused")
-    with pytest.raises(ValueError, match="four buffers"):
-        step_slots((t, t, pos, pri, pri), *args)
+    with pytest.raises(ValueError, match="takes 4 buffers"):
+        step_slots((t, t, pos), *args)
+    with pytest.raises(ValueError, match=r"static=2 must be in \[0, topk=1\]"):
+        step_slots((t, t, pos, pri, pri.clone()), *args[:-1], 1, static=2)
+    with pytest.raises(ValueError, match="ranked by the prior buffer"):
+        step_slots((t, t, pos, pri), *args[:-1], 1, static=1)
     with pytest.raises(RuntimeError, match="needs `triton` and CUDA"):
         step_slots((t, t, pos, pri), *args, backend="triton")
     # "auto" off CUDA: the PyTorch form; the token goes to slot 0 with its position and priority

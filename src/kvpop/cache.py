@@ -11,8 +11,9 @@ real tokens (left padding is skipped), so every sequence's sinks are its own fir
 
 Two update paths, both equal to the rule (tests check them against the teacher-forced forward):
 - decode (one new token): the token leaving the window replaces the weakest top-k slot if it beats
-  it; O(slots) work, no host sync, no loop over heads (on CUDA one Triton launch per layer for the rule
-  and the writes, `ops.slots.step_slots`, where the rule has one pool);
+  it (or, for KVpop-cascade, one of two pools); O(slots) work, no host sync, no loop over heads (on CUDA
+  one Triton launch per layer for the rule and the writes, `ops.slots.step_slots`, and two for the attention
+  and a dynamic policy's priority update, `decode_step`);
 - chunk (prefill, any length): the rule is evaluated over `slots + chunk` with `eviction_positions`,
   each query attends what the rule keeps for it, then the slots are rewritten with what is retained
   at the chunk's last token.
@@ -34,10 +35,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
-from kvpop.ops.attention import attention_with_probs, decode_attention, sparse_attention
+from kvpop.ops.attention import decode_attention, decode_attention_scored, sparse_attention
 from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
 from kvpop.ops.dynamic.reference import write_slot
-from kvpop.ops.slots import step_slots, step_slots_reference, write_slots
+from kvpop.ops.slots import step_slots, write_slots
 from kvpop.ops.topk import eviction_positions
 from kvpop.policy import LayerPolicy
 
@@ -253,15 +254,12 @@ class KVpopLayerCache(CacheLayerMixin):
         if policy.evidence:
             cache_evidence.decode_readout(self, p, real, policy)
         step = self.fused or decode_step
-        out, probs = step(self.buffers, query, key, value, p, real, pri_new, self.sink, self.window, self.topk,
-                          scale, policy.dynamic, policy.pool, policy.tova_first, softcap)
+        # a dynamic policy's priorities are updated inside the step, by its score (`ops.dynamic.score_update`, as the
+        # prefill walks apply it)
+        out = step(self.buffers, query, key, value, p, real, pri_new, self.sink, self.window, self.topk, scale,
+                   policy.score if policy.dynamic else None, policy.pool, policy.tova_first, policy.decay, softcap)
         if policy.evidence:
             cache_evidence.decode_accumulate(self, query, key, p, real, scale, policy, rope)
-        if policy.dynamic:
-            pri = self._slots_of(3)
-            occupied = self._slots_of(2) >= 0
-            updated = policy.update(pri, probs, occupied, self._slots_of(4))
-            pri.copy_(torch.where(real[:, None, None], updated, pri))
         return out
 
     def _advance_decode(self, key, value, p: Tensor, real: Tensor, pri_new: Tensor, policy: LayerPolicy) -> Tensor:
@@ -432,44 +430,45 @@ def decode_step(
     window: int,
     topk: int,
     scale: float,
-    with_probs: bool,
+    score: str | None = None,
     pool: int | None = None,
     tova_first: bool = False,
+    decay: float = 1.0,
     softcap: float | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """One decode step on a layer's slot buffers (keys, values, pos, pri, and KVpop-TOVA's prior; each with a
-    scratch slot last).
+) -> Tensor:
+    """One decode step on a layer's slot buffers (keys, values, pos, pri, and the prior of KVpop-TOVA and the
+    cascades; each with a scratch slot last).
 
-    The token leaving the window (position `p - window`) replaces the weakest top-k slot if it beats
-    it; the new token takes its sink or window-ring slot; then the query attends the occupied slots.
-    A function of tensors and ints only, so that `torch.compile` traces it once for every layer
-    (`fused_decode_step`). Masked writes go to the scratch slot instead of reading the old value back.
+    The token leaving the window (position `p - window`) replaces the weakest top-k slot if it beats it;
+    the new token takes its sink or window-ring slot (`ops.slots.step_slots`); then the query attends the occupied
+    slots, and a dynamic policy (`score`, one of `ops.dynamic.SCORES`) rewrites every occupied slot's priority from
+    the step's probabilities (`ops.attention.decode_attention_scored`). On CUDA that is three launches per layer for
+    every rule: the slot kernel, the split attention, and its combine with the priority update. A function of
+    tensors, ints and strings only, so that `torch.compile` traces it once for every layer (`fused_decode_step`).
+    Masked writes go to the scratch slot instead of reading the old value back.
 
     KVpop-cascade (`pool` an int, score "cascade"): the last `pool` long-range slots are ranked by `pri`, the
     others by the static priority in the prior buffer; the leaving token meets the static pool first and
-    whichever loses meets the `pri` pool (`ops.dynamic.dynamic_walk`). None: one pool ranked by `pri`. With
-    `tova_first` (the layer-wide cascades, scores "cascade_mean" and "cascade_sum") the leaving token meets the `pri`
-    pool first, and whichever loses meets the static pool (`ops.dynamic.reference.tova_first_step`). `softcap`: the
-    model's logit soft-capping, None for none.
+    whichever loses meets the `pri` pool (`ops.dynamic.reference.static_first_step`). None: one pool ranked by
+    `pri`. With `tova_first` (the layer-wide cascades, scores "cascade_mean" and "cascade_sum") the leaving token
+    meets the `pri` pool first, and whichever loses meets the static pool (`ops.dynamic.reference.tova_first_step`).
+    `decay`: score "cascade_sum"'s weight of the accumulated score (`ops.dynamic.score_update`). `softcap`: the
+    model's logit soft-capping, None for none (the split kernels take none: the reference attention then).
 
     Returns:
-        the attention output [B, Hq, 1, D], and its probabilities over the slots if `with_probs`.
+        the attention output [B, Hq, 1, D].
     """
-    kbuf = buffers[0]
-    slots = kbuf.shape[2] - 1
-    keys, values, pos, pri = (b[:, :, :slots] for b in buffers[:4])
-    s, w, k = sink, window, topk
-    pool = k if pool is None else pool
-    static = k - pool  # KVpop-cascade: the first `static` long-range slots are ranked by the carried prior
-    if len(buffers) == 4 and not static and not tova_first:
-        # one pool, no prior: the rule and the writes in one kernel on CUDA (`ops.slots.step_slots`)
-        step_slots(buffers, key, value, p, real, pri_new, s, w, k)
-    else:
-        step_slots_reference(buffers, key, value, p, real, pri_new, s, w, k, static=static, tova_first=tova_first)
-    if not with_probs:
+    slots = buffers[0].shape[2] - 1
+    keys, values = (b[:, :, :slots] for b in buffers[:2])
+    static = topk - (topk if pool is None else pool)  # KVpop-cascade: the long-range slots ranked by the prior
+    step_slots(buffers, key, value, p, real, pri_new, sink, window, topk, static, tova_first)
+    if score is None:
         # the positions as the occupancy: the CUDA kernel compares them itself (one launch less per layer)
-        return decode_attention(query, keys, values, pos, scale, softcap), None
-    return attention_with_probs(query, keys, values, pos >= 0, scale, softcap)
+        return decode_attention(query, keys, values, buffers[2][:, :, :slots], scale, softcap)
+    # the priorities' buffer whole (its scratch slot unused): a compiled step updates its own input in place
+    prior = buffers[4] if len(buffers) > 4 else None
+    return decode_attention_scored(query, keys, values, buffers[2], buffers[3], prior, real, scale, score, decay,
+                                   softcap)
 
 
 _FUSED: dict[str, object] = {}

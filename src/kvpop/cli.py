@@ -155,12 +155,13 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
     arg("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --do-sample)"),
     arg("--seed", type=int, default=0, help="random seed (default 0)"),
     arg("--compile", action="store_true",
-        help="greedy decoding with a compiled one-token step (torch.compile; CUDA graphs on CUDA), no streaming"),
+        help="greedy decoding with a compiled one-token step (torch.compile; on CUDA with CUDA graphs and tuned "
+             "kernels), no streaming"),
     arg("--compile-backend", choices=("cudagraph", "inductor", "aot_eager"), default=None,
-        help="with --compile: cudagraph (the eager step captured once, its per-layer pieces compiled; the CUDA "
-             "default) or a torch.compile backend for the whole step (inductor, the CPU default; on CUDA about 15 "
-             "%% faster per token at the Qwen3-8B shape, and tens of seconds to compile the first time: "
-             "TORCHINDUCTOR_CACHE_DIR keeps the result for the next run)"),
+        help="with --compile: inductor (the default: the whole step compiled, on CUDA with kvpop's tuning; tens of "
+             "seconds to compile the first time, less from inductor's cache, TORCHINDUCTOR_CACHE_DIR) or "
+             "cudagraph (the eager step captured once, its per-layer pieces compiled: ready in seconds, about "
+             "1.4x slower per token at the Qwen3-8B shape)"),
     POLICY_RULE,
     arg("--tova-pool", type=int, default=None, metavar="N",
         help="a trained KVpop-mlp directory as KVpop-cascade: N of its top-k slots ranked by TOVA per KV head"),
@@ -342,8 +343,9 @@ def _generate_compiled(args: argparse.Namespace, model, tokenizer, input_ids, ca
     elapsed = time.perf_counter() - start
     print(tokenizer.decode(new[0], skip_special_tokens=True))
     n_new = new.shape[1]
+    first = "" if decoder.first_step_s is None else f", {decoder.first_step_s:.1f} s of it the first step (compiling)"
     print(f"[kvpop] {n_new} tokens in {elapsed:.2f} s ({n_new / elapsed:.1f} tokens/s, prefill and compilation "
-          f"included); cache: {_slots_used(model, cache)} used for {int(cache.get_seq_length())} tokens seen",
+          f"included{first}); cache: {_slots_used(model, cache)} used for {int(cache.get_seq_length())} tokens seen",
           file=sys.stderr)
     return 0
 
@@ -575,9 +577,10 @@ def _kv_table(args: argparse.Namespace, config, saved) -> list[str]:
     arg("--deterministic", action="store_true",
         help="deterministic kernels only: a run repeats bitwise on the same GPU and software (slower)"),
     arg("--attention", default="auto", choices=("auto", "flex", "gather"),
-        help="the student's sparse attention: auto (FlexAttention over the sequence on CUDA, the gathered tiles on "
-             "the CPU), flex, or gather (each query tile over its own keys: faster per layer for large models and "
-             "long sequences, slower for small ones) (default auto)"),
+        help="the student's sparse attention: auto (picked by shape and budget: on CUDA the gathered tiles where "
+             "they save enough attention work, e.g. Qwen3-4B at 16k, FlexAttention over the sequence for small "
+             "models such as SmolLM2; the gathered tiles on the CPU), flex, or gather (each query tile over its own "
+             "keys) (default auto)"),
     arg("--device", default="auto", help="auto, cpu, cuda, ... (default auto)"),
     NO_PROGRESS,
 ])

@@ -154,6 +154,9 @@ def retrofit(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
     register()
     mods.previous_attn_implementation = config._attn_implementation
     mods.base = base_identity(model)
+    # on a GPU, `model.generate` compiles a KVpopCache's decode step with kvpop's inductor options, unless the user
+    # set a compile config of their own (`kvpop.decode.generation_compile_config`)
+    mods.compile_config = _generate_compile_config(model, ref.device)
     model.kvpop = mods
     model.set_attn_implementation(ATTENTION_NAME)
 
@@ -212,8 +215,22 @@ def detach(model: nn.Module) -> nn.Module:
     for handle in mods.hooks:
         handle.remove()
     model.set_attn_implementation(mods.previous_attn_implementation or "sdpa")
+    generation = getattr(model, "generation_config", None)
+    if mods.compile_config is not None and getattr(generation, "compile_config", None) is mods.compile_config:
+        generation.compile_config = None
     del model.kvpop
     return model
+
+
+def _generate_compile_config(model: nn.Module, device: torch.device):
+    """The compile config `retrofit` gives `model.generate` (None where it sets none)."""
+    generation = getattr(model, "generation_config", None)
+    if generation is None or getattr(generation, "compile_config", None) is not None:
+        return None
+    from kvpop.decode import generation_compile_config
+
+    generation.compile_config = generation_compile_config(device)
+    return generation.compile_config
 
 
 BASE_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",

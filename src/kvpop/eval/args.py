@@ -7,8 +7,12 @@ BENCH_ARGS: list[tuple[tuple[str, ...], dict]] = [
                         help="a preset (tiny-random-qwen3, smollm2-135m, qwen3-4b-shape, qwen3-8b-shape, "
                              "tiny-qwen3-shape), a local Hugging Face directory, or a kvpop.save directory")),
     (("--contexts",), dict(default="256,512,1024", help="comma-separated context lengths (default 256,512,1024)")),
-    (("--caches",), dict(default="dense,kvpop", help="comma-separated cache kinds: dense, kvpop, or a policy name "
+    (("--caches",), dict(default="dense,kvpop", help="comma-separated cache kinds: dense, kvpop, cascade (the "
+                                                    "layer-wide KVpop-cascade at the same budget), or a policy name "
                                                     "(default dense,kvpop)")),
+    (("--tova-pool-layer",), dict(type=int, default=None, metavar="N",
+                                  help="cache kind cascade: its TOVA pool, N of the budget - 1 long-range slots "
+                                       "(default 3/4 of them)")),
     (("--new-tokens",), dict(type=int, default=16, help="timed decode steps per run (default 16)")),
     (("--warmup",), dict(type=int, default=2, help="untimed decode steps before timing (default 2)")),
     (("--batch",), dict(type=int, default=1, help="sequences per step (default 1)")),
@@ -23,11 +27,12 @@ BENCH_ARGS: list[tuple[tuple[str, ...], dict]] = [
     (("--dtype",), dict(default=None, choices=["float32", "bfloat16", "float16"],
                         help="model dtype (default: bfloat16 for *-shape presets, else the model's own)")),
     (("--seed",), dict(type=int, default=0, help="seeds prompts and fresh scorers (default 0)")),
-    (("--compile",), dict(action="store_true", help="also time a compiled decode step (torch.compile; CUDA graphs on "
-                                                    "CUDA; dense on a StaticCache) beside each eager row")),
+    (("--compile",), dict(action="store_true", help="also time a compiled decode step (torch.compile; on CUDA with "
+                                                    "CUDA graphs and kvpop's tuning; dense on a StaticCache) beside "
+                                                    "each eager row")),
     (("--compile-backend",), dict(default=None, choices=["cudagraph", "inductor", "aot_eager"],
-                                  help="with --compile: cudagraph (the eager step captured as a CUDA graph; the "
-                                       "default on CUDA) or a torch.compile backend (inductor, the CPU default)")),
+                                  help="with --compile: inductor (the default, tuned on CUDA) or cudagraph (the eager "
+                                       "step captured as a CUDA graph: ready in seconds, slower per token)")),
     (("--fill",), dict(default="prefill", choices=["prefill", "random"],
                        help="prefill: run the model over the context (default); random: fill the caches with "
                             "random keys/values as if the context had been seen (decode latency only)")),

@@ -9,11 +9,16 @@ is reported. The dense rows run the same weights without KVpop (a `DynamicCache`
 own attention); the KVpop rows run the retrofitted model with a `KVpopCache`.
 
 `--compile` adds a compiled row beside each eager one ("compiled": true): the step runs through
-`kvpop.decode.Decoder` - on CUDA the eager step captured once as a CUDA graph, with KVpop's
-per-layer step compiled inside it ("fused"); elsewhere, or with `--compile-backend inductor`,
-`torch.compile(fullgraph=True)` - and the dense baseline on Hugging Face's `StaticCache` (the fair
-comparison), with at least 3 warm-up steps; the first one captures or compiles ("compile_s"). A
-compiled run that fails records its exception in "error".
+`kvpop.decode.Decoder` - `torch.compile(fullgraph=True)` with inductor (on CUDA with kvpop's
+options, `kvpop.decode.COMPILE_OPTIONS`), or with `--compile-backend cudagraph` the eager step captured
+once as a CUDA graph, with KVpop's per-layer step compiled inside it ("fused") - and the dense baseline
+on Hugging Face's `StaticCache` under the same compile (the fair comparison), with at least 3 warm-up
+steps; the first one captures or compiles ("compile_s": from inductor's on-disk cache when an earlier
+process compiled the same graph, cold otherwise). A compiled run that fails records its exception in "error".
+
+Cache kinds: "dense", "kvpop" (the static rule, or the model's own retrofit), any other policy name at the
+same budget, and "cascade": the recommended policy, the layer-wide KVpop-cascade at TOVA's split of the same
+budget (`KVpopConfig.recommended`; `--tova-pool-layer` sets its pool, default 3/4 of `budget - 1`).
 
 `--fill random` skips running the model over the context: each cache is filled directly with random
 keys/values as if `context` tokens had been seen (a `KVpopCache` with every slot occupied, positions
@@ -48,22 +53,29 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from kvpop.cache import KVpopCache, cache_kwargs
-from kvpop.config import KVpopConfig
+from kvpop.config import RECOMMENDED_POOL_DECAY, KVpopConfig
 from kvpop.eval.args import BENCH_ARGS
 from kvpop.retrofit import KVpopModules, detach, retrofit
 
 DENSE = "dense"
-
-
 RECOMMENDED = "cascade"
 """The benchmarks' name for the recommended policy of a trained KVpop-mlp (`KVpopConfig.for_rule`)."""
 
 
-def policy_config(name: str, budget: int) -> KVpopConfig:
+def recommended_config(config: KVpopConfig, pool: int | None = None) -> KVpopConfig:
+    """KVpop-mlp `config` as the recommended policy (`KVpopConfig.recommended`), or, with `pool`, as the same
+    layer-wide KVpop-cascade with a pool of `pool` slots instead of `config.recommended_pool(budget)`."""
+    if pool is None:
+        return config.recommended()
+    return config.with_tova_pool(pool, layer=True, decay=RECOMMENDED_POOL_DECAY)
+
+
+def policy_config(name: str, budget: int, pool: int | None = None) -> KVpopConfig:
     """The config a benchmark runs for a policy name at `budget`: `cascade`, the recommended policy (the layer-wide
-    KVpop-cascade a trained KVpop-mlp directory runs by default), else `KVpopConfig.for_budget(budget, policy=name)`."""
+    KVpop-cascade a trained KVpop-mlp directory runs by default; `pool` its pool, default the recommended one), else
+    `KVpopConfig.for_budget(budget, policy=name)`."""
     if name == RECOMMENDED:
-        return KVpopConfig.for_budget(budget).for_rule()
+        return recommended_config(KVpopConfig.for_budget(budget), pool)
     return KVpopConfig.for_budget(budget, policy=name)
 
 
@@ -84,11 +96,13 @@ def _is_retrofitted(model) -> bool:
 
 
 @contextlib.contextmanager
-def _prepared(model, kind: str, config: KVpopConfig | None, seed: int) -> Iterator[KVpopConfig | None]:
+def _prepared(model, kind: str, config: KVpopConfig | None, seed: int,
+              pool: int | None = None) -> Iterator[KVpopConfig | None]:
     """The model as cache `kind` needs it, in place: plain for "dense", retrofitted otherwise; restored after.
 
     No copy of the weights is made, so CUDA peak memory counts one model. "kvpop" uses the model's
-    own retrofit if it has one, else `config`; any other kind is a policy name run with `config`'s budget.
+    own retrofit if it has one, else `config`; "cascade" runs that config as the recommended policy (`pool` its pool,
+    `recommended_config`); any other kind is a policy name run with `config`'s budget.
     """
     stashed = None
     if _is_retrofitted(model):
@@ -104,7 +118,10 @@ def _prepared(model, kind: str, config: KVpopConfig | None, seed: int) -> Iterat
         else:
             if config is None:
                 raise ValueError(f"cache kind {kind!r} needs a KVpopConfig for a model that is not retrofitted")
-            cfg = config if kind == "kvpop" else dataclasses.replace(config, policy=kind)
+            if kind == RECOMMENDED:
+                cfg = recommended_config(config, pool)
+            else:
+                cfg = config if kind == "kvpop" else dataclasses.replace(config, policy=kind)
             # the scorers' random init draws from a private generator state: runs repeat exactly
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
@@ -247,6 +264,7 @@ def bench_decode(
     compile: bool = False,
     fill: str = "prefill",
     compile_backend: str | None = None,
+    cascade_pool: int | None = None,
 ) -> list[dict]:
     """Per-token decode latency and memory for each cache kind at each context length.
 
@@ -268,9 +286,10 @@ def bench_decode(
         fill: "prefill" runs the model over the context; "random" fills the caches with random
             keys/values as if the context had been seen (`kvpop.decode.fill_random`): decode latency
             does not depend on the values, and long prefills cost minutes.
-        compile_backend: how compiled rows run the step (`kvpop.decode.Decoder`): "cudagraph" (the
-            eager step captured as a CUDA graph, the default on CUDA) or a `torch.compile` backend
-            ("inductor", the default elsewhere).
+        compile_backend: how compiled rows run the step (`kvpop.decode.Decoder`): a `torch.compile`
+            backend ("inductor", the default, with `kvpop.decode.COMPILE_OPTIONS` on CUDA) or "cudagraph"
+            (the eager step captured as a CUDA graph).
+        cascade_pool: the pool of cache kind "cascade" (default the recommended policy's, 3/4 of `budget - 1`).
     Returns:
         One dict per (context, cache kind, compiled): "cache", "compiled", "fill", "context", "batch",
         "new_tokens", "ms_per_token", "ms_min", "tokens_per_s", "prefill_s", "compile_s" (compiled rows),
@@ -308,7 +327,7 @@ def bench_decode(
             # compiled code of another cache kind would only add guards; within a kind it is reused:
             # KVpopCache's step has the same shapes at every context, so only its first row compiles
             torch._dynamo.reset()
-        with _prepared(model, kind, config, seed) as cfg:
+        with _prepared(model, kind, config, seed, cascade_pool) as cfg:
             for context in contexts:
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + context)
                 ids = torch.randint(0, vocab, (batch, context), generator=gen).to(device)
@@ -353,9 +372,41 @@ def _row(model, kind, cfg, ids, new_tokens, warmup, chunk, compiled, fill, seed,
     return row
 
 
+PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+"""Memory bandwidth in bytes/s by card (the SXM parts' HBM), matched in the device name: the floor's denominator."""
+
+
+def weight_bytes(model) -> int:
+    """The weights a decode step reads: every parameter once, but the input embedding only where the output layer
+    shares it (an untied embedding table is read one row per token)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    if output is None or output.weight.data_ptr() != embedding.data_ptr():
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def add_floor(rows: Sequence[dict], weights: int, device_name: str) -> float | None:
+    """Each row's bandwidth floor, in place: "floor_ms" (the weights' and the cache's bytes over the card's bandwidth,
+    `PEAK_BANDWIDTH`) and "x_floor" (its latency over that). Returns the bandwidth, None for an unknown card."""
+    bandwidth = next((bw for card, bw in PEAK_BANDWIDTH.items() if card in device_name), None)
+    for r in rows:
+        floor = None if bandwidth is None or r.get("cache_mb") is None else \
+            (weights + r["cache_mb"] * 2**20) / bandwidth * 1e3
+        r["floor_ms"] = floor
+        r["x_floor"] = None if floor is None or r.get("ms_per_token") is None else r["ms_per_token"] / floor
+    return bandwidth
+
+
 def format_table(rows: Sequence[dict]) -> str:
     """The rows as an aligned text table for people."""
-    head = ("cache", "context", "budget", "mode", "ms/token", "vs dense", "tokens/s", "prefill s", "cache MB", "peak MB")
+    head = ("cache", "context", "budget", "mode", "ms/token", "vs dense", "x floor", "tokens/s", "prefill s",
+            "compile s", "cache MB", "peak MB")
 
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
@@ -370,12 +421,13 @@ def format_table(rows: Sequence[dict]) -> str:
     for r in rows:
         if r.get("error"):
             lines.append((r["cache"], str(r["context"]), fmt(r["budget"], "d"), mode(r), r["error"].splitlines()[0][:60],
-                          "", "", "", "", ""))
+                          "", "", "", "", "", "", ""))
             continue
         budget = fmt(r["budget"], "d") + ("*" if r.get("no_eviction") else "")
         lines.append((r["cache"], str(r["context"]), budget, mode(r), fmt(r["ms_per_token"], ".2f"),
-                      fmt(r["vs_dense"], ".2f"), fmt(r["tokens_per_s"], ".1f"), fmt(r["prefill_s"], ".2f"),
-                      mb(r["cache_mb"]), mb(r["peak_mb"])))
+                      fmt(r["vs_dense"], ".2f"), fmt(r.get("x_floor"), ".2f"), fmt(r["tokens_per_s"], ".1f"),
+                      fmt(r["prefill_s"], ".2f"), fmt(r.get("compile_s"), ".1f"), mb(r["cache_mb"]),
+                      mb(r["peak_mb"])))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
            for line in lines]
@@ -444,6 +496,7 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
     """
     import transformers
 
+    from kvpop.decode import compile_options
     from kvpop.files import refuse_existing
     from kvpop.models import is_kvpop_dir
 
@@ -467,7 +520,9 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
           f"KVpop sink={rule.sink} window={rule.window} topk={rule.topk} (budget {rule.budget}){_layers_note(c)}")
     rows = bench_decode(model, contexts, kinds, new_tokens=args.new_tokens, batch=args.batch, warmup=args.warmup,
                         device=device, config=config, prefill_chunk=args.prefill_chunk, seed=args.seed,
-                        compile=args.compile, fill=args.fill, compile_backend=args.compile_backend)
+                        compile=args.compile, fill=args.fill, compile_backend=args.compile_backend,
+                        cascade_pool=args.tova_pool_layer)
+    bandwidth = add_floor(rows, weight_bytes(model), _device_name(device))
     print(format_table(rows))
     if args.plot:
         from kvpop.eval.plots import plot_memory_latency
@@ -488,9 +543,12 @@ def run_bench(args: argparse.Namespace, command: str | None = None) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "compile": args.compile,
-        "compile_backend": (args.compile_backend or ("cudagraph" if str(device).startswith("cuda") else "inductor"))
+        "compile_backend": (args.compile_backend or "inductor") if args.compile else None,
+        "compile_options": (compile_options(device) if (args.compile_backend or "inductor") == "inductor" else None)
         if args.compile else None,
         "fill": args.fill,
+        "bandwidth_bytes_s": bandwidth,
+        "weight_bytes": weight_bytes(model),
     }
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -11,16 +11,17 @@ and nowhere otherwise. Slots nobody takes are emptied (keys and values 0, positi
 `write_slots_reference` does that with about 40 small PyTorch operations (a cumulative sum for the long-range
 slots, one gather per buffer), `write_slots_kernel` with one Triton launch per call (a program per row of slots
 clears its row, then scatters each held candidate's key, value, position and priority into its slot).
-`write_slots` picks: the kernel on CUDA, where `generate`'s eager prefill is bound by its launches (twenty-first
-and twenty-second sessions, docs/RESULTS.md), the reference elsewhere. Both write the same bytes: each slot's
+`write_slots` picks: the kernel on CUDA, where `generate`'s eager prefill is bound by its launches
+(docs/RESULTS.md), the reference elsewhere. Both write the same bytes: each slot's
 fields are copied from one candidate or filled.
 
 One decode step (`step_slots`) is the same rule for a single new token (`KVPOP.md` Sec. 7): the token leaving the
-window replaces the weakest long-range slot if it beats it, then the new token takes its sink or ring slot.
-`step_slots_reference` is what `cache.decode_step` runs (`ops.dynamic.reference.static_first_step` and one write per
-buffer: a reduction, gathers, compares and eight `index_put_`s, each its own kernel inside a captured step);
-`step_slots_kernel` does it in one launch, a program per (row, KV head). At SmolLM2's size a decode step is bound
-by the number of kernels per layer, not by their bytes (twenty-second session).
+window replaces the weakest long-range slot if it beats it, then the new token takes its sink or ring slot; the
+cascades compare it with two pools in turn (`ops.dynamic.reference.static_first_step`, `tova_first_step`).
+`step_slots_reference` is those functions and one write per buffer (reductions, gathers, compares and eight to
+fifteen `index_put_`s, each its own kernel inside a captured step); `step_slots_kernel` does it in one launch, a
+program per (row, KV head), for every rule. At SmolLM2's size a decode step is bound by the number of kernels per
+layer, not by their bytes (docs/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -164,9 +165,10 @@ def step_slots_reference(
     """One decode step's slot update, in place (module docstring): the rule's move, then the new token's write.
 
     Masked writes go to the scratch slot (the last), as `cache.decode_step` has them: a step that promotes nothing
-    copies the leaving slot there, and a padding step writes its token there. The kernel's case is the default (one
-    pool, four buffers); `cache.decode_step` also runs the others here: KVpop-cascade's two pools (`static` slots
-    ranked by the prior buffer, the fifth), the layer-wide cascade (`tova_first`), KVpop-TOVA's prior buffer.
+    copies the leaving slot there, and a padding step writes its token there. Every rule's step: one pool ranked by
+    `pri` (the default), KVpop-TOVA's prior buffer (the fifth, moved with its token), KVpop-cascade's two pools
+    (`static` long-range slots ranked by the prior buffer, then `topk - static` by `pri`) and the layer-wide
+    cascade's order (`tova_first`). A cascade's score changes only how `pri` is updated after the step, never this.
     """
     B, H = buffers[0].shape[:2]
     s, w, k = sink, window, topk
@@ -177,6 +179,90 @@ def step_slots_reference(
         step(buffers, buffers[2], buffers[3], buffers[4] if len(buffers) > 4 else None, idx, leaving, s + w, static,
              k - static)
     write_new_token(buffers, idx, key, value, p, real, pri_new)
+
+
+def step_slots_torch(
+    buffers: tuple[Tensor, ...],
+    key: Tensor,
+    value: Tensor,
+    p: Tensor,
+    real: Tensor,
+    pri_new: Tensor,
+    sink: int,
+    window: int,
+    topk: int,
+    static: int = 0,
+    tova_first: bool = False,
+) -> None:
+    """`step_slots_reference` in fewer PyTorch operations (about 35 for one pool instead of 109, 55 for a cascade
+    instead of 188): the CPU's path, where a decode step's cost is its operations, not their bytes.
+
+    The same decisions by the same comparisons, and the same writes in the same order, through flat indices into
+    the buffers (which must be contiguous): one read and one write per buffer and move, where the reference builds
+    batch and head indices for each. Byte for byte the reference's result (tests/test_slots.py)."""
+    B, H, n = buffers[0].shape[:3]
+    N = n - 1
+    s, w, k = sink, window, topk
+    flat = [b.view(B * H * n, -1) if b.dim() == 4 else b.view(B * H * n) for b in buffers]
+    pos, pri = buffers[2], buffers[3]
+    # each row's first slot, as a flat index; a row's slot `j` is `row + j`
+    row = torch.arange(0, B * H * n, n, device=p.device).view(B, H)
+    slot = row + new_token_slot(p, s, w)[:, None]  # [B, H]: the new token's slot, which the leaving token holds
+    scratch = row + N
+
+    def move(src: Tensor, dst: Tensor) -> None:
+        for f in flat:
+            f[dst] = f[src]
+
+    def weakest(rank: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor, Tensor]:
+        # `ops.dynamic.reference.weakest_slot`: by (rank, position), empty slots first; the first of a full tie
+        r = rank[:, :, lo:hi]
+        low = r.amin(-1)
+        w_pos, w_idx = torch.where(r == low[..., None], pos[:, :, lo:hi], torch.iinfo(torch.long).max).min(-1)
+        return low, w_pos, row + lo + w_idx
+
+    if k > 0:
+        lo, top = s + w, s + w + static
+        pool = k - static
+        leaving = (real & (p >= s + w))[:, None]  # [B, 1]
+        rank = buffers[4] if len(buffers) > 4 else None
+        if tova_first:
+            src, promote_t = slot, None
+            if pool:
+                w_pri, _, w_idx = weakest(pri, top, N)
+                leave_pri = flat[3][slot]
+                promote_t = leaving & (leave_pri >= w_pri) & (leave_pri > float("-inf"))
+                src = torch.where(promote_t, w_idx, slot)
+            if static:
+                cand_pos, cand_rank = flat[2][src], flat[4][src]
+                s_rank, s_pos, s_idx = weakest(rank, lo, top)
+                beats = (cand_rank > s_rank) | ((cand_rank == s_rank) & (cand_pos > s_pos))
+                move(src, torch.where(leaving & beats & (cand_rank > float("-inf")), s_idx, scratch))
+            if pool:
+                move(slot, torch.where(promote_t, w_idx, scratch))
+        else:
+            src, promote_s = slot, None
+            if static:
+                s_rank, s_pos, s_idx = weakest(rank, lo, top)
+                leave_pos, leave_rank = flat[2][slot], flat[4][slot]
+                beats = (leave_rank > s_rank) | ((leave_rank == s_rank) & (leave_pos > s_pos))
+                promote_s = leaving & beats & (leave_rank > float("-inf"))
+                src = torch.where(promote_s, s_idx, slot)
+            if pool:
+                w_pri, w_pos, w_idx = weakest(pri, top, N)
+                cand_pos, cand_pri = flat[2][src], flat[3][src]
+                beats = (cand_pri > w_pri) | ((cand_pri == w_pri) & (cand_pos > w_pos))
+                move(src, torch.where(leaving & beats & (cand_pri > float("-inf")), w_idx, scratch))
+            if static:
+                move(slot, torch.where(promote_s, s_idx, scratch))
+    # the new token into its slot (a padding step: the scratch slot); with a prior buffer its priority is its prior,
+    # and its score starts at 0 (`write_new_token`)
+    dst = torch.where(real[:, None], slot, scratch).view(-1)
+    new_pri = pri_new.reshape(B * H).float()
+    score = new_pri if len(buffers) == 4 else torch.zeros_like(new_pri)
+    news = (key.reshape(B * H, -1), value.reshape(B * H, -1), p[:, None].expand(B, H).reshape(B * H), score, new_pri)
+    for f, new in zip(flat, news):
+        f[dst] = new.to(f.dtype)
 
 
 def new_token_slot(p: Tensor, sink: int, window: int) -> Tensor:
@@ -202,15 +288,62 @@ def write_new_token(buffers: tuple[Tensor, ...], idx: Tensor, key: Tensor, value
 if triton is not None:
 
     @triton.jit
-    def _step_slots_kernel(
-        k_ptr, v_ptr, pos_ptr, pri_ptr,  # the buffers, strided [B, H, N + 1(, D)]: slots, then the scratch slot
+    def _weakest_slot(rank_row, pos_row, lo, hi, BLOCK_N: tl.constexpr):
+        # the weakest of slots [lo, hi) by (rank, position, slot): empty slots (-inf, -1) first, in slot order, as
+        # `ops.dynamic.reference.weakest_slot` (its argmin takes the first of a full tie)
+        o_n = tl.arange(0, BLOCK_N)
+        big = tl.full([BLOCK_N], 9223372036854775807, tl.int64)
+        low = float("inf")
+        low_pos = tl.zeros([], tl.int64) + 9223372036854775807
+        low_idx = tl.zeros([], tl.int64) + hi
+        n0 = lo
+        while n0 < hi:
+            idx = n0 + o_n
+            m_n = idx < hi
+            b_rank = tl.load(rank_row + idx, mask=m_n, other=float("inf"))
+            b_pos = tl.load(pos_row + idx, mask=m_n, other=9223372036854775807)
+            m1 = tl.min(b_rank, axis=0)
+            c_pos = tl.where(m_n & (b_rank == m1), b_pos, big)
+            m2 = tl.min(c_pos, axis=0)
+            m3 = tl.min(tl.where(m_n & (b_rank == m1) & (c_pos == m2), idx.to(tl.int64), big), axis=0)
+            # an earlier block keeps its slot on a full tie
+            better = (m1 < low) | ((m1 == low) & (m2 < low_pos))
+            low = tl.where(better, m1, low)
+            low_pos = tl.where(better, m2, low_pos)
+            low_idx = tl.where(better, m3, low_idx)
+            n0 += BLOCK_N
+        return low, low_pos, low_idx
+
+    @triton.jit
+    def _move_slot(k_row, v_row, pos_row, pri_row, prior_row, src, dst, sk_n, sv_n, o_d, m_d, o_dv, m_dv,
+                   HAS_PRIOR: tl.constexpr):
+        # slot `src` copied to slot `dst` in every buffer (`ops.dynamic.reference.move_slot`); the stores of every
+        # thread land before the caller's next reads and writes, which may touch the same slots
+        row_k = tl.load(k_row + src * sk_n + o_d, mask=m_d)
+        row_v = tl.load(v_row + src * sv_n + o_dv, mask=m_dv)
+        src_pos = tl.load(pos_row + src)
+        src_pri = tl.load(pri_row + src)
+        tl.store(k_row + dst * sk_n + o_d, row_k, mask=m_d)
+        tl.store(v_row + dst * sv_n + o_dv, row_v, mask=m_dv)
+        tl.store(pos_row + dst, src_pos)
+        tl.store(pri_row + dst, src_pri)
+        if HAS_PRIOR:
+            tl.store(prior_row + dst, tl.load(prior_row + src))
+        tl.debug_barrier()
+
+    @triton.jit
+    def step_slots_fwd_kernel(
+        k_ptr, v_ptr, pos_ptr, pri_ptr, prior_ptr,  # the buffers, strided [B, H, N + 1(, D)]: slots, then scratch
         nk_ptr, nv_ptr, p_ptr, real_ptr, npri_ptr,  # the new token: [B, H, 1, D] twice, [B], [B], [B, H]
-        H, N, D, DV, SINK, WINDOW, TOPK,
-        sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sp_b, sp_h, sq_b, sq_h,
+        H, N, D, DV, SINK, WINDOW, STATIC,
+        sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h,
         nk_b, nk_h, nv_b, nv_h, nq_b, nq_h,
-        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_STATIC: tl.constexpr,
+        HAS_POOL: tl.constexpr, HAS_PRIOR: tl.constexpr, TOVA_FIRST: tl.constexpr,
     ):
-        # program = one row of slots (batch, KV head); `N` slots, slot `N` is the scratch slot
+        # program = one row of slots (batch, KV head); `N` slots, slot `N` is the scratch slot. Long-range slots
+        # [lo, lo + STATIC) are the static pool (ranked by the prior buffer), [lo + STATIC, N) the pool ranked by
+        # `pri` (every long-range slot for a one-pool rule)
         i_bh = tl.program_id(0)
         i_b, i_h = i_bh // H, i_bh % H
         i_b64, i_h64 = i_b.to(tl.int64), i_h.to(tl.int64)
@@ -222,62 +355,76 @@ if triton is not None:
         v_row = v_ptr + i_b64 * sv_b + i_h64 * sv_h
         pos_row = pos_ptr + i_b64 * sp_b + i_h64 * sp_h
         pri_row = pri_ptr + i_b64 * sq_b + i_h64 * sq_h
+        prior_row = prior_ptr + i_b64 * sr_b + i_h64 * sr_h
         p = tl.load(p_ptr + i_b)
         real = tl.load(real_ptr + i_b) != 0
         # the new token's slot: its sink slot, or its window ring slot (a padding step: any slot; it writes nothing)
         slot = tl.where(p < SINK, tl.maximum(p, 0), SINK + tl.maximum(p - SINK, 0) % WINDOW)
-        if TOPK > 0:
-            # 1. the weakest long-range slot by (priority, position, slot): empty slots (-inf, -1) first, in slot order
-            lo = SINK + WINDOW
-            o_n = tl.arange(0, BLOCK_N)
-            big = tl.full([BLOCK_N], 9223372036854775807, tl.int64)
-            low = float("inf")
-            low_pos = tl.zeros([], tl.int64) + 9223372036854775807
-            low_idx = tl.zeros([], tl.int64) + N
-            n0 = lo
-            while n0 < N:
-                idx = n0 + o_n
-                m_n = idx < N
-                b_pri = tl.load(pri_row + idx, mask=m_n, other=float("inf"))
-                b_pos = tl.load(pos_row + idx, mask=m_n, other=9223372036854775807)
-                m1 = tl.min(b_pri, axis=0)
-                c_pos = tl.where(m_n & (b_pri == m1), b_pos, big)
-                m2 = tl.min(c_pos, axis=0)
-                m3 = tl.min(tl.where(m_n & (b_pri == m1) & (c_pos == m2), idx.to(tl.int64), big), axis=0)
-                # an earlier block keeps its slot on a full tie (the reference's argmin takes the first)
-                better = (m1 < low) | ((m1 == low) & (m2 < low_pos))
-                low = tl.where(better, m1, low)
-                low_pos = tl.where(better, m2, low_pos)
-                low_idx = tl.where(better, m3, low_idx)
-                n0 += BLOCK_N
-            # 2. the token leaving the window (in the ring slot the new token takes) takes it if it beats it: it is
-            # newer than every long-range token, so it wins ties; a -inf token never takes a long-range slot
-            leave_pos = tl.load(pos_row + slot)
-            leave_pri = tl.load(pri_row + slot)
-            beats = (leave_pri > low) | ((leave_pri == low) & (leave_pos > low_pos))
-            promote = real & (p >= SINK + WINDOW) & beats & (leave_pri > float("-inf"))
-            # the move (to the scratch slot when nothing is promoted, as the reference's masked write does)
-            dst = tl.where(promote, low_idx, N)
-            row_k = tl.load(k_row + slot * sk_n + o_d, mask=m_d)
-            row_v = tl.load(v_row + slot * sv_n + o_dv, mask=m_dv)
-            tl.store(k_row + dst * sk_n + o_d, row_k, mask=m_d)
-            tl.store(v_row + dst * sv_n + o_dv, row_v, mask=m_dv)
-            tl.store(pos_row + dst, leave_pos)
-            tl.store(pri_row + dst, leave_pri)
-            # the move's stores land before the new token's, which may target the same slot
-            tl.debug_barrier()
-        # 3. the new token into its slot (a padding step: the scratch slot)
+        lo = SINK + WINDOW
+        top = lo + STATIC
+        # the token leaving the window sits in the slot the new token takes; it is newer than every long-range token
+        leaving = real & (p >= SINK + WINDOW)
+        if TOVA_FIRST:
+            # `ops.dynamic.reference.tova_first_step`: the leaving token meets the `pri` pool's weakest first (ties
+            # to it); whichever loses meets the static pool's weakest by (prior, position)
+            src = slot.to(tl.int64)
+            if HAS_POOL:
+                w_pri, w_pos, w_idx = _weakest_slot(pri_row, pos_row, top, N, BLOCK_N)
+                leave_pri = tl.load(pri_row + slot)
+                promote_t = leaving & (leave_pri >= w_pri) & (leave_pri > float("-inf"))
+                src = tl.where(promote_t, w_idx, src)
+            if HAS_STATIC:
+                cand_pos = tl.load(pos_row + src)
+                cand_rank = tl.load(prior_row + src)
+                s_rank, s_pos, s_idx = _weakest_slot(prior_row, pos_row, lo, top, BLOCK_N)
+                beats = (cand_rank > s_rank) | ((cand_rank == s_rank) & (cand_pos > s_pos))
+                promote_s = leaving & beats & (cand_rank > float("-inf"))
+                _move_slot(k_row, v_row, pos_row, pri_row, prior_row, src, tl.where(promote_s, s_idx, N), sk_n, sv_n,
+                           o_d, m_d, o_dv, m_dv, HAS_PRIOR)
+            if HAS_POOL:
+                _move_slot(k_row, v_row, pos_row, pri_row, prior_row, slot, tl.where(promote_t, w_idx, N), sk_n, sv_n,
+                           o_d, m_d, o_dv, m_dv, HAS_PRIOR)
+        else:
+            # `ops.dynamic.reference.static_first_step`: the static pool first (ties to the leaving token), whichever
+            # loses meets the `pri` pool's weakest by (priority, position); a -inf token never takes a slot
+            src = slot.to(tl.int64)
+            if HAS_STATIC:
+                s_rank, s_pos, s_idx = _weakest_slot(prior_row, pos_row, lo, top, BLOCK_N)
+                leave_pos = tl.load(pos_row + slot)
+                leave_rank = tl.load(prior_row + slot)
+                beats = (leave_rank > s_rank) | ((leave_rank == s_rank) & (leave_pos > s_pos))
+                promote_s = leaving & beats & (leave_rank > float("-inf"))
+                src = tl.where(promote_s, s_idx, src)
+            if HAS_POOL:
+                w_pri, w_pos, w_idx = _weakest_slot(pri_row, pos_row, top, N, BLOCK_N)
+                cand_pos = tl.load(pos_row + src)
+                cand_pri = tl.load(pri_row + src)
+                beats = (cand_pri > w_pri) | ((cand_pri == w_pri) & (cand_pos > w_pos))
+                promote = leaving & beats & (cand_pri > float("-inf"))
+                # the move (to the scratch slot when nothing is promoted, as the reference's masked write does)
+                _move_slot(k_row, v_row, pos_row, pri_row, prior_row, src, tl.where(promote, w_idx, N), sk_n, sv_n,
+                           o_d, m_d, o_dv, m_dv, HAS_PRIOR)
+            if HAS_STATIC:
+                _move_slot(k_row, v_row, pos_row, pri_row, prior_row, slot, tl.where(promote_s, s_idx, N), sk_n, sv_n,
+                           o_d, m_d, o_dv, m_dv, HAS_PRIOR)
+        # the new token into its slot (a padding step: the scratch slot); with a prior buffer its priority is its
+        # prior, and its score starts at 0, no attention seen yet (`write_new_token`)
         dst = tl.where(real, slot, N)
         new_k = tl.load(nk_ptr + i_b64 * nk_b + i_h64 * nk_h + o_d, mask=m_d)
         new_v = tl.load(nv_ptr + i_b64 * nv_b + i_h64 * nv_h + o_dv, mask=m_dv)
+        new_pri = tl.load(npri_ptr + i_b64 * nq_b + i_h64 * nq_h).to(tl.float32)
         tl.store(k_row + dst * sk_n + o_d, new_k.to(k_ptr.dtype.element_ty), mask=m_d)
         tl.store(v_row + dst * sv_n + o_dv, new_v.to(v_ptr.dtype.element_ty), mask=m_dv)
         tl.store(pos_row + dst, p)
-        tl.store(pri_row + dst, tl.load(npri_ptr + i_b64 * nq_b + i_h64 * nq_h).to(tl.float32))
+        if HAS_PRIOR:
+            tl.store(pri_row + dst, tl.zeros([], tl.float32))
+            tl.store(prior_row + dst, new_pri)
+        else:
+            tl.store(pri_row + dst, new_pri)
 
 
 def step_slots_kernel(
-    buffers: tuple[Tensor, Tensor, Tensor, Tensor],
+    buffers: tuple[Tensor, ...],
     key: Tensor,
     value: Tensor,
     p: Tensor,
@@ -286,6 +433,8 @@ def step_slots_kernel(
     sink: int,
     window: int,
     topk: int,
+    static: int = 0,
+    tova_first: bool = False,
     block_n: int = 1024,
 ) -> None:
     """`step_slots_reference` in one Triton launch (CUDA, or `TRITON_INTERPRET=1`); same arguments, and `block_n` the
@@ -296,38 +445,56 @@ def step_slots_kernel(
     if not available(buffers[0]):
         raise RuntimeError(f"the Triton step kernel cannot run on {buffers[0].device} here: it needs `triton` and "
                            "CUDA, or TRITON_INTERPRET=1 on the CPU")
-    keys, values, pos, pri = buffers
-    if pos.dtype != torch.long or pri.dtype != torch.float32:
-        raise ValueError(f"slot positions ({pos.dtype}) and priorities ({pri.dtype}) must be int64 and float32")
+    _check_step(buffers, topk, static)
     if any(t.stride(-1) != 1 for t in (*buffers, key, value)):
         raise ValueError("step_slots_kernel needs every last dimension contiguous (stride 1)")
     if block_n < 1 or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n} must be a power of two")
-    _step_slots_op(keys, values, pos, pri, key, value, p, real, pri_new, int(sink), int(window), int(topk),
-                   int(block_n))
+    keys, values, pos, pri = buffers[:4]
+    prior = buffers[4] if len(buffers) > 4 else None
+    _step_slots_op(keys, values, pos, pri, prior, key, value, p, real, pri_new, int(sink), int(window), int(topk),
+                   int(static), bool(tova_first), int(block_n))
+
+
+def _check_step(buffers: tuple[Tensor, ...], topk: int, static: int) -> None:
+    if len(buffers) not in (4, 5):
+        raise ValueError(f"a decode step takes 4 buffers (keys, values, pos, pri) or 5 (and the prior), got "
+                         f"{len(buffers)}")
+    if not 0 <= static <= topk:
+        raise ValueError(f"static={static} must be in [0, topk={topk}] (the static pool's long-range slots)")
+    if static and len(buffers) < 5:
+        raise ValueError(f"a static pool (static={static}) is ranked by the prior buffer: pass 5 buffers")
+    if buffers[2].dtype != torch.long or any(b.dtype != torch.float32 for b in buffers[3:]):
+        raise ValueError(f"slot positions ({buffers[2].dtype}) must be int64 and priorities "
+                         f"({', '.join(str(b.dtype) for b in buffers[3:])}) float32")
 
 
 if triton is not None:
 
-    @torch.library.custom_op("kvpop::step_slots", mutates_args=("keys", "values", "pos", "pri"))
-    def _step_slots_op(keys: Tensor, values: Tensor, pos: Tensor, pri: Tensor, key: Tensor, value: Tensor, p: Tensor,
-                       real: Tensor, pri_new: Tensor, sink: int, window: int, topk: int, block_n: int) -> None:
+    @torch.library.custom_op("kvpop::step_slots", mutates_args=("keys", "values", "pos", "pri", "prior"))
+    def _step_slots_op(keys: Tensor, values: Tensor, pos: Tensor, pri: Tensor, prior: Tensor | None, key: Tensor,
+                       value: Tensor, p: Tensor, real: Tensor, pri_new: Tensor, sink: int, window: int, topk: int,
+                       static: int, tova_first: bool, block_n: int) -> None:
         B, H, n, D = keys.shape
         if B * H == 0:
             return
         DV = values.shape[-1]
-        _step_slots_kernel[(B * H,)](
-            keys, values, pos, pri, key, value, p.contiguous(), real.contiguous(), pri_new,
-            H, n - 1, D, DV, sink, window, topk,
+        # without a prior buffer the kernel never touches its pointer: `pri` stands in
+        rank = pri if prior is None else prior
+        step_slots_fwd_kernel[(B * H,)](
+            keys, values, pos, pri, rank, key, value, p.contiguous(), real.contiguous(), pri_new,
+            H, n - 1, D, DV, sink, window, static,
             keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-            pos.stride(0), pos.stride(1), pri.stride(0), pri.stride(1),
+            pos.stride(0), pos.stride(1), pri.stride(0), pri.stride(1), rank.stride(0), rank.stride(1),
             key.stride(0), key.stride(1), value.stride(0), value.stride(1), pri_new.stride(0), pri_new.stride(1),
             BLOCK_N=min(block_n, triton.next_power_of_2(max(topk, 1))), BLOCK_D=triton.next_power_of_2(D),
-            BLOCK_DV=triton.next_power_of_2(DV),
+            BLOCK_DV=triton.next_power_of_2(DV), HAS_STATIC=static > 0, HAS_POOL=topk > static,
+            HAS_PRIOR=prior is not None, TOVA_FIRST=tova_first,
         )
 
     @_step_slots_op.register_fake
-    def _(keys, values, pos, pri, key, value, p, real, pri_new, sink, window, topk, block_n) -> None:
+    def _(keys, values, pos, pri, prior, key, value, p, real, pri_new, sink, window, topk, static, tova_first,
+          block_n) -> None:
         return None
 
 
@@ -341,21 +508,30 @@ def step_slots(
     sink: int,
     window: int,
     topk: int,
+    static: int = 0,
+    tova_first: bool = False,
     backend: str = "auto",
 ) -> None:
-    """One decode step's slot update (module docstring). `backend`: "auto" (the kernel on CUDA where it applies: the
-    four buffers of a one-pool rule), "torch", "triton"."""
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend={backend!r} must be 'auto', 'torch' or 'triton'")
-    if len(buffers) != 4:
-        raise ValueError(f"step_slots takes the four buffers of a one-pool rule (keys, values, pos, pri), got "
-                         f"{len(buffers)}: the rules with a prior buffer go through `cache.decode_step`'s own path")
-    auto = (backend == "auto" and buffers[0].is_cuda and available(buffers[0])
-            and all(t.stride(-1) == 1 for t in (*buffers, key, value)))
-    if backend == "triton" or auto:
-        step_slots_kernel(buffers, key, value, p, real, pri_new, sink, window, topk)
+    """One decode step's slot update (module docstring), every rule's: one pool or a cascade's two (`static`,
+    `tova_first`), with or without the prior buffer. `backend`: "auto" (the kernel on CUDA; elsewhere
+    `step_slots_torch` on contiguous buffers, else the reference), "torch", "triton", "reference"."""
+    if backend not in ("auto", "torch", "triton", "reference"):
+        raise ValueError(f"backend={backend!r} must be 'auto', 'torch', 'triton' or 'reference'")
+    _check_step(buffers, topk, static)
+    args = (buffers, key, value, p, real, pri_new, sink, window, topk, static, tova_first)
+    if backend == "auto":
+        if buffers[0].is_cuda and available(buffers[0]) and all(t.stride(-1) == 1 for t in (*buffers, key, value)):
+            backend = "triton"
+        else:
+            backend = "torch" if all(b.is_contiguous() for b in buffers) else "reference"
+    if backend == "triton":
+        step_slots_kernel(*args)
+    elif backend == "torch":
+        if not all(b.is_contiguous() for b in buffers):
+            raise ValueError("step_slots_torch needs contiguous buffers (a cache's are)")
+        step_slots_torch(*args)
     else:
-        step_slots_reference(buffers, key, value, p, real, pri_new, sink, window, topk)
+        step_slots_reference(*args)
 
 
 def write_slots_kernel(
@@ -420,5 +596,5 @@ def write_slots(
         write_slots_reference(slots, cands, evict, last, sink, window)
 
 
-__all__ = ["new_token_slot", "retained_slot", "step_slots", "step_slots_kernel", "step_slots_reference", "write_slots",
-           "write_new_token", "write_slots_kernel", "write_slots_reference"]
+__all__ = ["new_token_slot", "retained_slot", "step_slots", "step_slots_kernel", "step_slots_reference", "step_slots_torch",
+           "write_new_token", "write_slots", "write_slots_kernel", "write_slots_reference"]

@@ -133,11 +133,12 @@ class TrainConfig:
     """Deterministic kernels only (`torch.use_deterministic_algorithms`): the same command on the same GPU
     and software then repeats bitwise, at some cost in speed; an op without such a kernel raises, naming it."""
     attention: str = "auto"
-    """The student's sparse attention (`ops.attention.sparse_attention`'s backend): "auto" (FlexAttention over the
-    whole sequence on CUDA, each query tile over its gathered keys on the CPU), "flex" (CUDA only) or "gather"
-    (the gathered tiles on either; on an H100 3.4x faster per layer than "flex" at the Qwen3-8B shape and S = 16k,
-    yet 1.3x slower per SmolLM2 step at S = 8192, where the host's launches bound the step: docs/RESULTS.md,
-    nineteenth session). The same decisions either way; the floats' order differs."""
+    """The student's sparse attention (`ops.attention.sparse_attention`'s backend): "auto" (by shape and budget,
+    `ops.attention.backends.auto_backend`: on CUDA the gathered tiles where they save enough attention work, as at the
+    Qwen3-4B shape and S = 16k, where one layer's forward + backward is 3.4x faster than "flex", else FlexAttention
+    over the whole sequence, as for SmolLM2 at S = 8192, whose step is bound by the host's launches and was 1.05-1.4x
+    slower with the tiles; on the CPU the gathered tiles), "flex" (CUDA only) or "gather" (either device). The same
+    decisions either way; the floats' order differs."""
 
     def __post_init__(self) -> None:
         checks = [

@@ -20,7 +20,13 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from kvpop.ops.attention.reference import attention_with_probs, masked_attention, slot_probs, step_probs
+from kvpop.ops.attention.reference import (
+    attention_with_probs,
+    masked_attention,
+    scored_attention_reference,
+    slot_probs,
+    step_probs,
+)
 
 Backend = Literal["auto", "reference", "cpu", "cpu_blocks", "flex", "sdpa", "gather"]
 
@@ -47,6 +53,35 @@ def decode_attention(
     from kvpop.ops.attention.sdpa import decode_attention as fused
 
     return fused(query, key, value, occupied if occupied.dtype == torch.bool else occupied >= 0, scale)
+
+
+def decode_attention_scored(
+    query: Tensor,  # [B, Hq, 1, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    pos: Tensor,  # [B, Hkv, M >= N] int64, -1: an empty slot
+    pri: Tensor,  # [B, Hkv, M] float32, updated in place
+    prior: Tensor | None,  # [B, Hkv, M] float32, the slots' static priors
+    real: Tensor,  # [B] bool
+    scale: float,
+    score: str,
+    decay: float = 1.0,
+    softcap: float | None = None,
+) -> Tensor:
+    """A dynamic policy's decode attention, its priorities updated by `score` from the step's probabilities: on CUDA
+    the split kernel with the update in its second launch (`decode_kernel.decode_attention_scored`) for the scores
+    of `decode_kernel.SCORE_FORMS`; reference (and elsewhere, and with `softcap`, which the kernel does not take):
+    `scored_attention_reference`. `pos`, `pri` and `prior` may run past the keys' `N` slots (a cache's buffers,
+    scratch slot included): only `[0, N)` is used."""
+    if softcap is None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        from kvpop.ops.attention import decode_kernel
+
+        if decode_kernel.available(query) and score in decode_kernel.SCORE_FORMS:
+            return decode_kernel.decode_attention_scored(query, key, value, pos, pri, prior, real, scale, score,
+                                                         decay=decay)
+    N = key.shape[2]
+    return scored_attention_reference(query, key, value, pos[..., :N], pri[..., :N],
+                                      None if prior is None else prior[..., :N], real, scale, score, decay, softcap)
 
 
 def sparse_attention(
@@ -92,23 +127,13 @@ def sparse_attention(
             raise ValueError(f"backend={backend!r} takes no logit soft-capping (softcap={softcap}): use 'auto', "
                              "'flex', 'gather' or 'reference'")
     if backend == "auto":
+        from kvpop.ops.attention.backends import auto_backend
         from kvpop.ops.attention.cpu import available
 
-        if query.is_cuda:
-            # FlexAttention over the whole sequence, for training too: "gather" computes a layer's forward +
-            # backward 3.4x faster at the 8B shape and S = 16k on an H100, yet made a SmolLM2 distillation step
-            # (S = 8192) 1.3x slower, where the step is bound by the host's launches (docs/RESULTS.md, nineteenth
-            # session); `kvpop train --attention gather` chooses it
-            backend = "flex" if shared else "sdpa"
-        elif available(query):
-            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-            # training on the CPU: each query tile over its own gathered keys (2.4-4.4x less time than the
-            # whole-sequence mask at S = 2048, B = 512 / 256; docs/RESULTS.md, eighteenth session), unless the
-            # rule keeps everything (the dense teacher: sink = window = the length; a tile would gather its prefix)
-            gathered = grad and shared and sink + window < key.shape[-2]
-            backend = "gather" if gathered else ("cpu" if grad else "cpu_blocks")
-        else:
-            backend = "reference"
+        B, Hq, Q, D = query.shape
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        backend = auto_backend(query.device.type, B, Hq, D, Q, sink, window, topk, shared, grad,
+                               cpu_kernels=query.device.type == "cpu" and available(query))
     if backend == "gather":
         if not shared:
             raise ValueError("backend='gather' needs key positions shared by the heads ([B, N])")
@@ -125,7 +150,9 @@ def sparse_attention(
 __all__ = [
     "attention_with_probs",
     "decode_attention",
+    "decode_attention_scored",
     "masked_attention",
+    "scored_attention_reference",
     "slot_probs",
     "sparse_attention",
     "step_probs",

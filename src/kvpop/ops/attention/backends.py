@@ -7,6 +7,69 @@ from torch import Tensor
 
 BACKENDS = ("reference", "cpu", "cpu_blocks", "flex", "sdpa")
 
+GATHER_TILE_CUDA = 512
+"""The gathered tiles' queries on CUDA (`gather.BLOCK["cuda"]`), which the CUDA rule of `auto_backend` counts."""
+
+GATHER_MIN_WORK = 5e10
+"""The CUDA rule of `auto_backend`: the gathered tiles train when `batch x query heads x head dim x S x (S / 2 -
+(budget + tile))` reaches this. The product is the causal attention work (in multiply-adds per pass, up to a
+constant) that gathering saves against FlexAttention over the whole sequence, which computes nearly every causal
+tile because the kept keys are scattered (docs/RESULTS.md: 60-100 % of the tiles for 23 % of the pairs); the gathered
+tiles compute `budget + tile` keys per query. What they cost in return is host time per layer: about 60 more launches
+and a sort, which a step bound by its launches pays in full. Measured on an H100 (docs/RESULTS.md): at SmolLM2's
+shape, S = 8192, B = 1024 (product 1.2e10) a distillation step was 1.05-1.4x slower with them; at the Qwen3-4B
+shape, S = 16k, B = 2048 (3.8e11) one layer's forward + backward was 3.4x faster (11.9 against 40.1 ms). The
+threshold sits between, where the saved work (about 14 x the product in flops forward and backward, at a few hundred
+TFLOP/s) equals about two milliseconds of host time per layer."""
+
+
+def auto_backend(
+    device: str,
+    batch: int,
+    q_heads: int,
+    head_dim: int,
+    length: int,
+    sink: int,
+    window: int,
+    topk: int | None,
+    shared: bool,
+    grad: bool,
+    cpu_kernels: bool = True,
+) -> str:
+    """`sparse_attention`'s backend for "auto", by where it runs, the shapes and the budget (a name, or "gather").
+
+    - CUDA, key positions per head (a cache's slots): "sdpa" under the dense mask (FlexAttention needs shared ones);
+    - CUDA, training (`grad`) with a known `topk` and enough work to save (`GATHER_MIN_WORK`): "gather", each query
+      tile over its own keys; otherwise "flex", FlexAttention over the whole sequence, which keeps a small model's
+      step, bound by its launches, at its fewest (and evaluation, unmeasured with the tiles end to end, as it was);
+    - the CPU with its fused kernels (`cpu.available`): training "gather" when the rule evicts (2.4-4.4x less time
+      than the whole-sequence mask at S = 2048, B = 512 / 256) unless the rule keeps everything (the dense teacher:
+      a tile would gather its whole prefix), else "cpu"; inference "cpu_blocks";
+    - elsewhere "reference".
+
+    Args:
+        device: "cuda" or "cpu" (any other type runs the reference).
+        batch, q_heads, head_dim, length: the query's `[B, Hq, Q, D]` sizes (Q = S teacher-forced).
+        sink, window, topk: the rule; `topk` None when the caller does not know the bound (the gathered tiles would
+            then find it with a host sync).
+        shared: key positions shared by the heads ([B, N]).
+        grad: a gradient flows through the attention (training).
+        cpu_kernels: the CPU's fused kernels are there.
+    """
+    if device == "cuda":
+        if not shared:
+            return "sdpa"
+        if grad and topk is not None:
+            saved = batch * q_heads * head_dim * length * (length / 2 - (sink + window + topk + GATHER_TILE_CUDA))
+            if saved >= GATHER_MIN_WORK:
+                return "gather"
+        return "flex"
+    if device == "cpu" and cpu_kernels:
+        if grad:
+            return "gather" if shared and sink + window < length else "cpu"
+        return "cpu_blocks"
+    return "reference"
+
 
 def run_backend(
     backend: str,
@@ -70,4 +133,4 @@ def run_backend(
     return masked_attention(query, key, value, mask, scale, return_lse=return_lse, softcap=softcap)
 
 
-__all__ = ["BACKENDS", "run_backend"]
+__all__ = ["BACKENDS", "GATHER_MIN_WORK", "GATHER_TILE_CUDA", "auto_backend", "run_backend"]

@@ -42,10 +42,11 @@ if triton is not None:
     def decode_split_fwd_kernel(
         q_ptr, k_ptr, v_ptr, occ_ptr,  # q [B, Hkv, G, D]; k, v [B, Hkv, N, D]; occ [B, Hkv, N] bool
         m_ptr, l_ptr, acc_ptr,  # out, float32: [B * Hkv, S, BG] twice and [B * Hkv, S, BG, DV]
+        s_ptr,  # out, float32 [B * Hkv, G, N]: the scaled logits, -inf on empty slots (WRITE_S only)
         sq_b, sq_h, sq_g, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h,
         Hkv, G, N, D, DV, n_splits, scale,
         SPLIT_N: tl.constexpr, BLOCK: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-        F32: tl.constexpr, PRECISION: tl.constexpr, FROM_POS: tl.constexpr,
+        F32: tl.constexpr, PRECISION: tl.constexpr, FROM_POS: tl.constexpr, WRITE_S: tl.constexpr,
     ):
         i_bh = tl.program_id(0)
         i_s = tl.program_id(1)
@@ -78,6 +79,11 @@ if triton is not None:
                 b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * scale  # [BG, BLOCK] float32
             b_s = tl.where(keep[None, :], b_s, float("-inf"))
+            if WRITE_S:
+                # the dynamic policies' score reads them back (`decode_score`): [G, N] floats per (row, KV head),
+                # a few percent of the keys' and values' bytes
+                tl.store(s_ptr + (i_bh.to(tl.int64) * G + o_g[:, None]) * N + o_n[None, :], b_s,
+                         mask=(o_g[:, None] < G) & in_n[None, :])
             m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
             # nothing occupied yet (m_new = -inf): every term is 0, never exp(-inf - -inf)
             seen = m_new > float("-inf")
@@ -92,14 +98,9 @@ if triton is not None:
         tl.store(acc_ptr + (base * BG + o_g[:, None]) * BDV + o_dv[None, :], b_acc)
 
     @triton.jit
-    def decode_combine_kernel(
-        m_ptr, l_ptr, acc_ptr, out_ptr,  # out [B * Hkv, G, DV] in the query's dtype
-        G, DV, n_splits,
-        BS: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr,
-    ):
-        # one program per (row, KV head, query head of its group): its splits' [BS] statistics and [BS, BDV] outputs
-        i_bh = tl.program_id(0)
-        i_g = tl.program_id(1)
+    def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, i_bh, i_g, G, DV, n_splits,
+                 BS: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr):
+        # (row, KV head, query head of its group): its splits' [BS] statistics and [BS, BDV] outputs
         o_s = tl.arange(0, BS)
         o_dv = tl.arange(0, BDV)
         in_s = o_s < n_splits
@@ -113,6 +114,87 @@ if triton is not None:
         total = tl.sum(w * b_l, axis=0)
         out = tl.sum(w[:, None] * b_acc, axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + (i_bh.to(tl.int64) * G + i_g) * DV + o_dv, out.to(out_ptr.dtype.element_ty), mask=o_dv < DV)
+
+    @triton.jit
+    def decode_combine_kernel(
+        m_ptr, l_ptr, acc_ptr, out_ptr,  # out [B * Hkv, G, DV] in the query's dtype
+        G, DV, n_splits,
+        BS: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr,
+    ):
+        # one program per (row, KV head, query head of its group)
+        _combine(m_ptr, l_ptr, acc_ptr, out_ptr, tl.program_id(0), tl.program_id(1), G, DV, n_splits, BS, BG, BDV)
+
+    @triton.jit
+    def _score_block(
+        m_ptr, l_ptr, s_ptr, pos_ptr, pri_ptr, prior_ptr, real_ptr, i_b, i_u,
+        Hkv, G, N, n_splits, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h, decay,
+        BS: tl.constexpr, BG: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr, BLOCK_U: tl.constexpr,
+        REDUCE: tl.constexpr, ACCUMULATE: tl.constexpr, ADD_PRIOR: tl.constexpr,
+    ):
+        # slots [i_u * BLOCK_U, + BLOCK_U) of row i_b, every KV head at once ([HP, GP, BLOCK_U] tiles: no loop, so
+        # every load is in flight together): the step's probabilities from the logits and the splits' statistics
+        # (the normaliser the combine computes), reduced as the score says, then each occupied slot's priority
+        # rewritten (a padding step rewrites nothing)
+        o_n = i_u * BLOCK_U + tl.arange(0, BLOCK_U)
+        o_h = tl.arange(0, HP)
+        o_g = tl.arange(0, GP)
+        o_s = tl.arange(0, BS)
+        in_n = o_n < N
+        in_h = o_h < Hkv
+        in_hg = in_h[:, None] & (o_g[None, :] < G)  # [HP, GP]
+        i_b64 = i_b.to(tl.int64)
+        bh = i_b64 * Hkv + o_h  # [HP]
+        # the splits' statistics [HP, BS, GP]: each query head's maximum and sum over its occupied slots
+        stat = ((bh[:, None] * n_splits + o_s[None, :]) * BG)[:, :, None] + o_g[None, None, :]
+        m_stat = in_hg[:, None, :] & (o_s < n_splits)[None, :, None]
+        b_m = tl.load(m_ptr + stat, mask=m_stat, other=float("-inf"))
+        b_l = tl.load(l_ptr + stat, mask=m_stat, other=0.0)
+        top = tl.max(b_m, axis=1)  # [HP, GP]
+        w = tl.where(b_m > float("-inf"), tl.exp(b_m - top[:, None, :]), 0.0)
+        total = tl.sum(w * b_l, axis=1)  # [HP, GP]
+        p_s = s_ptr + ((bh[:, None] * G + o_g[None, :]) * N)[:, :, None] + o_n[None, None, :]
+        b_s = tl.load(p_s, mask=in_hg[:, :, None] & in_n[None, None, :], other=float("-inf"))  # [HP, GP, BLOCK_U]
+        # empty slots (and a head with none occupied) have probability 0
+        b_p = tl.where(b_s > float("-inf"), tl.exp(b_s - top[:, :, None]) / total[:, :, None], 0.0)
+        if REDUCE == 0:
+            new = tl.max(b_p, axis=1)  # [HP, BLOCK_U]
+        elif REDUCE == 1:
+            new = tl.sum(b_p, axis=1)
+        else:
+            # the layer's head average, the same for every KV head; every slot sums its heads in the same order, so
+            # equal probabilities give equal priorities (the rule's ties)
+            mean = tl.sum(tl.sum(b_p, axis=1), axis=0) / (Hkv * G)  # [BLOCK_U]
+            new = tl.zeros([HP, BLOCK_U], dtype=tl.float32) + mean[None, :]
+        m_hn = in_h[:, None] & in_n[None, :]
+        occupied = tl.load(pos_ptr + i_b64 * sp_b + (o_h * sp_h)[:, None] + o_n[None, :], mask=m_hn, other=-1) >= 0
+        p_pri = pri_ptr + i_b64 * sq_b + (o_h * sq_h)[:, None] + o_n[None, :]
+        if ACCUMULATE:
+            # H2O's sum (decay 1, an exact product) or "cascade_sum"'s fading one
+            new = tl.load(p_pri, mask=m_hn, other=0.0) * decay + new
+        if ADD_PRIOR:
+            new = new + tl.load(prior_ptr + i_b64 * sr_b + (o_h * sr_h)[:, None] + o_n[None, :], mask=m_hn, other=0.0)
+        real = tl.load(real_ptr + i_b) != 0
+        tl.store(p_pri, new, mask=m_hn & occupied & real)
+
+    @triton.jit
+    def decode_combine_score_kernel(
+        m_ptr, l_ptr, acc_ptr, out_ptr, s_ptr, pos_ptr, pri_ptr, prior_ptr, real_ptr,
+        Hkv, G, N, DV, n_splits, n_blocks, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h, decay,
+        BS: tl.constexpr, BG: tl.constexpr, BDV: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr,
+        BLOCK_U: tl.constexpr, REDUCE: tl.constexpr, ACCUMULATE: tl.constexpr, ADD_PRIOR: tl.constexpr,
+    ):
+        # one launch for both ends of the step: programs [0, B * Hq) combine the splits' outputs as
+        # `decode_combine_kernel` does, the rest each update the priorities of a block of slots of one row
+        i = tl.program_id(0)
+        n_heads = tl.num_programs(0) - n_blocks
+        if i < n_heads:
+            _combine(m_ptr, l_ptr, acc_ptr, out_ptr, i // G, i % G, G, DV, n_splits, BS, BG, BDV)
+        else:
+            j = i - n_heads
+            n_u = tl.cdiv(N, BLOCK_U)
+            _score_block(m_ptr, l_ptr, s_ptr, pos_ptr, pri_ptr, prior_ptr, real_ptr, j // n_u, j % n_u, Hkv, G, N,
+                         n_splits, sp_b, sp_h, sq_b, sq_h, sr_b, sr_h, decay, BS, BG, HP, GP, BLOCK_U, REDUCE,
+                         ACCUMULATE, ADD_PRIOR)
 
 
 def decode_attention_split(
@@ -136,8 +218,72 @@ def decode_attention_split(
     return _split_op(query, key, value, occupied, float(scale), int(split))
 
 
-@torch.library.custom_op("kvpop::decode_attention_split", mutates_args=())
-def _split_op(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale: float, split: int) -> Tensor:
+SCORE_FORMS: dict[str, tuple[int, bool, bool]] = {
+    "max": (0, False, False),
+    "cascade": (0, False, False),
+    "sum": (1, True, False),
+    "mean": (2, False, False),
+    "cascade_mean": (2, False, False),
+    "cascade_sum": (2, True, False),
+    "prior": (2, False, True),
+}
+"""How `decode_attention_scored` turns a step's probabilities `P [B, Hkv, G, N]` into slot priorities, per score of
+`ops.dynamic.score_update` (the reference): (reduction, adds the slot's priority times `decay`, adds the slot's
+prior), the reduction 0 the max over a KV head's query heads, 1 their sum, 2 the mean over every query head of the
+layer. A new score of one of these forms is one line here; any other score runs the reference (`cache.decode_step`)."""
+
+SCORE_TILE = 4096
+"""Elements of a priority-update program's `[KV heads, query heads per KV head, slots]` tile (powers of two): its
+slots per program are what is left, at most 128 (the Qwen3-8B shape: 8 x 4 x 128)."""
+
+
+def decode_attention_scored(
+    query: Tensor,  # [B, Hq, 1, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, Dv]
+    pos: Tensor,  # [B, Hkv, M >= N] int64, -1: an empty slot
+    pri: Tensor,  # [B, Hkv, M] float32, updated in place
+    prior: Tensor | None,  # [B, Hkv, M] float32, the slots' static priors (score "prior")
+    real: Tensor,  # [B] bool, False: a padding step (no priority changes)
+    scale: float,
+    score: str,
+    split: int = SPLIT,
+    decay: float = 1.0,
+) -> Tensor:
+    """A dynamic policy's decode attention (`reference.scored_attention_reference`): the split attention over the
+    occupied slots, and every occupied slot's priority rewritten from the step's probabilities as `score` says
+    (`SCORE_FORMS`), in place. Out [B, Hq, 1, Dv].
+
+    `pos`, `pri` and `prior` may hold columns past the `N` slots, which nothing reads or writes: a cache passes its
+    buffers whole (the scratch slot last), so that a compiled step mutates its own input, in place, rather than a
+    view of it that would be copied back.
+
+    The split pass also writes its logits; one more launch combines the splits' outputs and, in other programs,
+    turns the logits into probabilities with the combine's normaliser and updates the priorities: three launches,
+    as many as the attention and the slot kernel of a one-pool rule take. Its probabilities are the reference's up to
+    float rounding (the logits' product order differs); equal logits give equal priorities."""
+    if split % BLOCK_N:
+        raise ValueError(f"split={split} must be a multiple of {BLOCK_N}")
+    if score not in SCORE_FORMS:
+        raise ValueError(f"score={score!r} has no kernel form; known: {sorted(SCORE_FORMS)}")
+    reduce, accumulate, add_prior = SCORE_FORMS[score]
+    if add_prior and prior is None:
+        raise ValueError(f"score={score!r} adds the slots' priors: pass prior")
+    if pos.dtype != torch.int64 or pri.dtype != torch.float32:
+        raise ValueError(f"pos ({pos.dtype}) must be int64 and pri ({pri.dtype}) float32")
+    slots = (pos, pri, *(() if prior is None else (prior,)))
+    if any(t.stride(-1) != 1 for t in slots):
+        raise ValueError("decode_attention_scored needs pos, pri and prior contiguous in their last dimension")
+    if any(t.shape[:2] != key.shape[:2] or t.shape[2] < key.shape[2] for t in slots):
+        raise ValueError(f"pos, pri and prior ({', '.join(str(tuple(t.shape)) for t in slots)}) must cover the "
+                         f"{key.shape[2]} slots of the keys {tuple(key.shape)}")
+    return _scored_op(query, key, value, pos, pri, prior if add_prior else None, real, float(scale), int(split),
+                      reduce, accumulate, float(decay))
+
+
+def _split_pass(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale: float, split: int,
+                logits: Tensor | None = None):
+    """The split kernel's launch: its statistics `(m, l, acc)` and the launch constants `(n_splits, BG, BDV)`."""
     B, Hq, _, D = query.shape
     Hkv, N, Dv = key.shape[1], key.shape[2], value.shape[-1]
     G = Hq // Hkv
@@ -159,14 +305,23 @@ def _split_op(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale
     l_sum = torch.empty_like(m)
     acc = torch.empty(B * Hkv, n_splits, BG, BDV, dtype=torch.float32, device=query.device)
     decode_split_fwd_kernel[(B * Hkv, n_splits)](
-        q, key, value, occ, m, l_sum, acc,
+        q, key, value, occ, m, l_sum, acc, m if logits is None else logits,
         q.stride(0), q.stride(1), q.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), occ.stride(0), occ.stride(1),
         Hkv, G, N, D, Dv, n_splits, scale,
         SPLIT_N=split, BLOCK=BLOCK_N, BG=BG, BD=BD, BDV=BDV, F32=not query.is_cuda,
-        FROM_POS=occ.dtype == torch.int64,
+        FROM_POS=occ.dtype == torch.int64, WRITE_S=logits is not None,
         # float32 products stay float32 (not TF32's 10-bit mantissa): a float32 model decodes as SDPA does
         PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32", num_warps=4)
+    return (m, l_sum, acc), (n_splits, BG, BDV)
+
+
+@torch.library.custom_op("kvpop::decode_attention_split", mutates_args=())
+def _split_op(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale: float, split: int) -> Tensor:
+    B, Hq = query.shape[:2]
+    Hkv, Dv = key.shape[1], value.shape[-1]
+    G = Hq // Hkv
+    (m, l_sum, acc), (n_splits, BG, BDV) = _split_pass(query, key, value, occupied, scale, split)
     out = torch.empty(B, Hq, 1, Dv, dtype=query.dtype, device=query.device)
     decode_combine_kernel[(B * Hkv, G)](
         m, l_sum, acc, out, G, Dv, n_splits,
@@ -176,4 +331,32 @@ def _split_op(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale
 
 @_split_op.register_fake
 def _(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, scale: float, split: int) -> Tensor:
+    return query.new_empty(*query.shape[:3], value.shape[-1])
+
+
+@torch.library.custom_op("kvpop::decode_attention_scored", mutates_args=("pri",))
+def _scored_op(query: Tensor, key: Tensor, value: Tensor, pos: Tensor, pri: Tensor, prior: Tensor | None,
+               real: Tensor, scale: float, split: int, reduce: int, accumulate: bool, decay: float) -> Tensor:
+    B, Hq = query.shape[:2]
+    Hkv, N, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    G = Hq // Hkv
+    logits = torch.empty(B * Hkv, G, N, dtype=torch.float32, device=query.device)
+    (m, l_sum, acc), (n_splits, BG, BDV) = _split_pass(query, key, value, pos, scale, split, logits)
+    out = torch.empty(B, Hq, 1, Dv, dtype=query.dtype, device=query.device)
+    HP, GP = triton.next_power_of_2(Hkv), triton.next_power_of_2(G)
+    block_u = max(16, min(128, SCORE_TILE // (HP * GP)))
+    n_blocks = B * triton.cdiv(N, block_u)
+    # without a prior the kernel never reads its pointer: `pri` stands in
+    rank = pri if prior is None else prior
+    decode_combine_score_kernel[(B * Hq + n_blocks,)](
+        m, l_sum, acc, out, logits, pos, pri, rank, real.contiguous(),
+        Hkv, G, N, Dv, n_splits, n_blocks, pos.stride(0), pos.stride(1), pri.stride(0), pri.stride(1),
+        rank.stride(0), rank.stride(1), decay,
+        BS=triton.next_power_of_2(n_splits), BG=BG, BDV=BDV, HP=HP, GP=GP, BLOCK_U=block_u, REDUCE=reduce,
+        ACCUMULATE=accumulate, ADD_PRIOR=prior is not None, num_warps=4)
+    return out
+
+
+@_scored_op.register_fake
+def _(query, key, value, pos, pri, prior, real, scale, split, reduce, accumulate, decay) -> Tensor:
     return query.new_empty(*query.shape[:3], value.shape[-1])

@@ -16,8 +16,8 @@ gradients). Its cost is memory: the gathered keys and values are `ceil(Q / block
 sessions): the CPU's training default (`sparse_attention` "auto" with gradients), 2.4-4.4x faster than the
 whole-sequence mask per layer at S = 2048, a full distillation step 1.29x; on an H100 at the Qwen3-4B shape, S = 16k,
 B = 2048, forward + backward 11.9 ms against FlexAttention's 40.1 ms over the sequence (dense SDPA: 14.3 ms), yet a
-SmolLM2 distillation step (S = 8192) was slower with it, bound by the host: opt-in on CUDA (`kvpop train
---attention gather`).
+SmolLM2 distillation step (S = 8192) was slower with it, bound by the host: on CUDA "auto" takes it where the work
+it saves pays for its launches (`backends.auto_backend`).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvpop.ops.dynamic.score import score_update
+
 
 def soft_cap(logits: Tensor, softcap: float | None) -> Tensor:
     """The model's logit soft-capping `c * tanh(l / c)` of scaled logits, in Hugging Face's order of operations;
@@ -104,3 +106,30 @@ def attention_with_probs(
     probs = step_probs(query, key, occupied, scale, softcap)
     out = torch.einsum("bhgn,bhnd->bhgd", probs, value.float()).to(query.dtype)
     return out.reshape(B, Hq, 1, D), probs
+
+
+def scored_attention_reference(
+    query: Tensor,  # [B, Hq, 1, D]
+    key: Tensor,  # [B, Hkv, N, D]
+    value: Tensor,  # [B, Hkv, N, D]
+    pos: Tensor,  # [B, Hkv, N] int64, -1: an empty slot
+    pri: Tensor,  # [B, Hkv, N] float32, updated in place
+    prior: Tensor | None,  # [B, Hkv, N] float32, the slots' static priors
+    real: Tensor,  # [B] bool
+    scale: float,
+    score: str,
+    decay: float = 1.0,
+    softcap: float | None = None,
+) -> Tensor:
+    """A dynamic policy's decode attention: the step's attention over the occupied slots (soft-capped by `softcap`),
+    then every occupied slot's priority rewritten from its probabilities by `score` (`ops.dynamic.score_update`, with
+    `decay` for "cascade_sum"), in place for the real rows.
+
+    Returns:
+        out [B, Hq, 1, D].
+    """
+    occupied = pos >= 0
+    out, probs = attention_with_probs(query, key, value, occupied, scale, softcap)
+    updated = score_update(score, pri, probs, occupied, prior, decay)
+    pri.copy_(torch.where(real[:, None, None], updated, pri))
+    return out
