@@ -51,8 +51,13 @@ def trained_priorities(path: str, S: int) -> tuple[torch.Tensor, KVpopConfig]:
     from kvpop.eval.evaluate import held_out_rows
     from kvpop.models import load_model
 
+    from kvpop.models import is_kvpop_dir
+    from kvpop.retrofit import read_config
+
     try:
-        model, tokenizer = load_model(path)
+        # the static rule's priorities are what the training attention's tiles see, whatever rule the run decodes with
+        config = read_config(path).static_rule if is_kvpop_dir(path) else None
+        model, tokenizer = load_model(path, config=config)
     except (ValueError, OSError) as err:  # not a model directory, or its files missing or damaged
         raise SystemExit(f"train_attention_tiles.py --model {path}: {err}") from None
     if getattr(model, "kvpop", None) is None:

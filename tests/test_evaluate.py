@@ -250,7 +250,8 @@ def test_eval_labels_trained_rows_and_refuses_two_alike(text_file, tmp_path, cap
 
 def test_eval_runs_a_kvpop_mlp_directory_as_kvpop_cascade(text_file, tmp_path, capsys):
     # --tova-pool N: the same weights, with N of the top-k slots ranked by TOVA (KVpop-cascade); the row must be
-    # what a directory saved with tova_pool = N gives, and differ from the static rule's
+    # what a directory saved with tova_pool = N gives (a saved cascade runs as saved), and differ from the plain
+    # directory's row (the recommended layer-wide cascade)
     model, tok = load_model("tiny-random-qwen3")
     torch.manual_seed(0)
     mlp = kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(32, scorer_hidden=16))
@@ -261,7 +262,7 @@ def test_eval_runs_a_kvpop_mlp_directory_as_kvpop_cascade(text_file, tmp_path, c
     base = ["eval", "--model", "tiny-random-qwen3", "--data", str(text_file), "--split", "all", "--seq-len", "128",
             "--force", "--sequences", "2", "--policies", "none", "--out", str(tmp_path / "o")]
     assert main([*base, "--trained", f"mlp={tmp_path / 'mlp'}", "--tova-pool", "8,20",
-                 "--trained", f"saved={tmp_path / 'cascade'}", "--rule", "static"]) == 0
+                 "--trained", f"saved={tmp_path / 'cascade'}"]) == 0
     rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
     assert set(rows) == {"mlp", "mlp+pool8", "mlp+pool20", "saved"}
     for key in ("kl", "top1_agreement"):

@@ -332,7 +332,7 @@ def read_layout(path: str | Path) -> Layout:
 
 def _base_source(name: str | Path | None) -> dict[str, str]:
     """Where an adapter's base is found, as `kvpop_format.json` records it: a preset, or a directory's absolute path."""
-    from kvpop.models import PRESETS, is_kvpop_dir, preset_of
+    from kvpop.presets import PRESETS, is_kvpop_dir, preset_of
 
     how = ("pass base= the preset or local Hugging Face directory the model was loaded from (kvpop.save(model, "
            "path, base_weights=False, base=...))")
@@ -437,7 +437,7 @@ def load_base(path: str | Path, base: str | Path | nn.Module | None = None, *,
     or the base model itself. The tokenizer is None unless the base is a preset (a directory's is read with it).
     Refused, naming both, unless the base's identity is the one recorded.
     """
-    from kvpop.models import PRESETS, is_kvpop_dir, load_model
+    from kvpop.presets import PRESETS, build_preset, is_kvpop_dir
 
     path = Path(path)
     layout = read_layout(path)
@@ -457,7 +457,7 @@ def load_base(path: str | Path, base: str | Path | nn.Module | None = None, *,
             raise FileNotFoundError(f"{path}: its base model {where} (recorded in {FORMAT_FILE}) is not there; pass "
                                     "where it is now: kvpop.load(path, base=DIR), or --base DIR")
         if where in PRESETS:
-            model, tokenizer = load_model(where, dtype=dtype, device=device)
+            model, tokenizer = build_preset(where, dtype=dtype, device=device)
         elif not os.path.isdir(where):
             raise ValueError(f"base {where!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory")
         elif is_kvpop_dir(where):
