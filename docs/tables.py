@@ -81,6 +81,18 @@ def register(name: str):
 # each reads its data files: the numbers and their provenance come from the data, never from here
 
 
+# --- quality tables (docs/quality.md, docs/policies.md, README.md) ---
+
+
+# --- end of quality tables ---
+
+
+# --- speed tables (docs/speed.md, docs/training.md, README.md) ---
+
+
+# --- end of speed tables ---
+
+
 # --- blocks ---
 
 
