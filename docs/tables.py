@@ -14,7 +14,11 @@ ending with the line that gives the command, card, commit and date behind it), o
 
     <!-- cli: SUBCOMMAND -->  ...  <!-- /cli -->
 
-the `kvpop SUBCOMMAND --help` text, so that docs/cli.md and the help cannot disagree.
+the `kvpop SUBCOMMAND --help` text, so that docs/cli.md and the help cannot disagree, or
+
+    <!-- index: data -->  ...  <!-- /index -->      (or index: tables)
+
+the list of `docs/data`'s files with what each measures, or of every table with its command.
 tests/test_docs.py runs the check, so a doc cannot drift from its data.
 """
 
@@ -31,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "data"
-BLOCK = re.compile(r"(<!-- (table|cli): ([\w.-]+) -->\n)(.*?)(<!-- /\2 -->)", re.S)
+BLOCK = re.compile(r"(<!-- (table|cli|index): ([\w.-]+) -->\n)(.*?)(<!-- /\2 -->)", re.S)
 
 
 @cache
@@ -93,6 +97,70 @@ def register(name: str):
 # --- end of speed tables ---
 
 
+# --- policy tables (docs/policies.md); the indexes of docs/reproducing.md ---
+
+
+def data_index() -> str:
+    """Every data file behind the docs: what it measures, on which machine, when."""
+    rows = []
+    for path in sorted(DATA.iterdir()):
+        if path.name.startswith("."):
+            continue
+        what, where, when = "–", "–", "–"
+        if path.suffix == ".json":
+            d = data(path.stem)
+            what = d.get("measures", "–")
+            where = card(d["device"]) if "device" in d else "–"
+            when = str(d.get("date", "–"))[:10]
+        rows.append([f"[`{path.name}`](data/{path.name})", what, where, when])
+    return table(["file", "what it measures", "card", "date"], rows, "llll")
+
+
+def tables_index() -> str:
+    """Every registered table: the pages that show it and the provenance line it ends with (command, card, commit,
+    date)."""
+    shown: dict[str, list[str]] = {}
+    for path in documents():
+        if path.exists():
+            for m in BLOCK.finditer(path.read_text()):
+                if m.group(2) == "table":
+                    shown.setdefault(m.group(3), []).append(str(path.relative_to(ROOT)))
+    rows = []
+    for name in sorted(TABLES):
+        pages = ", ".join(f"[{p}](../{p})" for p in shown.get(name, [])) or "–"
+        rows.append([f"`{name}`", pages, TABLES[name]().rstrip().splitlines()[-1].replace("|", "\\|")])
+    return table(["table", "shown in", "command · card · commit · date"], rows, "lll")
+
+
+@register("pool-choice")
+def pool_choice() -> str:
+    """The recommended policy's pool on development rows: the GPU's fractions of `budget - 1`, then the CPU's
+    rankings of the pool (TOVA's latest attention against H2O's accumulated one)."""
+    gpu = data("pool_choice_2026-12-02")
+    rows = []
+    for r in gpu["rows"]:
+        best = min(r["kl_pools"])
+        cells = [f"**{f(k, 4)}**" if k == best else f(k, 4) for k in r["kl_pools"]]
+        rows.append([f"{r['budget']} (CR {r['cr']:.0%})", f(r["kl_static"], 4), *cells,
+                     f"{r['chosen']} ({r['chosen'] / (r['budget'] - 1):.2f})"])
+    out = [table(["budget, S = 8192", "static rule", "pool 1/2", "pool 3/4", "pool 7/8", "lowest KL at"], rows),
+           "", source(gpu["commands"][0], gpu["device"], gpu["commit"], gpu["date"])]
+    cpu = data("pool_choice_cpu_2026-12-07")
+    by = {(r["budget"], r["policy"]): r for r in cpu["rows"]}
+    rows = []
+    for budget in sorted({r["budget"] for r in cpu["rows"]}, reverse=True):
+        pool = max(int(p.split("lpool")[1].split("+")[0]) for _, p in by if _ == budget and "lpool" in p)
+        name = f"kvpop+lpool{pool}"
+        rows.append([f"{budget} (CR {by[(budget, 'tova')]['cr']:.0%})", f(by[(budget, "tova")]["kl"], 4),
+                     f(by[(budget, "h2o")]["kl"], 4), f(by[(budget, "kvpop")]["kl"], 4),
+                     f(by[(budget, name)]["kl"], 4), f(by[(budget, name + "+d0.9")]["kl"], 4),
+                     f(by[(budget, name + "+h2o")]["kl"], 4)])
+    out += ["", table(["budget, S = 2048", "TOVA", "H2O", "static rule", "pool 3/4, TOVA's score",
+                       "decayed sum (0.9)", "H2O's sum"], rows),
+            "", source(" ; ".join(cpu["commands"]), cpu["device"], cpu["commit"], cpu["date"])]
+    return "\n".join(out)
+
+
 # --- blocks ---
 
 
@@ -112,6 +180,11 @@ def cli_help(name: str) -> str:
 def render(kind: str, name: str) -> str:
     if kind == "cli":
         return cli_help(name)
+    if kind == "index":
+        indexes = {"data": data_index, "tables": tables_index}
+        if name not in indexes:
+            raise KeyError(f"no index named {name!r} in docs/tables.py (known: {', '.join(indexes)})")
+        return indexes[name]()
     if name not in TABLES:
         raise KeyError(f"no table named {name!r} in docs/tables.py (known: {', '.join(sorted(TABLES))})")
     return TABLES[name]()
