@@ -86,6 +86,293 @@ def register(name: str):
 
 
 # --- quality tables (docs/quality.md, docs/policies.md, README.md) ---
+# rows measured in different runs name their run in a last column; one provenance line per run closes the table
+
+
+def _q_rows(name: str, *path: str) -> list[dict]:
+    """The rows under `path` of `docs/data/NAME.json` (a list of rows, or a dict holding `rows`)."""
+    node = data(name)
+    for key in path:
+        node = node[key]
+    return node["rows"] if isinstance(node, dict) else node
+
+
+def _q_row(rows: list[dict], policy: str, budget: int | None = None) -> dict:
+    hits = [r for r in rows if r["policy"] == policy and (budget is None or r["budget"] == budget)]
+    if len(hits) != 1:
+        raise KeyError(f"{len(hits)} rows of policy {policy!r} at budget {budget}")
+    return hits[0]
+
+
+def _q_paired(a: list[float], b: list[float]) -> tuple[float, float, int, int]:
+    """Mean and standard error of a - b over paired items, and how many items a is lower / higher on."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    n = len(d)
+    mean = sum(d) / n
+    se = (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5
+    return mean, se, sum(x < 0 for x in d), sum(x > 0 for x in d)
+
+
+def _q_diff(a: list[float], b: list[float], digits: int = 4, counts: str = "lower") -> str:
+    mean, se, lower, higher = _q_paired(a, b)
+    tail = f"lower on {lower} of {len(a)}" if counts == "lower" else f"{lower} / {higher}"
+    return f"{mean:+.{digits}f} ± {se:.{digits}f} ({tail})".replace("-", "−")
+
+
+def _q_ratio(x: float, ref: float) -> str:
+    return f"{x / ref:.2f}"
+
+
+def _q_span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}"
+
+
+def _q_cmd(command: str) -> str:
+    return command.replace("/opt/torch/.venv/bin/python ", "python ").replace("/root/", "")
+
+
+def _q_source(run: str, name: str, command: str, device: str, commit: str, date: str, rows: str) -> str:
+    """One run's provenance line: the command, card, commit and date, what the table took from it, its file."""
+    return source(_q_cmd(command), device, commit, date) + f" — {run}: {rows}; `docs/data/{name}.json`"
+
+
+_Q_TODAY = "quality_champ_8k_2026-12-07"
+_Q_BASELINES = "quality_champ_8k_2026-12-01"
+_Q_STATIC = "quality_cascade_2026-12-02"
+_Q_CODE = "quality_dms_mlstm_code_2026-12-02"
+_Q_OOD = "quality_out_of_domain_2026-12-01"
+_Q_SUITE = "quality_suite_selfgen_2026-12-01"
+_Q_GENERATION = "long_generation_b1024_2026-12-07"
+
+
+def _q_today_source(run: str = "", rows: str = "") -> str:
+    d = data(_Q_TODAY)
+    line = source(d["commands"][0] + " (and at --budgets 1024 with the B = 1024 runs)", d["device"], d["commit"],
+                  d["date"])
+    return line + (f" — {run}: {rows}" if run else "") + f"; `docs/data/{_Q_TODAY}.json`"
+
+
+def _q_baselines_source(run: str, rows: str) -> str:
+    d = data(_Q_BASELINES)
+    return _q_source(run, _Q_BASELINES, d["command"], d["device"], d["commit"], d["date"], rows)
+
+
+def _q_static_source(run: str, rows: str) -> str:
+    d = data(_Q_STATIC)
+    return _q_source(run, _Q_STATIC, d["table_commands"][0] + " (and at --budgets 1024, --tova-pool-layer 767)",
+                     d["machine"], d["commit"], d["date"], rows)
+
+
+_Q_NAMES = {"mlp_s0": "recommended policy, seed 0", "mlp_s1": "recommended policy, seed 1", "tova": "TOVA (paper)"}
+
+
+@register("quality-headline")
+def quality_headline() -> str:
+    """Today's teacher-forced headline: the recommended policy (2 seeds) against TOVA at CR 75 % and 88 %."""
+    rows = _q_rows(_Q_TODAY)
+    out = []
+    for policy in ("mlp_s0", "mlp_s1", "tova"):
+        a, b = _q_row(rows, policy, 2048), _q_row(rows, policy, 1024)
+        out.append([_Q_NAMES[policy], f(a["kl"], 4), f(a["top1_agreement"], 4), f(b["kl"], 4),
+                    f(b["top1_agreement"], 4)])
+    head = ["SmolLM2-135M, 8 × 8192 tokens", "KL, CR 75 % (B = 2048)", "top-1", "KL, CR 88 % (B = 1024)", "top-1"]
+    return table(head, out) + "\n\n" + _q_today_source()
+
+
+@register("quality-champ-8k")
+def quality_champ_8k() -> str:
+    """Today's table in full: relative accuracy, top-1, KL ± SE, perplexity ratio, KL paired against TOVA."""
+    rows = _q_rows(_Q_TODAY)
+    out = []
+    for budget in (2048, 1024):
+        tova = _q_row(rows, "tova", budget)
+        for policy in ("mlp_s0", "mlp_s1", "tova"):
+            r = _q_row(rows, policy, budget)
+            paired = "" if policy == "tova" else _q_diff(r["kl_per_sequence"], tova["kl_per_sequence"])
+            out.append([f"{r['cr']:.0%}".replace("%", " %"), _Q_NAMES[policy], f(r["rel_accuracy"], 4),
+                        f(r["top1_agreement"], 4), f"{r['kl']:.4f} ± {r['kl_se']:.4f}", f(r["ppl_ratio"], 3),
+                        paired])
+    head = ["CR", "policy", "rel. acc", "top-1", "KL ± SE", "ppl ratio", "KL − TOVA's, paired over the 8 rows"]
+    return table(head, out, "llrrrrr") + "\n\n" + _q_today_source()
+
+
+@register("baselines-champ-8k")
+def baselines_champ_8k() -> str:
+    """Every policy on the same 8 sequences of 8192 tokens, each row naming the run it comes from."""
+    today, base = _q_rows(_Q_TODAY), _q_rows(_Q_BASELINES)
+    static = _q_rows(_Q_STATIC, "table", "lpool_b2048") + _q_rows(_Q_STATIC, "table", "lpool_b1024")
+
+    def cells(rows: list[dict], policy: str) -> list[str]:
+        a, b = _q_row(rows, policy, 2048), _q_row(rows, policy, 1024)
+        return [f(a["kl"], 4), f(a["top1_agreement"], 3), f(b["kl"], 4), f(b["top1_agreement"], 3)]
+
+    out = [
+        ["recommended policy, seed 0 (the default)", "scorer", *cells(today, "mlp_s0"), "a"],
+        ["recommended policy, seed 1", "scorer", *cells(today, "mlp_s1"), "a"],
+        ["TOVA (paper)", "none", *cells(today, "tova"), "a"],
+        ["TOVA (paper), the same walk in another process", "none", *cells(base, "tova"), "b"],
+        ["H2O (paper)", "none", *cells(base, "h2o"), "b"],
+        ["StreamingLLM", "none", *cells(base, "streaming_llm"), "b"],
+        ["static rule (`--rule static`), seed 0", "scorer", *cells(static, "mlp"), "c"],
+        ["static rule (`--rule static`), seed 1", "scorer", *cells(static, "mlp_s1"), "c"],
+        ["oracle static rule (reads the future)", "–", *cells(base, "oracle"), "b"],
+    ]
+    head = ["policy", "training", "KL, CR 75 %", "top-1", "KL, CR 88 %", "top-1", "run"]
+    lines = [
+        _q_today_source("a", "recommended policy, TOVA"),
+        _q_baselines_source("b", "TOVA, H2O, StreamingLLM, oracle"),
+        _q_static_source("c", "static rule (scorer-only, 120 steps, the recipe of run a; 4 sinks, window 256)"),
+    ]
+    return table(head, out, "llrrrrl") + "\n\n" + "  \n".join(lines)
+
+
+@register("out-of-domain")
+def out_of_domain() -> str:
+    """Held-out Python code (pystdlib) and Python's help topics (pydoc): the layer-wide cascade against the rest."""
+    code = {b: _q_rows(_Q_CODE, "code", str(b)) for b in (2048, 1024)}
+    pydoc = {b: _q_rows(_Q_STATIC, "pydoc", f"pydoc_b{b}") for b in (2048, 1024)}
+    ood = {(src, b): _q_rows(_Q_OOD, "code", f"{src}_{b}") for src in ("pystdlib", "pydoc") for b in (2048, 1024)}
+    static = "kvpop-mlp+prerope+mix+frozen"
+    cascade = {("pystdlib", 2048): (code[2048], "mlp+lpool1791", "b"), ("pystdlib", 1024): (code[1024], "mlp+lpool767", "b"),
+               ("pydoc", 2048): (pydoc[2048], "lpool", "c"), ("pydoc", 1024): (pydoc[1024], "lpool", "c")}
+    out = []
+    for src in ("pystdlib", "pydoc"):
+        tova = {b: _q_row(ood[src, b], "tova", b) for b in (2048, 1024)}
+        rows = [("layer-wide cascade (pool 1791 / 767)", {b: cascade[src, b][:2] for b in (2048, 1024)},
+                 cascade[src, 2048][2]),
+                ("static rule", {b: (ood[src, b], static) for b in (2048, 1024)}, "a"),
+                ("TOVA (paper)", {b: (ood[src, b], "tova") for b in (2048, 1024)}, "a"),
+                ("H2O (paper)", {b: (ood[src, b], "h2o") for b in (2048, 1024)}, "a"),
+                ("StreamingLLM", {b: (ood[src, b], "streaming_llm") for b in (2048, 1024)}, "a")]
+        for label, where, run in rows:
+            got = {b: _q_row(r, p, b) for b, (r, p) in where.items()}
+            paired = ["" if label.startswith("TOVA") else
+                      _q_diff(got[b]["kl_per_sequence"], tova[b]["kl_per_sequence"]) for b in (2048, 1024)]
+            out.append([f"`{src}`", label, f(got[2048]["kl"], 4), paired[0], f(got[1024]["kl"], 4), paired[1], run])
+    head = ["data", "policy", "KL, CR 75 %", "− TOVA's, paired", "KL, CR 88 %", "− TOVA's, paired", "run"]
+    dc, ds, do = data(_Q_CODE), data(_Q_STATIC), data(_Q_OOD)
+    lines = [
+        _q_source("a", _Q_OOD, do["code"]["pystdlib_2048"]["command"] + " (and --budgets 1024; --data pydoc --split all)",
+                  do["machine"], do["commit"], do["date"], "static rule (its own seed-0 weights), TOVA, H2O, StreamingLLM"),
+        _q_source("b", _Q_CODE, dc["code"]["2048"]["command"] + " (and --budgets 1024 --tova-pool-layer 767)",
+                  dc["machine"], dc["commit"], dc["date"], "layer-wide cascade on pystdlib"),
+        _q_source("c", _Q_STATIC, ds["pydoc_commands"][0] + " (and 1024)", ds["machine"], ds["commit"], ds["date"],
+                  "layer-wide cascade on pydoc (`lpool_bB`: the static rule's seed-0 run saved at the cascade's pool)"),
+    ]
+    return table(head, out, "llrrrrl") + "\n\n" + "  \n".join(lines)
+
+
+def _q_suite(cells: list[dict]) -> dict[tuple[str, int | None], dict[str, list[int]]]:
+    """Per (policy, budget) and task: [correct, prompts]."""
+    agg: dict = {}
+    for c in cells:
+        task = agg.setdefault((c["policy"].split("[")[0], c["budget"]), {}).setdefault(c["task"], [0, 0])
+        task[0] += c["correct"]
+        task[1] += c["n"]
+    return agg
+
+
+@register("task-suite")
+def task_suite() -> str:
+    """The 32 prompts of the task suite (6 families, 4k and 8000 tokens, needle depths 0, 0.5, 1) per policy."""
+    # the dense cells repeat in every run's file: take them once
+    runs = {"a": _q_suite(data(_Q_SUITE)["suite_b2048"]["cells"]
+                          + [c for c in data(_Q_SUITE)["suite_b1024"]["cells"] if c["policy"] != "dense"]),
+            "b": _q_suite(data(_Q_STATIC)["suite"]["suite_b2048"]["cells"] + data(_Q_STATIC)["suite"]["suite_b1024"]["cells"]),
+            "c": _q_suite([c for k in ("suite_b2048_kvpop-mlp+prerope+mix+frozen", "suite_b1024_kvpop-mlp+prerope+mix+frozen")
+                           for c in data(_Q_OOD)["suite"][k]["cells"]])}
+    plan = [("dense", "dense", None, "a")]
+    for b in (2048, 1024):
+        plan += [("layer-wide cascade (pool " + ("1791)" if b == 2048 else "767)"), "lpool", b, "b"),
+                 ("static rule", "kvpop-mlp+prerope+mix+frozen", b, "c"),
+                 ("TOVA (paper)", "tova", b, "a"), ("H2O (paper)", "h2o", b, "a"),
+                 ("StreamingLLM", "streaming_llm", b, "a")]
+    tasks = ("passkey", "multikey", "qa")
+    out = []
+    for label, policy, b, run in plan:
+        got = runs[run][policy, b]
+        silent = [t for t in got if t not in tasks and got[t][0]]
+        if silent:
+            raise ValueError(f"{label} answers {silent}, which the table leaves out")
+        total = [sum(v[0] for v in got.values()), sum(v[1] for v in got.values())]
+        out.append([label, "–" if b is None else str(b)] + [f"{got[t][0]}/{got[t][1]}" for t in tasks]
+                   + [f"**{total[0]}**/{total[1]}", run])
+    head = ["policy", "B", "passkey", "multikey", "QA", "all 32 prompts", "run"]
+    da, db, dc = data(_Q_SUITE), data(_Q_STATIC), data(_Q_OOD)
+    lines = [
+        _q_source("a", _Q_SUITE, da["suite_b2048"]["command"] + " (and --budgets 1024)", da["study"]["device"],
+                  da["commit"], da["study"]["date"], "dense, TOVA, H2O, StreamingLLM"),
+        _q_source("b", _Q_STATIC, db["suite"]["suite_b2048"]["command"] + " (and 1024)", db["machine"], db["commit"],
+                  db["date"], "layer-wide cascade (the runs of the static rule's table, seed 0)"),
+        _q_source("c", _Q_OOD, dc["suite"]["suite_b2048_kvpop-mlp+prerope+mix+frozen"]["command"] + " (and 1024)",
+                  dc["machine"], dc["commit"], dc["date"], "static rule"),
+    ]
+    note = ("Multi-value, variable tracking and common-word extraction (14 prompts) are 0 for every row, dense included, "
+            "so they say nothing about eviction and are left out.")
+    return table(head, out, "lrrrrrl") + "\n\n" + note + "\n\n" + "  \n".join(lines)
+
+
+_Q_GEN_NAMES = {"dense": "dense", "h2o": "H2O (paper)", "tova": "TOVA (paper)",
+                "mlp_s0": "recommended policy, seed 0 (the shipped scorer)", "mlp_s1": "recommended policy, seed 1"}
+
+
+@register("long-generation")
+def long_generation() -> str:
+    """Today's long generation: 27 problems × 2048 greedy tokens at B = 1024, paired against TOVA and H2O."""
+    d = data(_Q_GENERATION)
+    per = d["per_problem"]["nll_past_budget"]
+    out = []
+    for policy in ("dense", "h2o", "tova", "mlp_s0", "mlp_s1"):
+        r = _q_row(d["rows"], policy)
+        left = sum(x != y for x, y in zip(per[policy], per["dense"], strict=True))
+        out.append([_Q_GEN_NAMES[policy], f(r["nll"], 4), f(r["nll_past_budget"], 4),
+                    "" if policy == "tova" else _q_diff(per[policy], per["tova"], counts="split"),
+                    "" if policy == "h2o" else _q_diff(per[policy], per["h2o"], counts="split"),
+                    f"{left} of {len(per[policy])}", f(r["agreement"], 4), f(r["repetition"], 3)])
+    head = ["policy, B = 1024", "NLL", "NLL past the budget", "− TOVA's, paired (lower / higher)",
+            "− H2O's, paired (lower / higher)", "texts that leave the dense text", "agreement", "rep4"]
+    cmd = d["commands"][2] + " (TOVA, H2O: --policies tova, --policies h2o)"
+    return table(head, out) + "\n\n" + source(cmd, d["device"], d["commit"], d["date"]) + f"; `docs/data/{_Q_GENERATION}.json`"
+
+
+@register("policy-choice")
+def policy_choice() -> str:
+    """README's "which policy": each policy's teacher-forced KL as a ratio to TOVA's KL in the same run."""
+    today, base = _q_rows(_Q_TODAY), _q_rows(_Q_BASELINES)
+    static = _q_rows(_Q_STATIC, "table", "lpool_b2048") + _q_rows(_Q_STATIC, "table", "lpool_b1024")
+    static_tova = _q_rows(_Q_STATIC, "table", "tova_b2048") + _q_rows(_Q_STATIC, "table", "tova_b1024")
+
+    def ratios(rows: list[dict], policies: tuple[str, ...], tova_rows: list[dict]) -> list[str]:
+        return [_q_span([_q_row(rows, p, b)["kl"] / _q_row(tova_rows, "tova", b)["kl"] for p in policies])
+                for b in (2048, 1024)]
+
+    minutes = data(_Q_TODAY)["training_seconds_per_run"] / 60
+    out = [
+        ["**recommended** (the default of a trained directory)",
+         f"yes: a scorer (SmolLM2-135M ships one; {minutes:.0f} min on one H100)", *ratios(today, ("mlp_s0", "mlp_s1"), today),
+         "a scorer exists for the model: the lowest KL at both ratios; in long free-running generation no better "
+         "than H2O or TOVA", "a"],
+        ["TOVA (`--policies tova`)", "no", "1.00", "1.00", "no scorer for the model: the best training-free rule",
+         "a"],
+        ["H2O (`--policies h2o`)", "no", *ratios(base, ("h2o",), base),
+         "no scorer and mostly long free-running generation, where it has the lowest NLL of the bounded rows "
+         "(within noise)", "b"],
+        ["StreamingLLM (`--policies streaming_llm`)", "no", *ratios(base, ("streaming_llm",), base),
+         "sinks and a recent window only: the largest loss", "b"],
+        ["static rule (`--rule static`)", "yes (the same scorer)", *ratios(static, ("mlp", "mlp_s1"), static_tova),
+         "the paper's rule; fails on repetition loops, level with the recommended policy on text it never trained "
+         "on", "c"],
+        ["dense (no `KVpopCache`)", "no", "0", "0", "memory allows: the reference every KL is measured against", "–"],
+    ]
+    head = ["policy", "needs training?", "KL ÷ TOVA's, CR 75 %", "KL ÷ TOVA's, CR 88 %", "when to pick it", "run"]
+    lines = [
+        _q_today_source("a", "recommended policy (seeds 0, 1), TOVA"),
+        _q_baselines_source("b", "H2O, StreamingLLM, each ÷ that run's TOVA"),
+        _q_static_source("c", "static rule (seeds 0, 1) ÷ that run's TOVA"),
+    ]
+    return (table(head, out, "llrrll") + "\n\nSmolLM2-135M, 8 held-out rows of 8192 tokens; a range spans two seeds."
+            + "\n\n" + "  \n".join(lines))
 
 
 # --- end of quality tables ---
