@@ -560,6 +560,17 @@ def cpu_generate() -> str:
     return table(head, rows) + "\n\n" + source(" ; ".join(d["commands"]), d["device"], d["commit"], d["date"])
 
 
+@register("prefill-cpu")
+def prefill_cpu() -> str:
+    """The prefill of a 2048-token prompt on the CPU: the static rule, the recommended policy's walk, TOVA's walk."""
+    d = data("prefill_cpu_2026-12-07")
+    names = {"dense": "dense forward", "kvpop": "static rule (one pass)", "cascade": "recommended policy (walk)",
+             "tova": "TOVA (walk)"}
+    rows = [[names.get(r["policy"], r["policy"]), f(r["cpu_s"], 1), f"{r['cpu_vs_dense']:.1f}×"] for r in d["rows"]]
+    return "\n".join([table(["SmolLM2-135M, 2048 tokens, B = 512, one thread", "CPU s", "vs dense"], rows), "",
+                      source(d["command"], d["device"], d["commit"], d["date"])])
+
+
 # --- end of speed tables ---
 
 
