@@ -250,7 +250,7 @@ def test_generate_bad_arguments(capsys, argv, expected):
     assert expected in err
 
 
-# --- defaults, notes and errors (issue 19) ---
+# --- defaults, notes and errors ---
 
 
 def test_one_default_budget_everywhere():

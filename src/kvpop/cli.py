@@ -823,7 +823,7 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
     arg("--packing", default="document", choices=["document", "concat"],
         help="document: each sequence begins at a document start, formatted as in real use (champ as a chat, "
              "a BOS where the tokenizer adds one) (default); concat: one stream cut every --seq-len tokens "
-             "(earlier sessions' numbers)"),
+             "(rows that begin mid-document)"),
     arg("--budgets", default="512,256",
         help="comma-separated budgets for the training-free policies, each above --sink + 1 and below --seq-len "
              "(default 512,256: CR 75 %% and 88 %% of 2048 tokens)"),
