@@ -2,7 +2,7 @@
 
     # CPU: two scorers (trained on champ, and on the mixture champ,pystdlib,prose) against TOVA and H2O
     python bench/domain_eval.py --trained runs/champ/final --trained runs/mix/final --out runs/domains
-    # GPU scale, e.g. after bench/quality_study.py --data champ,pystdlib,prose in the same lease
+    # GPU scale, e.g. after bench/quality_study.py --data champ,pystdlib,prose on the same machine
     python bench/domain_eval.py --trained $HOME/study/runs/kvpop-mlp_b2048/final --seq-len 8192 \
         --budgets 2048 --sequences 8 --out $HOME/domains
 

@@ -3,7 +3,7 @@
     python bench/profile_prefill.py --model smollm2-135m-shape --dtype bfloat16 --context 4096 --budget 1024 --out DIR
 
 Why: on an H100 `generate`'s prefill of SmolLM2's shape (bfloat16, 4096 tokens) took 0.32 s with KVpop against
-0.04 s dense (docs/RESULTS.md, twenty-first session), while in float32 the two were 0.19 and 0.13 s: KVpop's extra
+0.04 s dense (docs/speed.md), while in float32 the two were 0.19 and 0.13 s: KVpop's extra
 cost is host time (launches), hidden behind slower GPU work. This prints, per cache, the wall time of the forward,
 the operators it dispatches (views excluded) and, on CUDA, the GPU busy time and kernels; then per layer KVpop minus
 dense. The operator table (self CPU time) goes to `profile_prefill_<cache>.txt`. Ends with one JSON line.
