@@ -22,6 +22,8 @@ import time
 import torch
 from profile_decode_step import _kernels  # noqa: E402  (bench/ is the script's directory)
 
+from kvpop.presets import model_help
+
 # operators that launch nothing (metadata only); what is left approximates kernel launches on a GPU
 VIEWS = {"aten::view", "aten::slice", "aten::unsqueeze", "aten::expand", "aten::reshape", "aten::transpose",
          "aten::permute", "aten::alias", "aten::lift_fresh", "aten::empty", "aten::empty_like", "aten::to",
@@ -42,7 +44,7 @@ def _top_level_ops(prof, runs: int) -> dict[str, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-shape")
+    p.add_argument("--model", default="smollm2-135m-shape", help=f"{model_help(shapes=True)} (default smollm2-135m-shape)")
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--context", type=int, default=4096)

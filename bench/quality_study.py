@@ -62,6 +62,8 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpop.presets import model_help
+
 TRAINING_FREE = ("streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "oracle")
 DYNAMIC = ("tova", "tova_windowed", "h2o", "h2o_windowed")
 ROW_ORDER = ("dense", "streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "streaming_llm_plus", "dms",
@@ -932,7 +934,7 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--phase", default="all", choices=["train", "eval", "all", "worker"])
     p.add_argument("--out", type=Path, default=default_out, help=f"output directory (default {default_out})")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help=f"{model_help()} (default smollm2-135m)")
     p.add_argument("--data", default="champ",
                    help="training data, one source or a mixture (champ,pystdlib,prose: kvpop.train.mix); the eval "
                         "phase uses its held-out split (a mixture's: --eval-sequences divided by the weights); "
