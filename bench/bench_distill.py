@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from kvpop.presets import model_help
+
 RANGES = ("kvpop.teacher_forward", "kvpop.student_forward", "kvpop.scorer", "kvpop.rule", "kvpop.sparse_attention",
           "kvpop.kl", "kvpop.target", "kvpop.boundary_loss", "kvpop.backward", "kvpop.optimizer")
 NESTED = ("kvpop.scorer", "kvpop.rule", "kvpop.sparse_attention")
@@ -38,7 +40,7 @@ NESTED = ("kvpop.scorer", "kvpop.rule", "kvpop.sparse_attention")
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help=f"{model_help(shapes=True)} (default smollm2-135m)")
     p.add_argument("--data", default="champ")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--budget", type=int, default=2048)

@@ -38,6 +38,7 @@ import torch
 import kvpop
 from kvpop.eval.bench import load_bench_model, sync
 from kvpop.eval.generation import BACKENDS, generate_batch
+from kvpop.presets import model_help
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -107,7 +108,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="a preset or local model directory (default smollm2-135m)")
+    parser.add_argument("--model", default="smollm2-135m", help=f"{model_help(shapes=True)} (default smollm2-135m)")
     parser.add_argument("--policies", default="dense,tova",
                         help="dense and training-free policies, split by KVpopConfig.for_budget (default dense,tova)")
     parser.add_argument("--backends", default="fast,reference", help="comma-separated, of fast and reference")

@@ -39,6 +39,7 @@ import torch
 import kvpop
 from kvpop.cache import cache_kwargs
 from kvpop.eval.bench import load_bench_model, policy_config, sync
+from kvpop.presets import model_help
 
 PLAIN = ("dense", "static")
 
@@ -150,7 +151,7 @@ def format_table(rows: list[dict], cpu: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="a preset or local model directory (default smollm2-135m)")
+    parser.add_argument("--model", default="smollm2-135m", help=f"{model_help(shapes=True)} (default smollm2-135m)")
     parser.add_argument("--contexts", default="2048,4096", help="comma-separated prompt lengths (default 2048,4096)")
     parser.add_argument("--caches", default="dense,kvpop",
                         help="dense, static, KVpop policies split by KVpopConfig.for_budget, or cascade (the "

@@ -31,6 +31,7 @@ import torch
 import kvpop
 from kvpop.cache import cache_kwargs
 from kvpop.eval.bench import RECOMMENDED, load_bench_model, policy_config, sync
+from kvpop.presets import model_help
 
 DYNAMIC = ("tova", "h2o", RECOMMENDED)
 
@@ -103,7 +104,7 @@ def format_table(rows: list[dict], cpu: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="a preset or local model directory (default smollm2-135m)")
+    parser.add_argument("--model", default="smollm2-135m", help=f"{model_help(shapes=True)} (default smollm2-135m)")
     parser.add_argument("--context", type=int, default=2048, help="prompt length (default 2048)")
     parser.add_argument("--batch", type=int, default=1, help="prompts per forward (default 1)")
     parser.add_argument("--budget", type=int, default=512, help="cache budget, split by KVpopConfig.for_budget (default 512)")

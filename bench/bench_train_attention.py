@@ -10,8 +10,8 @@ Per sequence length it times, with CUDA events (`triton.testing.do_bench`, media
 
 - `cutoffs`: the eviction positions of every key (`eviction_positions`, the training path's call:
   the two-level Triton kernel with its small operations fused, `kernel.evictions_ordered`) and, beside it,
-  the same kernel with those operations unfused (`cutoffs_unfused_ms`, backend "triton_unfused": the path
-  before the twenty-second session), the earlier tile-scan kernel (`cutoffs_scan_ms`, backend "triton_scan") and the wavelet form;
+  the same kernel with those operations unfused (`cutoffs_unfused_ms`, backend "triton_unfused": the fusion's
+  baseline), the one-level tile-scan kernel (`cutoffs_scan_ms`, backend "triton_scan") and the wavelet form;
 - `block_mask`: FlexAttention's `BlockMask` built from the eviction positions (`sparse_block_mask`:
   the two Triton launches on CUDA), beside its torch form (`block_mask_torch_ms`) and, for scale, `create_block_mask` evaluating the same `mask_mod` at every point (optional);
 - `sparse_fwd`, `sparse_fwd_bwd`: compiled FlexAttention with that block mask (mask prebuilt);
@@ -199,7 +199,7 @@ def run(S: int, args) -> dict:
         _note(row, "sparse_fwd_ms")
     row["mask_share_of_sparse_fwd"] = (row["cutoffs_ms"] + row["block_mask_ms"]) / row["sparse_fwd_ms"]
     _note(row, "mask_share_of_sparse_fwd")
-    # the same share with the earlier pieces (tile-scan cutoffs, torch block mask), measured in this run
+    # the same share with the simpler pieces (tile-scan cutoffs, torch block mask), measured in this run
     row["mask_share_before"] = (row["cutoffs_scan_ms"] + row["block_mask_torch_ms"]) / row["sparse_fwd_ms"]
     _note(row, "mask_share_before")
     if args.gather:

@@ -9,8 +9,7 @@
 One layer's `dynamic_walk_triton` over a prompt of `--context` tokens into empty slots, per score
 (TOVA's paper split with the head average "mean", TOVA per KV head "max", H2O "sum"; sinks, window and
 top-k from `KVpopConfig.for_budget`), per variant: `triton` the Triton walk (`ops/dynamic/kernel.py`;
-`-wN` its warps; the kernel variants measured before it was chosen are in docs/RESULTS.md, ninth
-session), `torch` the torch walk, `parallel` the speculated walk (`ops/dynamic/parallel.py`; `-bN` its block of N
+`-wN` its warps; the kernel variants it was chosen among are in docs/speed.md), `torch` the torch walk, `parallel` the speculated walk (`ops/dynamic/parallel.py`; `-bN` its block of N
 tokens, `-fused` its priorities compiled by inductor, `-jacobi` its selection of every step at once), whose rows also give its verification rounds, mismatches and
 skips (from one more, untimed run).
 `--profile FILE` runs each variant once more under `torch.profiler` and writes its operator table (self time, calls,

@@ -2,7 +2,7 @@
 
     # CPU: two scorers (trained on champ, and on the mixture champ,pystdlib,prose) against TOVA and H2O
     python bench/domain_eval.py --trained runs/champ/final --trained runs/mix/final --out runs/domains
-    # GPU scale, e.g. after bench/quality_study.py --data champ,pystdlib,prose in the same lease
+    # GPU scale, e.g. after bench/quality_study.py --data champ,pystdlib,prose on the same machine
     python bench/domain_eval.py --trained $HOME/study/runs/kvpop-mlp_b2048/final --seq-len 8192 \
         --budgets 2048 --sequences 8 --out $HOME/domains
 
@@ -25,12 +25,13 @@ import sys
 from pathlib import Path
 
 from kvpop.cli import main as kvpop
+from kvpop.presets import model_help
 from kvpop.train.data import HELD_OUT_SOURCES
 
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help=f"{model_help()} (default smollm2-135m)")
     p.add_argument("--trained", action="append", default=[], metavar="DIR", help="a trained directory; repeatable")
     p.add_argument("--policies", default="tova,h2o", help="training-free rows, as kvpop eval takes them (default tova,h2o)")
     p.add_argument("--budgets", default="256", help="budgets of the training-free rows (default 256)")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Distillation on 1 and 2 GPUs of one host (issue 9): same command, same global batch, losses and throughput.
+# Distillation on 1 and 2 GPUs of one host: same command, same global batch, losses and throughput.
 #
 #   bash bench/gpu_distributed.sh OUT_DIR [STEPS]
 #

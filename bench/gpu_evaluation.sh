@@ -1,31 +1,31 @@
 #!/usr/bin/env bash
-# The seventeenth and eighteenth sessions' device calls (issue 17 item 2; issue 18), back to back in one warm lease
-# of one GPU (`nvidia-h200`; both sessions got an H100); the sixteenth session's calls are this file at commit
-# 50d6dab, the fifteenth's at 63cd01b, the fourteenth's at a76f1b3, the thirteenth's at 6dd81e3. bench/README.md has
-# the runbook; docs/RESULTS.md ("Eighteenth session") the knobs each call ran with.
+# GPU evaluation of SmolLM2-135M on one offline GPU (H100 or H200), in phases that each fit a 10-minute command and
+# run back to back on one machine: the recall-vs-steps curve of the mLSTM scorer, the recommended policy against the
+# static rule and the training-free policies, and the speed benches. bench/README.md says how to stage the model and
+# wheels ("Preparing an offline GPU machine"); docs/quality.md, docs/policies.md and docs/speed.md report the results.
 #
-# The recall-vs-steps runs as the issue asks for them (seed 0, the sixteenth session's data): the mLSTM (delay =
+# The recall-vs-steps runs (seed 0): the mLSTM (delay =
 # window, the paper's) trained in two phases, 1000 steps of the scorers alone, then a short full distillation
 # (DISTILL steps, 60) from those weights; with TWIN=1, its delay-0 twin 1000 steps of the scorers alone beside it.
-# B = 1024 (CR 88 %), every 100th checkpoint kept. Alone on an H100 the two phases took 0.6 and 0.95 s/step.
+# B = 1024 (CR 88 %), every 100th checkpoint kept. Alone on an H100 the two phases take 0.6 and 0.95 s/step.
 #
 #   bash bench/gpu_evaluation.sh 1 OUT   # carry .stage_a: stage the model's first half; then TOVA's prefill walk,
 #                                        # profiled (WALK_S, 90), and with ATTN_S > 0 the training attention
-#                                        # beside the gathered one (issue 18 item 6; not yet run)
+#                                        # beside the gathered one
 #   bash bench/gpu_evaluation.sh 2 OUT   # carry .stage_b: assemble SmolLM2; under MPS, the runs start (TRAIN_S)
 #   bash bench/gpu_evaluation.sh 3 OUT   # the runs go on (TRAIN3_S)
 #   bash bench/gpu_evaluation.sh 4 OUT   # the runs go on to CURVE_AT seconds; held-out recall at every kept
 #                                        # checkpoint (bench/recall_curve.py) beside the teacher-forced rows of the
 #                                        # final runs (8 x 8192 held-out tokens, B = 1024, StreamingLLM as the check
-#                                        # that the sequences are the seventh session's); scorer-only weights in parts;
+#                                        # that the sequences are docs/quality.md's); scorer-only weights in parts;
 #                                        # the newest checkpoint of an unfinished scorer-only run (OUT/resume.tar.part_*)
 #
-#   bash bench/gpu_evaluation.sh speed OUT    # issue 18, no staging: the cutoffs' sort and tile sweep (item 4), the
-#                                             # 36-layer 8B-shape decode step under inductor, cold (item 3)
+#   bash bench/gpu_evaluation.sh speed OUT    # no staging: the cutoffs' sort and tile sweep, the
+#                                             # 36-layer 8B-shape decode step under inductor, cold
 #   bash bench/gpu_evaluation.sh speed2 OUT   # the same step from the inductor cache; dense StaticCache + inductor
-#   bash bench/gpu_evaluation.sh generate OUT # issue 18 item 2, no staging: a bf16 prefill's profile, then `generate`
+#   bash bench/gpu_evaluation.sh generate OUT # no staging: a bf16 prefill's profile, then `generate`
 #                                             # at SmolLM2's shape, batch 1 and 4 (GEN_BATCHES), against StaticCache
-#   bash bench/gpu_evaluation.sh verify OUT   # issue 18 items 2, 4, no staging: the new kernels' tests, the fused
+#   bash bench/gpu_evaluation.sh verify OUT   # no staging: the CUDA kernels' tests, the fused
 #                                             # cutoffs' share of the sparse forward (twice), the prefill's profile
 #
 # The default policy against the paper's static rule and the training-free rows, S = 8192, both budgets, KVpop-mlp
@@ -50,30 +50,29 @@
 # FID_P (27), LENGTHS (4k,8000), SIDE_SEEDS (the seeds of the suite and fidelity rows, "0 1").
 #
 # A run carried back (`cat resume.tar.part_* | tar x`: config.json, train_log.jsonl, checkpoints/step-N; 32 MB each,
-# so one per call beside the working tree) goes into .stage_d/ or .stage_e/ and resumes exactly on any CUDA machine:
+# so one per command beside the working tree) goes into .stage_d/ or .stage_e/ and resumes exactly on any CUDA machine:
 #   bash bench/gpu_evaluation.sh 1 OUT; bash bench/gpu_evaluation.sh 2s OUT   # stage and assemble only (2s trains
 #                                                                             # nothing)
 #   bash bench/gpu_evaluation.sh resume OUT                                  # carry .stage_d, then .stage_e
 #   bash bench/gpu_evaluation.sh 4 OUT                                       # they resume from their checkpoints
 #
-# Lessons: DMS scorer-only needs ~330 s alone for 120 steps (twelfth); the fidelity and suite take final weights only;
-# each bounded row starts from a copy of the dense store (seven processes that each generated their own dense row
-# finished none in 440 s, fourteenth); math-verify's wheels travel in .stage_b; a call that stops the MPS daemon
-# unsets its environment before the next CUDA process (eleventh); at most 8 files of 16 MiB come back (fifteenth),
-# 64 MiB in all (sixteenth).
-# 64 MiB in all (sixteenth); a lease's runs are lost with its machine unless their checkpoints come back (seventeenth).
-# Knobs: TRAIN_S (call 2's training seconds, 540), TRAIN3_S (call 3's, 520), CURVE_AT (call 4's training seconds
+# Limits of the machine: DMS scorer-only needs ~330 s alone for 120 steps; the fidelity and suite take final weights
+# only; each bounded row starts from a copy of the dense store (seven processes that each generate their own dense row
+# finish none in 440 s); math-verify's wheels travel in .stage_b; a phase that stops the MPS daemon unsets its
+# environment before the next CUDA process; at most 8 files of 16 MiB, 64 MiB in all, come back from the machine, and
+# runs whose checkpoints do not come back are lost with it.
+# Knobs: TRAIN_S (phase 2's training seconds, 540), TRAIN3_S (phase 3's, 520), CURVE_AT (phase 4's training seconds
 # before the curve, 330), CURVE_S (the curve's seconds, 120), SIDE_S (a suite or fidelity process's, 420), LONG (1000),
 # DISTILL (the full distillation's steps after the scorer-only phase, 60), TWIN (1: the delay-0 twin too).
 set -uo pipefail
 usage="usage: bench/gpu_evaluation.sh 1|2|2s|3|4|resume|speed|speed2|generate|verify|confirm1..confirm6 OUT_DIR"
 phase=${1:?$usage}
 dest=${2:?$usage}
-# the device returns at most 8 files: everything goes to a work folder, packed into OUT/callN.tgz at the end
-# a machine can keep $HOME from an earlier session (the tenth found the ninth's files): the call's folder starts empty
-out=$HOME/call$phase
+# at most 8 files come back from the machine: everything goes to a work folder, packed into OUT/gpu_eval_PHASE.tgz
+# at the end; a machine can keep $HOME from an earlier use, so the phase's folder starts empty
+out=$HOME/gpu_eval_$phase
 rm -rf "$out" && mkdir -p "$out" "$dest"
-trap 'tar czf "$dest/call$phase.tgz" -C "$out" . && ls -la "$dest"' EXIT
+trap 'tar czf "$dest/gpu_eval_$phase.tgz" -C "$out" . && ls -la "$dest"' EXIT
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TOKENIZERS_PARALLELISM=false
 stage=$HOME/stage
 gguf=$stage/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -86,12 +85,12 @@ step() {  # step NAME SECONDS COMMAND...: a time limit, the log in OUT/NAME.log,
   local rc=$?
   echo "=== $name exit $rc ($(date -u +%H:%M:%S))"; tail -n 25 "$out/$name.log"
 }
-keep() {  # keep NAME: a result folder under $HOME into the call's output (json, txt, png, generation stores)
+keep() {  # keep NAME: a result folder under $HOME into the phase's output (json, txt, png, generation stores)
   mkdir -p "$out/$1" && cp "$HOME/$1"/*.json "$HOME/$1"/*.txt "$HOME/$1"/*.png "$HOME/$1"/*.jsonl "$out/$1/" 2>/dev/null
 }
 keep_weights() {  # the final runs' trained parameters into OUT/weights.tgz.part_*, apart from the results
   # a scorer-only run changes only kvpop_scorers.safetensors: with the local SmolLM2 files copied beside these three,
-  # `kvpop.load` rebuilds the run on any machine (the fourteenth session lost its DMS and mLSTM runs with the lease)
+  # `kvpop.load` rebuilds the run on any machine (a run whose weights stay on the machine is lost with it)
   local w=$HOME/weights; rm -rf "$w" && mkdir -p "$w"
   for d in "$study_dir"/runs/*/final; do
     [ -f "$d/kvpop_scorers.safetensors" ] || continue
@@ -109,8 +108,8 @@ mps_probe() { python -c "import torch; print(float(torch.ones(8, device='cuda').
 mps_on() {  # NVIDIA's MPS daemon, so launch-bound side processes run their kernels at once; off if a probe fails
   export CUDA_MPS_PIPE_DIRECTORY=$HOME/mps/pipe CUDA_MPS_LOG_DIRECTORY=$HOME/mps/log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  # a daemon outlives its call (`-d`): an earlier call's is reused (starting a second one fails, and the
-  # thirteenth session's call 3 then ran every process time-sliced)
+  # a daemon outlives its phase (`-d`): an earlier phase's is reused (starting a second one fails, and every
+  # process would then run time-sliced)
   if mps_probe || { nvidia-cuda-mps-control -d && mps_probe; }; then
     echo "MPS on"
   else  # without a daemon to connect to, CUDA would fail in every process: run time-sliced instead
@@ -124,10 +123,10 @@ long=${LONG:-1000}
 study_dir=$HOME/study
 distill=${DISTILL:-60}
 # the mLSTM in two phases (LONG scorer-only steps, then DISTILL of full distillation); with TWIN=1 its delay-0 twin
-# beside it, scorer-only (the two at once ran 1.2 s/step each in the sixteenth session)
+# beside it, scorer-only (the two at once run at 1.2 s/step each on an H200)
 rows=kvpop-mlstm
 [ "${TWIN:-0}" = 1 ] && rows=$rows,kvpop-mlstm-delay0+frozen+steps$long
-study() {  # study SECONDS ARGS...: the training phase (a later call resumes what an earlier one checkpointed)
+study() {  # study SECONDS ARGS...: the training phase (a later phase resumes what an earlier one checkpointed)
   local limit=$1; shift
   python bench/quality_study.py --out "$study_dir" --budgets 1024 --steps "$distill" --seeds 0 --rows "$rows" \
     --pretrain-steps "$long" --pretrain-rows kvpop-mlstm --phase train --concurrency 3 --keep-every 100 \
@@ -148,7 +147,7 @@ mlp_dir() {  # mlp_dir BUDGET SEED: the KVpop-mlp run's final weights
 }
 default_pool() { python -c "from kvpop.config import recommended_pool; print(recommended_pool($1))"; }
 default_decay() { python -c "from kvpop.config import RECOMMENDED_POOL_DECAY as d; print('none' if d is None else d)"; }
-train_runs() {  # train_runs SECONDS ARGS...: the four runs (quality_study's training phase; a later call resumes)
+train_runs() {  # train_runs SECONDS ARGS...: the four runs (quality_study's training phase; a later phase resumes)
   local limit=$1; shift
   python bench/quality_study.py --out "$study_dir" --steps "${STEPS:-120}" --seeds 0,1 --rows "$mlp" \
     --mix champ,pystdlib,prose --free-rows oracle --phase train --deadline-s "$limit" --concurrency 4 "$@" \
@@ -241,21 +240,21 @@ confirm6)
   mps_on
   bounded 4096 2048
   ;;
-resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into this study, where `study` resumes them
+resume)  # carry .stage_d or .stage_e: unfinished runs from another machine into this study, where `study` resumes them
   mkdir -p "$study_dir/runs"
   for d in .stage_d .stage_e; do [ -d "$d" ] && cp -r "$d"/* "$study_dir/runs/"; done
   ls -la "$study_dir/runs"/*/checkpoints
   ;;
-1)  # staging, then (no model needed) issue 18: TOVA's prefill walk at one layer of the 8B shape per variant
-  # (WALK_VARIANTS: the sequential selection against the "jacobi" one), with an operator profile of each (item 1;
-  # WALK_S seconds); the training attention's pieces
-  # at S = 16k with the cutoff kernel's new tiles (items 4 and 6; ATTN_S seconds). 0 skips either.
+1)  # staging, then (no model needed) TOVA's prefill walk at one layer of the 8B shape per variant
+  # (WALK_VARIANTS: the sequential selection against the "jacobi" one), with an operator profile of each
+  # (WALK_S seconds); the training attention's pieces at S = 16k with the cutoff kernel's tiles (ATTN_S seconds).
+  # 0 skips either.
   mkdir -p "$stage" && cp .stage_a/* "$stage/" && ls -la "$stage"
   if [ "${WALK_S:-90}" -gt 0 ]; then
     step walk "${WALK_S:-90}" python bench/bench_walk.py --policies tova-mean \
       --variants "${WALK_VARIANTS:-parallel,parallel-jacobi}" --repeats 2 --profile "$out/walk_profile.txt"
   fi
-  if [ "${ATTN_S:-0}" -gt 0 ]; then  # `if`, not `&&`: a skipped step must not become the call's exit status
+  if [ "${ATTN_S:-0}" -gt 0 ]; then  # `if`, not `&&`: a skipped step must not become the phase's exit status
     step train_attention "${ATTN_S:-0}" python bench/bench_train_attention.py --lengths 16384 --budget 2048 \
       --gather --json-out "$out/train_attention.json"
   fi
@@ -306,8 +305,8 @@ resume)  # carry .stage_d or .stage_e: a former lease's unfinished runs into thi
       && ls -la "$dest"/resume.tar.part_*
   fi
   ;;
-speed|speed2)  # issue 18 (no staging): `speed` times the cutoffs' sort and tile choices (item 4) and the whole 36-layer
-  # decode step of the 8B shape under inductor, cold (item 3); `speed2` the same step from the inductor cache on disk
+speed|speed2)  # no staging: `speed` times the cutoffs' sort and tile choices and the whole 36-layer
+  # decode step of the 8B shape under inductor, cold; `speed2` the same step from the inductor cache on disk
   # (the compile time a second run pays), then the dense StaticCache + inductor baseline at 4k
   export TORCHINDUCTOR_CACHE_DIR=$HOME/inductor_cache
   dec=(python -m kvpop.eval.bench --model qwen3-8b-shape --device cuda --budget 2048 --window 256 --fill random
@@ -323,14 +322,14 @@ speed|speed2)  # issue 18 (no staging): `speed` times the cutoffs' sort and tile
     step decode_dense "${DENSE_S:-300}" "${dec[@]}" --caches dense --contexts 4096 --json-out "$out/decode_dense.json"
   fi
   ;;
-generate)  # issue 18 item 2 (no staging): where a bf16 prefill's time goes (`profile_prefill.py`), then `generate` at
+generate)  # no staging: where a bf16 prefill's time goes (`profile_prefill.py`), then `generate` at
   # SmolLM2's shape, batch 1 and 4, against transformers' compiled StaticCache (the 8B shape: `bench_generate.py`
-  # --model qwen3-8b-shape --num-layers 12 --contexts 4096,16384 --budget 2048 in a call of its own); bf16,
-  # since that StaticCache is 4.7x slower in float32 (twenty-first session). SmolLM2 has 8192 positions: 7680 + 128
+  # --model qwen3-8b-shape --num-layers 12 --contexts 4096,16384 --budget 2048 in a command of its own); bf16,
+  # since that StaticCache is 4.7x slower in float32 on an H100. SmolLM2 has 8192 positions: 7680 + 128
   step prefill_smollm2 "${PRE_S:-90}" python bench/profile_prefill.py --model smollm2-135m-shape --dtype bfloat16 \
     --context 4096 --budget 1024 --out "$out/prefill_smollm2"
   # without the eager dense rows (20-28 ms per token here) one context fits 110 s; each more context compiles the
-  # StaticCache again (twenty-second session: 4096,7680 with dense did not end in 140 s): GEN_CONTEXTS, GEN_S
+  # StaticCache again (4096,7680 with dense does not end in 140 s): GEN_CONTEXTS, GEN_S
   gen=(python bench/bench_generate.py --device cuda --dtype bfloat16 --caches static,kvpop --new-tokens 128
        --repeats 2)
   for b in ${GEN_BATCHES:-1 4}; do
@@ -348,11 +347,11 @@ generate)  # issue 18 item 2 (no staging): where a bf16 prefill's time goes (`pr
       --num-layers 8 --context 4096 --budget 1024 --out "$out"
   fi
   ;;
-verify)  # issue 18 items 2, 4 (no staging): the CPU-built kernels on CUDA (the twenty-second session's fused cutoffs,
-  # the twenty-third's decode-step slot update and split attention reading the positions): the slot, top-k and
+verify)  # no staging: the Triton kernels on CUDA (the fused cutoffs, the decode step's slot update and the split
+  # attention reading the positions): the slot, top-k and
   # decode-attention kernels' tests, the captured steps against the teacher-forced pass, the cutoffs' share of the
   # sparse forward (twice: it follows the host; the unfused cutoffs timed beside them, `cutoffs_unfused_ms`), the
-  # prefill's profile, then `generate` at SmolLM2's shape (the `generate` phase, in a call of its own after this one)
+  # prefill's profile, then `generate` at SmolLM2's shape (the `generate` phase, in a command of its own after this one)
   step kernel_tests "${TEST_S:-150}" python -m pytest -q tests/test_slots.py tests/test_topk_kernel.py \
     tests/test_decode_kernel.py
   # the cache's prefill takes the fused cutoffs on CUDA: its captured steps against the teacher-forced pass

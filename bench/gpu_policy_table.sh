@@ -16,9 +16,9 @@
 #                                                # attention beside it; development rows (champ 8-15) of the pool
 #                                                # rankings; TOVA's and H2O's generations from the dense store
 #
-# The GPU machine has no network: .stage_a/.stage_b come from ../shared/tools/stage-smollm2, with the champ-dataset
+# The GPU machine has no network: .stage_a/.stage_b are staged as bench/README.md says, with the champ-dataset
 # and math-verify wheels (math-verify, latex2sympy2_extended, antlr4-python3-runtime) added to .stage_b.
-# Each phase fits a 10-minute call; the calls must follow each other while the machine is warm (results live under
+# Each phase fits a 10-minute command; the phases must follow each other on the same machine (results live under
 # $HOME there). Knobs: STEPS (120), TRAIN_S (360), SIDE_S (seconds of each evaluation process, 420), PROBLEMS (27).
 set -uo pipefail
 usage="usage: bench/gpu_policy_table.sh stage|train|trained OUT_DIR"

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The quality study's two device calls, run back to back in one warm lease after a call that copied
-# `.stage_a` (the first half of SmolLM2) to $HOME/stage (bench/README.md has the runbook):
+# The quality study on one offline GPU machine, in phases that each fit a 10-minute command, run back to back on
+# the same machine after `.stage_a` (the first half of SmolLM2) is copied to $HOME/stage (bench/README.md,
+# "Preparing an offline GPU machine"):
 #
 #   bash bench/gpu_quality.sh train OUT_DIR   # carry .stage_b: assemble the model, train the ten runs
 #   bash bench/gpu_quality.sh eval OUT_DIR    # evaluate them; then one distillation step's timing
 #                                             # (bench_distill.py) and bench/gpu_distributed.sh
 #   bash bench/gpu_quality.sh dist OUT_DIR    # carry .stage_b: assemble the model, then only
-#                                             # bench/gpu_distributed.sh (issue 9, on a 2-GPU kind)
-#   bash bench/gpu_quality.sh fidelity OUT_DIR   # after train: long-generation fidelity (issue 16) of the
+#                                             # bench/gpu_distributed.sh (on a machine with 2 GPUs)
+#   bash bench/gpu_quality.sh fidelity OUT_DIR   # after train: long-generation fidelity of the
 #                                             # training-free rows and the trained kvpop-mlp / dms runs
 #   bash bench/gpu_quality.sh curve OUT_DIR   # after train: held-out recall vs steps of every kvpop run's
 #                                             # kept checkpoints (bench/recall_curve.py; runs trained with
@@ -18,15 +19,15 @@
 # Environment knobs (seconds and sizes): STEPS (120), TRAIN_S (550), CONC (7: seven runs at S = 8192
 # shared the H200 under MPS without running out of memory), EVAL_S (300), EVAL_SEQ (8), DIST_STEPS (3);
 # TRAIN_ARGS, extra quality_study.py arguments of the train phase; EVAL_ARGS, of the eval phase; EXTRAS=0
-# skips the eval call's two benchmarks. Fidelity: FID_N (4096 new tokens), FID_P (8 problems), FID_SAMPLES
-# (1), FID_BATCH (8 generations decoded together), FID_S (500); a call stopped at FID_S keeps its finished
-# generations in $HOME/fidelity/generations.jsonl, and the same command in the next call goes on from them.
-# STUDY ($HOME/study): the study's directory, so that one lease can hold two (e.g. STUDY=$HOME/study_mix
+# skips the eval phase's two benchmarks. Fidelity: FID_N (4096 new tokens), FID_P (8 problems), FID_SAMPLES
+# (1), FID_BATCH (8 generations decoded together), FID_S (500); a phase stopped at FID_S keeps its finished
+# generations in $HOME/fidelity/generations.jsonl, and the same command run again goes on from them.
+# STUDY ($HOME/study): the study's directory, so that one machine can hold two (e.g. STUDY=$HOME/study_mix
 # TRAIN_ARGS="--data champ,pystdlib,prose"). Domains: DOM_S (500), DOM_SEQ (2 sequences per source), DOM_LEN
 # (8192), DOM_BUDGETS (2048,1024), DOM_POLICIES (tova,h2o). The training runs and the evaluation workers share the GPU under
 # NVIDIA MPS where the machine has it (quality_study.py --mps falls back to time-slicing otherwise).
-# Curve: CURVE_S (300), CURVE_SEQ (8); a call stopped at CURVE_S keeps its points, the same command goes on.
-# Two-phase rows (issue 17): the same plan arguments in TRAIN_ARGS and EVAL_ARGS, e.g.
+# Curve: CURVE_S (300), CURVE_SEQ (8); a phase stopped at CURVE_S keeps its points, the same command goes on.
+# Two-phase rows (scorer-only pre-training, then distillation): the same plan arguments in TRAIN_ARGS and EVAL_ARGS, e.g.
 # "--rows kvpop-mlp,kvpop-mlstm --pretrain-steps 600 --keep-every 100" (the eval phase re-plans the runs).
 set -uo pipefail
 phase=${1:?usage: bench/gpu_quality.sh train|eval|dist|fidelity|curve|domains OUT_DIR}
@@ -76,7 +77,7 @@ fidelity)
   timeout --signal=INT "${FID_S:-500}" python -m kvpop.cli eval --model smollm2-135m --generate "${FID_N:-4096}" \
     --problems "${FID_P:-8}" --samples "${FID_SAMPLES:-1}" --gen-batch "${FID_BATCH:-8}" --ignore-eos \
     --budgets 2048,1024 --policies streaming_llm,tova,tova_windowed,h2o,h2o_windowed "${trained[@]}" \
-    --out "$HOME/fidelity" --force  # a scratch folder a warm machine may keep from an earlier call
+    --out "$HOME/fidelity" --force  # a scratch folder a machine may keep from an earlier run
   for f in fidelity.json fidelity.txt fidelity.png generations.jsonl; do
     cp "$HOME/fidelity/$f" "$out/" 2>/dev/null
   done

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU-speed benchmarks of one device call, each fast path beside its baseline, results to $1.
+# The GPU-speed benchmarks in one command of about 3 minutes, each fast path beside its baseline, results to $1.
 #
 #   bash bench/gpu_speed.sh OUT_DIR
 #

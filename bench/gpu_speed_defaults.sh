@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The speed of the defaults on one GPU, with nothing set by the user: one phase per call, each within 10 minutes,
+# The speed of the defaults on one GPU, with nothing set by the user: one phase per command, each within 10 minutes,
 # results to OUT_DIR, then `bench/speed_targets.py` over everything in OUT_DIR so far.
 #
 #   bash bench/gpu_speed_defaults.sh tests OUT          # the CUDA tests of the decode kernels, the compiled steps
@@ -108,7 +108,7 @@ run_phase() {
       step generate_b4 560 "${generate[@]}" --batch 4 --json-out "$out/generate_b4.json" ;;
     distill)
       # SmolLM2's shape: auto keeps FlexAttention (its step is bound by launches), the gathered tiles beside it;
-      # the 4B shape at 16k: auto takes the gathered tiles, FlexAttention (the earlier default) beside it
+      # the 4B shape at 16k: auto takes the gathered tiles, FlexAttention over the sequence beside it
       step distill_smollm2_auto 150 "${distill[@]}" "${dsm[@]}" --attention auto --json-out "$out/distill_smollm2_auto.json"
       step distill_smollm2_gather 150 "${distill[@]}" "${dsm[@]}" --attention gather \
         --json-out "$out/distill_smollm2_gather.json"

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from kvpop.presets import model_help
+
 
 def _kernels(prof, steps: int) -> dict[str, tuple[float, float]]:
     """GPU kernels by name: (launches per step, us per step)."""
@@ -34,7 +36,7 @@ def _kernels(prof, steps: int) -> dict[str, tuple[float, float]]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen3-8b-shape")
+    p.add_argument("--model", default="qwen3-8b-shape", help=f"{model_help(shapes=True)} (default qwen3-8b-shape)")
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--budget", type=int, default=2048)

@@ -12,10 +12,12 @@ import tempfile
 
 import torch
 
+from kvpop.presets import model_help
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help=f"{model_help()} (default smollm2-135m)")
     p.add_argument("--data", default="prose")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--budget", type=int, default=1024)

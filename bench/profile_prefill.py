@@ -3,7 +3,7 @@
     python bench/profile_prefill.py --model smollm2-135m-shape --dtype bfloat16 --context 4096 --budget 1024 --out DIR
 
 Why: on an H100 `generate`'s prefill of SmolLM2's shape (bfloat16, 4096 tokens) took 0.32 s with KVpop against
-0.04 s dense (docs/RESULTS.md, twenty-first session), while in float32 the two were 0.19 and 0.13 s: KVpop's extra
+0.04 s dense (docs/speed.md), while in float32 the two were 0.19 and 0.13 s: KVpop's extra
 cost is host time (launches), hidden behind slower GPU work. This prints, per cache, the wall time of the forward,
 the operators it dispatches (views excluded) and, on CUDA, the GPU busy time and kernels; then per layer KVpop minus
 dense. The operator table (self CPU time) goes to `profile_prefill_<cache>.txt`. Ends with one JSON line.
@@ -21,6 +21,8 @@ import time
 
 import torch
 from profile_decode_step import _kernels  # noqa: E402  (bench/ is the script's directory)
+
+from kvpop.presets import model_help
 
 # operators that launch nothing (metadata only); what is left approximates kernel launches on a GPU
 VIEWS = {"aten::view", "aten::slice", "aten::unsqueeze", "aten::expand", "aten::reshape", "aten::transpose",
@@ -42,7 +44,7 @@ def _top_level_ops(prof, runs: int) -> dict[str, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-shape")
+    p.add_argument("--model", default="smollm2-135m-shape", help=f"{model_help(shapes=True)} (default smollm2-135m-shape)")
     p.add_argument("--num-layers", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--context", type=int, default=4096)

@@ -19,10 +19,10 @@ streaming_llm_plus (base distilled, topk 0), dms, kvpop-mlp, kvpop-mlstm (delay 
 distillation on champ; the oracle. Columns: relative next-token accuracy, top-1 agreement, KL,
 perplexity ratio, the top-k retention recall against the oracle (static scorers) and the share of the
 budget a row really holds (DMS), all teacher-forced on the same held-out sequences, each beginning at
-a document start (`--packing document`; `concat` gives the earlier sessions' rows cut mid-document;
+a document start (`--packing document`; `concat` gives rows cut mid-document from one stream;
 `kvpop.eval.evaluate.held_out_rows`). `*` marks the stronger TOVA (H2O) variant per budget.
 
-Two-phase rows (issue 17): `--pretrain-steps P` trains `--pretrain-rows` (default every KVpop scorer row)
+Two-phase rows: `--pretrain-steps P` trains `--pretrain-rows` (default every KVpop scorer row)
 first P steps with the base frozen (scorers only: no teacher, no base backward, several times the
 tokens/s), in OUT/runs/<row>_b<B>_preP/, then `--steps` of full distillation from those weights
 (`kvpop train --init-from`) in OUT/runs/<row>_b<B>_preP_distill/, the run the table evaluates (its
@@ -61,6 +61,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvpop.presets import model_help
 
 TRAINING_FREE = ("streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "oracle")
 DYNAMIC = ("tova", "tova_windowed", "h2o", "h2o_windowed")
@@ -170,9 +172,9 @@ def row_args(row: str, window: int) -> list[str]:
         "streaming_llm_plus": ["--policy", "streaming_llm_plus"],
         "dms": ["--policy", "dms", *w],
         "kvpop-mlp": ["--scorer", "mlp", *w],
-        # KVpop-TOVA (issue 17, an extension): TOVA's split (no sinks, window 1) unless +wN gives a window
+        # KVpop-TOVA (an extension): TOVA's split (no sinks, window 1) unless +wN gives a window
         "kvpop-tova": ["--scorer", "mlp", "--tova-prior", "1", *(w if window is not None else [])],
-        # extensions (issue 17): the delayed evidence scorer, with cached or pre-RoPE keys
+        # extensions: the delayed evidence scorer, with cached or pre-RoPE keys
         "kvpop-evidence": ["--scorer", "evidence", *w],
         "kvpop-evidence-prerope": ["--scorer", "evidence", "--scorer-keys", "pre_rope", *w],
         "kvpop-mlstm": ["--scorer", "mlstm", "--match-mlp-memory", *w],
@@ -284,7 +286,7 @@ def plan_runs(args) -> list[Run]:
     for budget in args.budgets:
         rows = [r for r in trained_rows(args) if not r.budgets or budget in r.budgets]
         for row, seed in ((r, s) for r in rows for s in args.seeds):
-            # the first seed keeps the earlier sessions' names (their runs resume); a later one is `row_sN`
+            # the first seed's runs keep the plain name `row_bB` (a study with one seed resumes them); a later one is `row_sN`
             first = seed == args.seeds[0]
             name = f"{row.name}_b{budget}" if first else f"{row.name}_s{seed}_b{budget}"
             label = row.name if first else f"{row.name}/s{seed}"
@@ -369,9 +371,9 @@ def start_mps(out: Path):
     """Start NVIDIA's MPS daemon, so the parallel runs' kernels share the GPU at once.
 
     Without it the driver time-slices processes: five launch-bound training steps sharing an H200
-    each ran 3.4x slower than alone (the second session), i.e. the GPU sat mostly idle. Returns the
+    each run 3.4x slower than alone, i.e. the GPU sits mostly idle. Returns the
     function that stops the daemon again, or None (daemon missing, or a CUDA probe through it
-    failed: then the runs time-slice as before). Call before anything in this process touches CUDA.
+    failed: then the runs time-slice). Call before anything in this process touches CUDA.
     """
     exe = shutil.which("nvidia-cuda-mps-control")
     if exe is None:
@@ -437,8 +439,8 @@ def train_phase(args, runs: list[Run], deadline: float) -> None:
     waves = -(-len(pending) // max(1, limit))
     # --fair-share: each run gets an equal share of the phase, waves of `limit` runs; one past its share
     # is stopped (checkpointed) so that the later waves get their turn, and resumes in the next
-    # command. Off by default: on the H200 it stopped slow runs at half time while the later wave
-    # (fast runs) left its slots idle; without it a finished run's slot goes to the next at once
+    # command. Off by default: on an H200 it stops slow runs at half time while the later wave
+    # (fast runs) leaves its slots idle; without it a finished run's slot goes to the next at once
     share = (deadline - time.time()) / max(1, waves)
     threads = max(1, (os.cpu_count() or 1) // max(1, min(limit, len(pending) or 1)))
     env = child_env(threads)
@@ -932,7 +934,7 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--phase", default="all", choices=["train", "eval", "all", "worker"])
     p.add_argument("--out", type=Path, default=default_out, help=f"output directory (default {default_out})")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help=f"{model_help()} (default smollm2-135m)")
     p.add_argument("--data", default="champ",
                    help="training data, one source or a mixture (champ,pystdlib,prose: kvpop.train.mix); the eval "
                         "phase uses its held-out split (a mixture's: --eval-sequences divided by the weights); "
@@ -965,7 +967,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-sequences", type=int, default=8)
     p.add_argument("--packing", default="document", choices=["document", "concat"],
                    help="held-out rows from a document start, as in real use (default), or cut from one stream "
-                        "(the earlier sessions' rows)")
+                        "(rows that begin mid-document)")
     p.add_argument("--dynamic-batch", type=int, default=4,
                    help="held-out sequences per pass of the TOVA and H2O workers (default 4): their replayed "
                         "decode step is launch-bound, so a pass of 4 costs about what a pass of 1 does; memory "

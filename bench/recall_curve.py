@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvpop.presets import model_help
+
 SETTINGS = ("model", "data", "text_field", "seq_len", "sequences", "packing", "seed")
 """What a point depends on besides its checkpoint: points measured under other settings are measured again."""
 
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="kvpop train run directories (sources found on their own)")
     p.add_argument("--out", type=Path, required=True, help="directory for recall_curve.json and recall_curve.png")
-    p.add_argument("--model", default=None, help="the base model (default: the first run's)")
+    p.add_argument("--model", default=None, help=f"the base model: {model_help()} (default: the first run's)")
     p.add_argument("--data", default=None, help="whose held-out split to measure on (default: the first run's)")
     p.add_argument("--text-field", default=None)
     p.add_argument("--seq-len", type=int, default=None, help="default: the first run's")

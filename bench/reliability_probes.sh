@@ -1,7 +1,7 @@
 #!/bin/bash
-# The reliability probes of issue 19 (bad input and faults), on the tiny presets, in a fresh directory:
+# Reliability probes (bad input and faults), on the tiny presets, in a fresh directory:
 #   bash bench/reliability_probes.sh [WORK_DIR]     # about 5 minutes on 2 CPU cores
-# Each probe prints its command, the exit status and the last stderr lines; docs/RESULTS.md has the outcome.
+# Each probe prints its command, the exit status and the last stderr lines; each should end in one error line, never a traceback.
 work=${1:-$(mktemp -d)}
 mkdir -p "$work" && cd "$work" || exit 1
 echo "# in $work"

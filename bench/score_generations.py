@@ -19,12 +19,14 @@ from pathlib import Path
 
 import torch
 
+from kvpop.presets import model_help
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("store", help="a generations.jsonl written by kvpop eval --generate")
     p.add_argument("--budget", type=int, required=True, help="the budget of the store's bounded rows")
-    p.add_argument("--model", default="smollm2-135m", help="the dense model that generated and now scores")
+    p.add_argument("--model", default="smollm2-135m", help=f"the dense model that generated the store and scores it: {model_help()} (default smollm2-135m)")
     p.add_argument("--problems", type=int, default=8, help="held-out champ problems of the store (default 8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/scored")

@@ -1,7 +1,7 @@
 """Is KVpop-mlp's recall limited by its inputs? Held-out top-k retention recall of scorers fed different inputs.
 
     python bench/scorer_inputs_probe.py --train-seqs 32 --eval-seqs 8 --steps 200 --budgets 256,512 \\
-        --variants A,B,C,A@1,D,A-big --layers 0::3 --out /tmp/s16/probe/run     # docs/RESULTS.md, 23 min on 2 cores
+        --variants A,B,C,A@1,D,A-big --layers 0::3 --out /tmp/probe/run     # about 23 min on 2 CPU cores
 
 Offline, on features cached from dense forwards of SmolLM2-135M-Instruct over champ rows of S = 2048 tokens
 from a document start (training rows from the `train` split, measured rows from the held-out `eval` split,

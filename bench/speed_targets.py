@@ -10,8 +10,8 @@ inductor's cache), then one JSON line. Targets:
   (128k within 10 % of 4k);
 - `model.generate` at SmolLM2's shape, 4k prompt, batch 1 and 4 (`bench/bench_generate.py`): KVpop's ms per token
   with the prefill counted at most compiled `StaticCache`'s (the cascade's beside it);
-- a distillation step (`bench/bench_distill.py`): "auto" at least as fast as FlexAttention over the sequence (the
-  earlier default) at SmolLM2's shape and at the Qwen3-4B shape.
+- a distillation step (`bench/bench_distill.py`): "auto" at least as fast as FlexAttention over the sequence (what
+  "auto" picks below its threshold) at SmolLM2's shape and at the Qwen3-4B shape.
 """
 
 from __future__ import annotations

@@ -49,9 +49,7 @@ def trained_priorities(path: str, S: int) -> tuple[torch.Tensor, KVpopConfig]:
     """A trained run's priorities [L, Hkv, S] on the first held-out champ row of S tokens, and its config."""
     from kvpop.attention import Capture
     from kvpop.eval.evaluate import held_out_rows
-    from kvpop.models import load_model
-
-    from kvpop.models import is_kvpop_dir
+    from kvpop.models import is_kvpop_dir, load_model
     from kvpop.retrofit import read_config
 
     try:

@@ -225,7 +225,7 @@ def test_soft_capping_over_a_caches_slots_and_in_the_decode_step():
     assert (decode_attention(one, slots, values, occupied, 0.25) - want).abs().max() > 0.05
 
 
-# the shapes of the measurements behind `auto_backend`'s CUDA rule (docs/RESULTS.md): (batch, query heads, head dim)
+# the shapes of the measurements behind `auto_backend`'s CUDA rule (docs/training.md): (batch, query heads, head dim)
 SMOLLM2, QWEN3_4B = (1, 9, 64), (1, 32, 128)
 
 

@@ -48,6 +48,53 @@ def test_console_script_help():
     assert "generate" in res.stdout and "info" in res.stdout
 
 
+def _help(capsys, monkeypatch, name: str) -> str:
+    """`kvpop NAME --help`, unwrapped (argparse wraps at COLUMNS, and breaks lines inside hyphenated names)."""
+    monkeypatch.setenv("COLUMNS", "10000")
+    with pytest.raises(SystemExit) as exit_:
+        main([name, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def _option(text: str, flag: str) -> str:
+    """The entry of `flag` in a help text: its line and the help lines under it, up to the next option."""
+    lines = text.splitlines()
+    start = next(i for i, x in enumerate(lines) if re.match(rf"\s+{re.escape(flag)}([ ,]|$)", x))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("-") or not lines[i].strip()),
+               len(lines))
+    return " ".join(x.strip() for x in lines[start:end])
+
+
+def test_every_model_help_names_every_preset(capsys, monkeypatch):
+    from kvpop.presets import PRESETS
+    from kvpop.shapes import SHAPE_PRESETS
+
+    with_model = [name for name, cmd in COMMANDS.items() if any("--model" in flags for flags, _ in cmd.args)]
+    assert {"generate", "info", "train", "eval", "bench"} <= set(with_model)
+    for name in with_model:
+        line = _option(_help(capsys, monkeypatch, name), "--model")
+        missing = [p for p in PRESETS if p not in line]
+        assert not missing, f"kvpop {name} --help: --model does not name the presets {missing}"
+    bench_line = _option(_help(capsys, monkeypatch, "bench"), "--model")
+    assert all(p in bench_line for p in SHAPE_PRESETS), bench_line
+
+
+def test_every_default_is_in_the_help(capsys, monkeypatch):
+    import argparse
+
+    from kvpop.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        text = _help(capsys, monkeypatch, name)
+        for action in parser._actions:
+            if not action.option_strings or action.default in (None, False, [], argparse.SUPPRESS):
+                continue
+            flag = action.option_strings[0]
+            assert "default" in _option(text, flag), f"kvpop {name} --help: {flag} (default {action.default!r}) does not say it"
+
+
 def test_no_command_prints_help(capsys):
     rc, out, _ = run(capsys)
     assert rc == 2 and "generate" in out
@@ -250,7 +297,7 @@ def test_generate_bad_arguments(capsys, argv, expected):
     assert expected in err
 
 
-# --- defaults, notes and errors (issue 19) ---
+# --- defaults, notes and errors ---
 
 
 def test_one_default_budget_everywhere():

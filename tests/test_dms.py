@@ -176,8 +176,8 @@ def test_relaxed_attention_through_sdpa_equals_the_explicit_form(dtype, tol, dev
     # the CUDA path (the soft bias as SDPA's mask, GQA written out) against the explicit float32 form:
     # outputs and the gradients of q, k, v and the gates, with left padding and a ragged last block;
     # on CUDA, SDPA picks its memory-efficient kernel for a float mask (the one training uses).
-    # `frozen`: only the gates need a gradient (`kvpop train --policy dms --freeze-base`), which failed on
-    # CUDA with torch 2.11 ("LSE is not correctly aligned (strideH)", the eleventh session)
+    # `frozen`: only the gates need a gradient (`kvpop train --policy dms --freeze-base`), which torch 2.11's
+    # kernel can refuse on CUDA ("LSE is not correctly aligned (strideH)")
     torch.manual_seed(1)
     B, Hkv, G, S, D = 2, 2, 3, 45, 8
     q, k, v = (torch.randn(B, Hkv * G, S, D, device=device), torch.randn(B, Hkv, S, D, device=device),

@@ -149,7 +149,7 @@ def test_rollouts_score_right_answers(monkeypatch):
     assert score == pytest.approx(0.75)
 
 
-# --- bad input, silent mismatches and progress (issue 19) ---
+# --- bad input, silent mismatches and progress ---
 
 
 def _eval(text_file, tmp_path, *extra) -> list[str]:

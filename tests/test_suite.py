@@ -247,7 +247,7 @@ def test_a_trained_directory_runs_at_its_entrys_config(tiny, samples, tmp_path, 
     dict(scorer="mlstm", match_mlp_memory=True, delay=0),
 ], ids=["dms", "mlstm", "mlstm-delay0"])
 def test_stateful_and_dms_directories_run_the_suite_and_the_fidelity(tiny, tmp_path, capsys, cfg):
-    # issue 16 item 7 asks both of every trained row of the quality study: a DMS or mLSTM directory must decode
+    # every trained row of the quality study gets both: a DMS or mLSTM directory must decode
     # through the suite's prompts and a long generation with its slots within the budget, as the MLP's does
     model, tok = tiny
     trained = tmp_path / "run" / "final"

@@ -373,7 +373,7 @@ def test_resume_with_more_steps_goes_on_over_the_same_documents(text_file, tmp_p
     assert len(distill.Distiller(longer, kcfg, overwrite=True).tokens) > len(trained_on)  # a fresh 6-step run packs more
 
 
-# --- the run directory under mistakes and faults (issue 19) ---
+# --- the run directory under mistakes and faults ---
 
 
 def _argv(text_file, out, *extra) -> list[str]:
@@ -564,7 +564,7 @@ def test_attention_flex_without_cuda_is_a_clear_error(text_file, tmp_path, capsy
     assert not (tmp_path / "o").exists()
 
 
-# --- two phases: scorer-only pre-training, then a new run from its weights (--init-from, issue 17) ---
+# --- two phases: scorer-only pre-training, then a new run from its weights (--init-from) ---
 
 
 def _kvpop_state(model) -> dict[str, torch.Tensor]:

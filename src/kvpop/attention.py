@@ -135,7 +135,7 @@ def kvpop_attention(
     if torch.is_autocast_enabled(query.device.type):
         # As SDPA does under autocast: in a float32 model under bf16 autocast, RoPE's float32 cos/sin promote q and
         # k back to float32 while v stays bf16. Mixed, the CPU kernels refuse them and on CUDA the attention and
-        # the future-attention target (39 % of a SmolLM2 distillation step, nineteenth session) ran in float32.
+        # the future-attention target (39 % of a SmolLM2 distillation step on an H100, docs/training.md) would run in float32.
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     B, _, Q, _ = query.shape

@@ -24,6 +24,7 @@ from typing import Any
 
 from kvpop import limits
 from kvpop.config import DEFAULT_BUDGET, DEFAULT_SINK
+from kvpop.presets import model_help
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,7 @@ def command(name: str, help: str, args: Sequence[tuple[tuple[str, ...], dict[str
     return register
 
 
-MODEL = arg("--model", required=True, metavar="PATH_OR_PRESET",
-            help="a preset (tiny-random-qwen3, tiny-random-llama, smollm2-135m, gemma3-270m, ...), a local Hugging Face "
-                 "model directory, a directory written by kvpop.save, or a GGUF file (converted once into the cache); "
-                 "nothing is downloaded")
+MODEL = arg("--model", required=True, metavar="PATH_OR_PRESET", help=model_help())
 BASE = arg("--base", default=None, metavar="PATH_OR_PRESET",
            help="for a --model saved without base weights (kvpop train --freeze-base's OUT/final): load its base "
                 "from this preset or local directory instead of the one it records (it must be the same model)")
@@ -76,10 +74,12 @@ RULE = [
     arg("--topk", type=int, default=None, help="slots for the best-scored older tokens (default: the rest of the budget)"),
 ]
 RULE_FLAGS = ("budget", "sink", "window", "topk")
+RECOMMENDED_HELP = ("the recommended policy: the layer-wide KVpop-cascade at TOVA's split of the budget (no sinks, "
+                    "window 1), a pool of (budget - 1) * 3 // 4 slots ranked by TOVA's score (the latest query's "
+                    "attention averaged over the layer's heads), the rest per KV head by the learned priority")
 POLICY_RULE = arg("--rule", choices=("cascade", "static"), default=None,
-                  help="how a trained KVpop-mlp directory runs: cascade, the recommended policy (the layer-wide "
-                       "KVpop-cascade, 3/4 of its budget - 1 long-range slots ranked by TOVA's head-averaged attention, "
-                       "the rest per KV head by the learned priority; the default), or static, the paper's static rule")
+                  help=f"how a trained KVpop-mlp directory runs: cascade, {RECOMMENDED_HELP} (the default), or "
+                       "static, the paper's static rule")
 
 
 def _device(name: str | None) -> str:
@@ -151,8 +151,8 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
     arg("--max-new-tokens", type=int, default=64,
         help="tokens to generate (default 64; fewer when the model's positions run out first)"),
     arg("--do-sample", action="store_true", help="sample instead of greedy decoding"),
-    arg("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample)"),
-    arg("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --do-sample)"),
+    arg("--temperature", type=float, default=1.0, help="sampling temperature (with --do-sample; default 1.0)"),
+    arg("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --do-sample; default 1.0)"),
     arg("--seed", type=int, default=0, help="random seed (default 0)"),
     arg("--compile", action="store_true",
         help="greedy decoding with a compiled one-token step (torch.compile; on CUDA with CUDA graphs and tuned "
@@ -167,10 +167,12 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
         help="a trained KVpop-mlp directory as KVpop-cascade: N of its top-k slots ranked by TOVA per KV head"),
     arg("--tova-pool-layer", type=int, default=None, metavar="N",
         help="a trained KVpop-mlp directory as the layer-wide KVpop-cascade at TOVA's split of its budget with N pool "
-             "slots (the recommended policy's pool is 3/4 of budget - 1), the rest a per-head static pool"),
+             "slots ranked by TOVA's score, the rest a per-head static pool (default: the recommended policy's pool, "
+             "(budget - 1) * 3 // 4; --rule static runs the paper's static rule instead)"),
     arg("--pool-decay", type=float, default=None, metavar="D",
         help="with --tova-pool-layer: rank the pool by the head-averaged attention accumulated over the steps, each "
-             "step D x the last plus the latest (1: H2O's accumulated attention) instead of TOVA's latest"),
+             "step D x the last plus the latest (1: H2O's accumulated attention) (default: TOVA's latest attention, "
+             "as the recommended policy ranks)"),
     SCORERS,
     BASE,
     DEVICE,
@@ -503,7 +505,8 @@ def _kv_table(args: argparse.Namespace, config, saved) -> list[str]:
         help="champ (math), pystdlib (Python code), prose (generated), a .txt/.jsonl/.parquet file or directory, or "
              "a dataset name; or a mixture, SOURCE[:WEIGHT],... e.g. champ:0.5,pystdlib:0.3,prose:0.2 (weights "
              "default 1, normalised; each source packed on its own, in proportion) (default champ)"),
-    arg("--text-field", default=None, help="record field holding the text (jsonl/parquet/datasets)"),
+    arg("--text-field", default=None,
+        help="record field holding the text (jsonl/parquet/datasets; default: the source's own text field)"),
     arg("--chat", action="store_true",
         help="format conversations (and champ, alone or in a mixture) with the tokenizer's chat template"),
     arg("--seq-len", type=int, default=2048,
@@ -552,7 +555,7 @@ def _kv_table(args: argparse.Namespace, config, saved) -> list[str]:
     arg("--lr-base", type=float, default=8e-5, help="constant learning rate of the base weights (default 8e-5)"),
     arg("--lr-scorer", type=float, default=1e-3, help="peak scorer learning rate, warm-up + cosine (default 1e-3)"),
     arg("--warmup-steps", type=int, default=-1, help="scorer warm-up steps (default 5%% of --steps)"),
-    arg("--weight-decay", type=float, default=1e-4),
+    arg("--weight-decay", type=float, default=1e-4, help="AdamW weight decay of the trained parameters (default 1e-4)"),
     arg("--grad-clip", type=float, default=1.0, help="gradient-norm clip, 0 disables (default 1)"),
     arg("--freeze-base", action="store_true", help="train the scorers only: no teacher copy, no KL (CPU mode)"),
     arg("--kl-topk", type=int, default=0, help="KL over the teacher's top-N logits only (default 0: full vocab)"),
@@ -570,7 +573,7 @@ def _kv_table(args: argparse.Namespace, config, saved) -> list[str]:
     arg("--keep-every", type=int, default=0,
         help="also checkpoint every N steps and keep those checkpoints, for a curve against the steps "
              "(bench/recall_curve.py) (default 0: only the newest is kept)"),
-    arg("--seed", type=int, default=0),
+    arg("--seed", type=int, default=0, help="random seed (default 0)"),
     arg("--max-tokens", type=int, default=0,
         help="training tokens packed (default: what the run uses); the same value gives runs of any --steps the same data order"),
     arg("--fsdp", action="store_true", help="under torchrun: FSDP2 sharding instead of DDP"),
@@ -813,7 +816,8 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
         help="champ (held-out problems), pystdlib (Python code), prose (generated), pydoc (Python's help() topics, "
              "held out from training: out of domain), a file, a directory or a dataset name; or a mixture as for "
              "train, e.g. champ,pystdlib (--sequences divided by the weights) (default champ)"),
-    arg("--text-field", default=None),
+    arg("--text-field", default=None, help="record field holding the text (jsonl/parquet/datasets; default: the "
+                                           "source's own text field)"),
     arg("--split", default="eval", choices=["eval", "train", "all"], help="which split of --data (default eval)"),
     arg("--seq-len", type=int, default=2048, help="tokens per evaluated sequence (default 2048)"),
     arg("--sequences", type=int, default=4, help="number of sequences (default 4)"),
@@ -823,13 +827,14 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
     arg("--packing", default="document", choices=["document", "concat"],
         help="document: each sequence begins at a document start, formatted as in real use (champ as a chat, "
              "a BOS where the tokenizer adds one) (default); concat: one stream cut every --seq-len tokens "
-             "(earlier sessions' numbers)"),
+             "(rows that begin mid-document)"),
     arg("--budgets", default="512,256",
         help="comma-separated budgets for the training-free policies, each above --sink + 1 and below --seq-len "
              "(default 512,256: CR 75 %% and 88 %% of 2048 tokens)"),
     arg("--policies", default="streaming_llm,tova,tova_windowed,h2o,h2o_windowed,oracle",
         help="comma-separated training-free policies: streaming_llm, tova and h2o (as their papers define them), "
-             "tova_windowed and h2o_windowed (4 sinks, window B/4), oracle; kvpop and dms untrained; or none"),
+             "tova_windowed and h2o_windowed (4 sinks, window B/4), oracle; kvpop and dms untrained; or none "
+             "(default: streaming_llm,tova,tova_windowed,h2o,h2o_windowed,oracle)"),
     arg("--trained", action="append", default=[], metavar="[NAME=]DIR",
         help="a kvpop.save directory (e.g. OUT/final of kvpop train), evaluated at its own budget and labelled "
              "NAME (default: its policy); `shipped`: the trained scorers shipped for the --model preset (labelled "
@@ -843,7 +848,8 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
         help="also run each --trained KVpop-mlp directory as the layer-wide KVpop-cascade at TOVA's split of its "
              "budget (no sinks, window 1): N slots ranked by TOVA's paper score (the layer's head average), which "
              "takes each token first, the other budget - 1 - N a per-head static pool that keeps the best of its "
-             "evictions (rows NAME+lpoolN; the same weights)"),
+             "evictions (rows NAME+lpoolN; the same weights). Each --trained KVpop-mlp row already runs the "
+             "recommended policy, N = (budget - 1) * 3 // 4, unless --rule static"),
     arg("--pool-decay", default=None, metavar="D[,D]",
         help="the --tova-pool-layer rows with their pool ranked by the head-averaged attention accumulated over the "
              "steps, each step D x the last plus the latest: 1 is H2O's accumulated attention (rows NAME+lpoolN+h2o), "
@@ -871,8 +877,8 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
         "the same kind there are refused unless --force"),
     arg("--force", action="store_true",
         help="replace the results of an earlier eval in --out (--generate reuses its finished generations either way)"),
-    arg("--device", default=None),
-    arg("--seed", type=int, default=0),
+    DEVICE,
+    arg("--seed", type=int, default=0, help="random seed (default 0)"),
     NO_PROGRESS,
     arg("--suite", default=None, metavar="NAME[,NAME]",
         help="run the long-context task suite instead: passkey, multikey, multivalue, vt, cwe, qa, or all; every "
@@ -1118,20 +1124,21 @@ def _layer_budgets(path: str, budget: int) -> list[int]:
 @command("budgets", "allocate per-layer budgets at the same total memory from each layer's measured sensitivity", [
     MODEL,
     arg("--data", default="champ", help="text to measure on (default champ, its training split)"),
-    arg("--text-field", default=None),
+    arg("--text-field", default=None, help="record field holding the text (jsonl/parquet/datasets; default: the "
+                                           "source's own text field)"),
     arg("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)"),
     arg("--sequences", type=int, default=2, help="sequences to measure on (default 2)"),
     arg("--budget", type=int, default=None, help="the uniform per-layer budget B; the layers' budgets sum to L x B"),
     arg("--trained", default=None, metavar="DIR",
         help="measure where this trained kvpop directory's own scorer loses attention mass (its budget and split), "
              "instead of the oracle's rule at --budget"),
-    arg("--sink", type=int, default=4),
+    arg("--sink", type=int, default=4, help="sink tokens always kept (default 4)"),
     arg("--window", type=int, default=None, help="protected window (default a quarter of the budget)"),
     arg("--out", required=True, help="JSON file to write (for --layer-budgets of train and eval); an existing file "
                                      "needs --force"),
     arg("--force", action="store_true", help="replace an existing --out"),
-    arg("--device", default=None),
-    arg("--seed", type=int, default=0),
+    DEVICE,
+    arg("--seed", type=int, default=0, help="random seed (default 0)"),
 ])
 def budgets(args: argparse.Namespace) -> int:
     import kvpop
@@ -1270,7 +1277,7 @@ def _fidelity(args: argparse.Namespace, base, tokenizer, entries, device: str) -
     arg("--force", action="store_true", help="replace an existing --out"),
     SCORERS,
     BASE,
-    arg("--device", default=None),
+    DEVICE,
     NO_PROGRESS,
 ])
 def viz(args: argparse.Namespace) -> int:
@@ -1309,10 +1316,10 @@ def viz(args: argparse.Namespace) -> int:
 
 
 @command("demo", "the main job: train KVpop on SmolLM2-135M + champ math, compare with the baselines, plot", [
-    arg("--quick", action="store_true", help="a shorter run (within 15 minutes on 2 CPU cores)"),
+    arg("--quick", action="store_true", help="a shorter run (about 15 minutes on a 2-core CPU)"),
     arg("--out", default="runs/demo", help="output directory (default runs/demo)"),
     arg("--device", default=None, help="cpu, cuda, ... (default: cuda if available, else cpu)"),
-    arg("--seed", type=int, default=0),
+    arg("--seed", type=int, default=0, help="random seed (default 0)"),
 ])
 def demo(args: argparse.Namespace) -> int:
     from kvpop.eval.demo import run_demo
@@ -1335,18 +1342,30 @@ def bench(args: argparse.Namespace) -> int:
     return run_bench(args, command=args.command_line)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every flag with a default states it: a help that does not name its default gets `(default: X)` appended."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        value = action.default
+        if (action.option_strings and "default" not in text and value not in (None, False, [], argparse.SUPPRESS)
+                and not isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser(defaults: bool = True) -> argparse.ArgumentParser:
     """The `kvpop` parser; with `defaults=False` a parsed namespace holds only the flags given."""
     parser = argparse.ArgumentParser(
         prog="kvpop",
         description="KVpop: a fixed-size KV cache with a learned eviction policy for Hugging Face causal LMs.",
-        argument_default=None if defaults else argparse.SUPPRESS,
+        argument_default=None if defaults else argparse.SUPPRESS, formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help,
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help, formatter_class=_HelpFormatter,
                            argument_default=None if defaults else argparse.SUPPRESS)
         for flags, kwargs in cmd.args:
             p.add_argument(*flags, **(kwargs if defaults else {**kwargs, "default": argparse.SUPPRESS}))

@@ -112,7 +112,7 @@ class KVpopConfig:
     attention averaged over every query head of the layer, as TOVA's paper ranks) plus `alpha * exp(r)`, the scorer's prediction of the
     token's future attention, fixed at insertion. The scorer trains as KVpop-mlp (the static rule), with its
     per-head bias `b2` calibrated so that `exp(r)` estimates the target's future attention mass. Measured worse
-    than TOVA at every weight tried (docs/RESULTS.md, eleventh session)."""
+    than TOVA at every weight tried (docs/policies.md)."""
     tova_pool: int = 0
     """KVpop-cascade (an extension, `KVPOP.md` Sec. 7b; mlp scorer only): how many of the `topk` long-range slots
     form a pool ranked by TOVA (the latest query's attention, per KV head) that takes the static rule's rejects.

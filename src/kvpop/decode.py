@@ -46,7 +46,7 @@ COMPILE_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True,
 through `generation_compile_config`), passed to `torch.compile` so that they apply to these compiles only: CUDA
 graphs (what mode "reduce-overhead" sets), coordinate-descent tuning of the generated Triton kernels (gpt-fast's
 setting) and autotuning of the matrix products. With them the 36-layer decode step of the Qwen3-8B shape took
-6.6-6.7 ms on an H100, against 7.98 ms with plain inductor and 9.67 ms with backend "cudagraph" (docs/RESULTS.md);
+6.6-6.7 ms on an H100, against 7.98 ms with plain inductor and 9.67 ms with backend "cudagraph" (docs/speed.md);
 they cost compile time, spent once per shape and then read from inductor's on-disk cache."""
 
 
@@ -98,7 +98,7 @@ def _plain_strides(t: Tensor) -> Tensor:
 
     Dynamo guards a compiled step on its inputs' strides, size-1 dimensions included, so a first token sliced from
     the prompt (`ids[:, -1:]`, row stride = the prompt's length) compiled the step again for every prompt length
-    (the fifteenth session's 76 s at a new context); `contiguous()` keeps such a view as it is."""
+    (76 s at each new context on an H200); `contiguous()` keeps such a view as it is."""
     plain, size = [], 1
     for n in reversed(t.shape):
         plain.insert(0, size)

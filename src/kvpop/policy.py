@@ -224,7 +224,7 @@ class TOVAPriorPolicy(ScorerPolicy):
     """KVpop-TOVA (`KVpopConfig.tova_prior`, an extension): TOVA's evidence plus the learned scorer's prediction.
 
     The static rule keeps a token for what its `[k; v]` predicts and cannot see that the text has turned
-    (a repetition loop: the eighth session's sequence 1, docs/RESULTS.md); TOVA follows the current query
+    (a repetition loop, such as a held-out champ sequence with a run of 3,122 "0" tokens: docs/policies.md); TOVA follows the current query
     but forgets what a later query will need. Here a slot's priority after each step is the latest query's
     attention averaged over every query head of the layer (TOVA's paper ranking) plus `alpha * exp(r)`, the
     scorer's estimate of the token's future attention (Sec. 4's target, in the same units once `b2` is
@@ -263,12 +263,12 @@ class CascadePolicy(ScorerPolicy):
     weakest (`tova_pool` slots), ranked per KV head by the latest query's attention (the max over the head's
     query heads, score "cascade"); the weaker of the two is evicted. The static pool keeps what the scorer
     foresees; the TOVA pool keeps what the text reads now, which a priority fixed at insertion cannot follow (a
-    repetition loop: the eighth session's sequence 1, docs/RESULTS.md). `tova_pool = 0` is KVpop-mlp, and
+    repetition loop: docs/policies.md). `tova_pool = 0` is KVpop-mlp, and
     `tova_pool = topk` is TOVA per KV head with the same sinks and window.
 
     The layer-wide form (`tova_head_average`, score "cascade_mean") ranks the TOVA pool as TOVA's paper does, by the
     latest query's attention averaged over every query head of the layer: one ranking for all KV heads, which TOVA
-    needs to be strong (docs/RESULTS.md, thirteenth session). So that the pool holds the same tokens in every head,
+    needs to be strong (docs/policies.md). So that the pool holds the same tokens in every head,
     the order turns round: the token leaving the window meets the TOVA pool first, and whichever loses meets the
     per-head static pool, which keeps the best of TOVA's evictions by the learned priority. `tova_pool = topk` is
     then TOVA itself (with TOVA's split: no sinks, a window of 1), and `tova_pool = 0` KVpop-mlp at that split.

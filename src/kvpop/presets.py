@@ -231,6 +231,20 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
+
+
+def model_help(shapes: bool = False) -> str:
+    """The help of a `--model` flag (every `kvpop` command, the bench scripts): the presets named from `PRESETS`, and
+    with `shapes` the random-weight `*-shape` presets of `kvpop.shapes`, so that no help can miss one."""
+    names = list(PRESETS)
+    if shapes:
+        from kvpop.shapes import SHAPE_PRESETS
+
+        names += SHAPE_PRESETS
+    return (f"a preset ({', '.join(names)}), a local Hugging Face model directory, a directory written by kvpop.save, "
+            "or a GGUF file (converted once into the cache); nothing is downloaded")
+
+
 GGUF_PRESETS = (smollm2.source, gemma3.source)
 """The presets a GGUF file given by path may be: such a file shares the preset's converted directory."""
 

@@ -1,18 +1,18 @@
-"""Command-line flags of the evaluation commands, kept free of torch imports so the CLI parser builds fast."""
+"""Command-line flags of the evaluation commands: `kvpop bench` and `python -m kvpop.eval.bench` share them."""
 
 from __future__ import annotations
 
+from kvpop.presets import model_help
+
 BENCH_ARGS: list[tuple[tuple[str, ...], dict]] = [
-    (("--model",), dict(required=True, metavar="PATH_OR_PRESET",
-                        help="a preset (tiny-random-qwen3, smollm2-135m, qwen3-4b-shape, qwen3-8b-shape, "
-                             "tiny-qwen3-shape), a local Hugging Face directory, or a kvpop.save directory")),
+    (("--model",), dict(required=True, metavar="PATH_OR_PRESET", help=model_help(shapes=True))),
     (("--contexts",), dict(default="256,512,1024", help="comma-separated context lengths (default 256,512,1024)")),
     (("--caches",), dict(default="dense,kvpop", help="comma-separated cache kinds: dense, kvpop, cascade (the "
                                                     "layer-wide KVpop-cascade at the same budget), or a policy name "
                                                     "(default dense,kvpop)")),
     (("--tova-pool-layer",), dict(type=int, default=None, metavar="N",
                                   help="cache kind cascade: its TOVA pool, N of the budget - 1 long-range slots "
-                                       "(default 3/4 of them)")),
+                                       "(default: the recommended policy's, (budget - 1) * 3 // 4)")),
     (("--new-tokens",), dict(type=int, default=16, help="timed decode steps per run (default 16)")),
     (("--warmup",), dict(type=int, default=2, help="untimed decode steps before timing (default 2)")),
     (("--batch",), dict(type=int, default=1, help="sequences per step (default 1)")),

@@ -92,8 +92,7 @@ def held_out_rows(
     `document` (the default): every row begins at a document start, formatted as in real use: champ as
     a chat (the problem as the user turn, the solution as the assistant turn) when the tokenizer has a
     chat template, a BOS where the tokenizer adds one, and the following documents, formatted the same
-    way, when one is shorter than `seq_len` (`kvpop.train.data.document_rows`). `concat`: the rows of
-    earlier sessions, one stream of plain documents ("Problem: ... Solution: ..." for champ) cut every
+    way, when one is shorter than `seq_len` (`kvpop.train.data.document_rows`). `concat`: one stream of plain documents ("Problem: ... Solution: ..." for champ) cut every
     `seq_len` tokens, so that a row begins mid-document and its first tokens are arbitrary (`pack_sequences`).
 
     A mixture (`champ,pystdlib:0.5`, `kvpop.train.mix`) divides `sequences` among its sources by their

@@ -37,7 +37,7 @@ Each line of the JSONL file:
 Nothing finished is lost: each sequence is appended to `FILE.jsonl.partial` as soon as its batch ends
 (after a header naming the run), and `FILE.jsonl` is written whole from it at the end. A run stopped by
 a time limit or Ctrl-C is continued by the same command (`resume`; a partial file of another run is
-refused, `--force` starts over). The first GPU run lost 200 s of generation to a time limit without it.
+refused, `--force` starts over), so a time limit costs at most the batch that was running.
 
 `text` is the prompt's and the generated tokens decoded together with their special tokens (the chat
 markers, the EOS): what the model read and wrote (tokenized again, the same tokens, except where the

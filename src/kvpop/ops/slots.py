@@ -12,7 +12,7 @@ and nowhere otherwise. Slots nobody takes are emptied (keys and values 0, positi
 slots, one gather per buffer), `write_slots_kernel` with one Triton launch per call (a program per row of slots
 clears its row, then scatters each held candidate's key, value, position and priority into its slot).
 `write_slots` picks: the kernel on CUDA, where `generate`'s eager prefill is bound by its launches
-(docs/RESULTS.md), the reference elsewhere. Both write the same bytes: each slot's
+(docs/speed.md), the reference elsewhere. Both write the same bytes: each slot's
 fields are copied from one candidate or filled.
 
 One decode step (`step_slots`) is the same rule for a single new token (`KVPOP.md` Sec. 7): the token leaving the
@@ -21,7 +21,7 @@ cascades compare it with two pools in turn (`ops.dynamic.reference.static_first_
 `step_slots_reference` is those functions and one write per buffer (reductions, gathers, compares and eight to
 fifteen `index_put_`s, each its own kernel inside a captured step); `step_slots_kernel` does it in one launch, a
 program per (row, KV head), for every rule. At SmolLM2's size a decode step is bound by the number of kernels per
-layer, not by their bytes (docs/RESULTS.md).
+layer, not by their bytes (docs/speed.md).
 """
 
 from __future__ import annotations

@@ -589,7 +589,7 @@ def document_rows(texts: Sequence[str], tokenizer: Any, seq_len: int, *, rows: i
     documents in order from its first one until it holds `seq_len` tokens, cutting the last one; the
     next row begins at the document after the last one this row touched, so no document is in two rows.
     A final row that the documents cannot fill is dropped. `pack_sequences` instead cuts one stream of
-    documents anywhere (training, and the evaluation of earlier sessions: `kvpop eval --packing concat`).
+    documents anywhere (training, and `kvpop eval --packing concat`).
 
     Args:
         texts: documents, in order.

@@ -14,9 +14,9 @@ GATHER_MIN_WORK = 5e10
 """The CUDA rule of `auto_backend`: the gathered tiles train when `batch x query heads x head dim x S x (S / 2 -
 (budget + tile))` reaches this. The product is the causal attention work (in multiply-adds per pass, up to a
 constant) that gathering saves against FlexAttention over the whole sequence, which computes nearly every causal
-tile because the kept keys are scattered (docs/RESULTS.md: 60-100 % of the tiles for 23 % of the pairs); the gathered
+tile because the kept keys are scattered (docs/training.md: 60-100 % of the tiles for 23 % of the pairs); the gathered
 tiles compute `budget + tile` keys per query. What they cost in return is host time per layer: about 60 more launches
-and a sort, which a step bound by its launches pays in full. Measured on an H100 (docs/RESULTS.md): at SmolLM2's
+and a sort, which a step bound by its launches pays in full. Measured on an H100 (docs/training.md): at SmolLM2's
 shape, S = 8192, B = 1024 (product 1.2e10) a distillation step was 1.05-1.4x slower with them; at the Qwen3-4B
 shape, S = 16k, B = 2048 (3.8e11) one layer's forward + backward was 3.4x faster (11.9 against 40.1 ms). The
 threshold sits between, where the saved work (about 14 x the product in flops forward and backward, at a few hundred

@@ -36,7 +36,7 @@ def flex_with_lse(fn, *args, **kwargs) -> tuple[Tensor, Tensor]:
     """(out, lse) of `fn`, FlexAttention compiled or not, by `return_aux` where torch has it.
 
     torch >= 2.9 deprecates `return_lse`, and its warn-once check is a guard of the compiled function: the
-    second call compiled it again (seen in `generate` on an H100, twenty-first session), one of the 8
+    second call compiles it again (as `generate` does on an H100), one of the 8
     recompiles dynamo allows before it falls back to eager FlexAttention.
     """
     with warnings.catch_warnings():

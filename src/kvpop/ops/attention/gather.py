@@ -2,7 +2,7 @@
 
 The training path's FlexAttention runs on the sequence's own layout, where the kept tokens are spread over the whole
 history: nearly every causal tile holds some kept key, so it computes 60-100 % of the causal tiles for 23 % of the
-pairs (`bench/train_attention_tiles.py`, docs/RESULTS.md, eighteenth session). Here each tile of `block` queries
+pairs (`bench/train_attention_tiles.py`, docs/training.md). Here each tile of `block` queries
 first gathers the keys visible to any of its queries, then attends to those alone. Visibility is an interval
 (`[pos_t, alive_t)`, `block_mask.alive_until`), so a tile's keys are the ones its first query holds (at most the
 budget) plus the ones inserted within the tile: at most `sink + window + topk + block - 1`, whatever the sequence
@@ -12,8 +12,7 @@ FlexAttention, the CPU's fused kernel, the reference), and autograd scatters the
 
 Exact: every query sees the same keys as under `sparse_attention` (`tests/test_attention_gather.py`, values and
 gradients). Its cost is memory: the gathered keys and values are `ceil(Q / block) * U / N` times the layer's own
-(about 5x at S = 16k, B = 2048 with CUDA's tiles of 512). Timed (docs/RESULTS.md, eighteenth and nineteenth
-sessions): the CPU's training default (`sparse_attention` "auto" with gradients), 2.4-4.4x faster than the
+(about 5x at S = 16k, B = 2048 with CUDA's tiles of 512). Timed (docs/training.md): the CPU's training default (`sparse_attention` "auto" with gradients), 2.4-4.4x faster than the
 whole-sequence mask per layer at S = 2048, a full distillation step 1.29x; on an H100 at the Qwen3-4B shape, S = 16k,
 B = 2048, forward + backward 11.9 ms against FlexAttention's 40.1 ms over the sequence (dense SDPA: 14.3 ms), yet a
 SmolLM2 distillation step (S = 8192) was slower with it, bound by the host: on CUDA "auto" takes it where the work
@@ -106,7 +105,7 @@ BLOCK = {"cuda": 512, "cpu": 128}
 """Queries per gathered tile by device. A tile gathers up to `budget + block - 1` keys, so the copies of K and V are
 `(budget + block) / block` times the keys' own; longer tiles copy less and give FlexAttention longer problems, at a
 little more compute. On an H100 (S = 16k, B = 2048) forward + backward took 15.3 / 13.5 / 12.7 ms at tiles of
-256 / 512 / 1024, and 39.4 ms at 64 (docs/RESULTS.md, nineteenth session: 512 keeps the memory lower at smaller
+256 / 512 / 1024, and 39.4 ms at 64 (docs/training.md; 512 keeps the memory lower at smaller
 budgets, not measured); the CPU's fused kernel was timed at 128."""
 
 

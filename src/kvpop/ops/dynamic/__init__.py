@@ -158,7 +158,7 @@ def dynamic_walk(
         if query.is_cuda:
             from kvpop.ops.dynamic.kernel import available
 
-            # measured on an H200 at the Qwen3-8B shape (docs/RESULTS.md, ninth session): the parallel walk
+            # measured on an H200 at the Qwen3-8B shape (docs/speed.md): the parallel walk
             # is faster for the head average (paper TOVA: 20 vs 26 us/token), the kernel for the rest (6.5
             # vs 16-28); the CPU keeps the torch walk, whose floats are the decode step's bit for bit
             # KVpop-TOVA's "prior" is the head average plus a per-token constant: the same walk

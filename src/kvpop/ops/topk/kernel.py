@@ -286,7 +286,7 @@ def kth_beater_tiled(
     # before[row, b, j]: ranked tokens of rank < b * block_r in position tiles <= j
     before = torch.cumsum(cnt, dim=1, dtype=torch.int32) - cnt
     # 128 ranks a program with 4 warps: the fastest of 54 tile choices at S = 16384 on an H100 (0.088 ms against
-    # 0.118 for the earlier 64 ranks with 8 warps; `bench_train_attention.py --sweep`, RESULTS, seventeenth session)
+    # 0.118 for 64 ranks with 8 warps; `bench/bench_train_attention.py --sweep`, docs/training.md)
     # pos_ptr, elig_ptr, H, s_ob, s_oh, WINDOW, NEVER: read only by `evictions_ordered`'s launch (SORTED)
     _kth_beater_tiled_kernel[(n_blocks, R)](order, rank, ranked, before, out, S, n_tiles, topk,
                                             out, ranked, 1, 0, 0, 0, 0,
@@ -315,7 +315,7 @@ def evictions_ordered(
     the tile counts also invert the permutation (each token's rank); a cumulative sum; and the two-level kernel
     writes eviction positions directly (`e = max(pos_t, P_k(t)) + w`, an eligible unranked token's `pos_t + w`,
     `never` otherwise) where `kth_beater_tiled` leaves `P_k`'s token to a dozen more operations. On CUDA those
-    operations were most of the cutoffs' time, which is bound by the host's launches (RESULTS, nineteenth session).
+    operations were most of the cutoffs' time, which is bound by the host's launches (docs/training.md).
 
     Args:
         priority: float32 [B, H, S]; position: int64 [B, H, S]; valid: bool [B, H, S]; expanded views are read

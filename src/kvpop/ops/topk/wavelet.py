@@ -103,8 +103,8 @@ def eviction_positions(
             it they run on a copy of each row sorted by position (one sort, three gathers, a scatter).
         backend: "auto" (the two-level Triton kernel on CUDA, else the wavelet matrix), "wavelet",
             "triton" (the two-level kernel, `kernel.evictions_ordered`), "triton_unfused" (the same kernel
-            with its masks, sort key and epilogue as separate PyTorch operations, as it ran before the fusion:
-            the fusion's same-run baseline) or "triton_scan" (the earlier tile-scan kernel, `kernel.kth_beater`,
+            with its masks, sort key and epilogue as separate PyTorch operations: the
+            fusion's same-run baseline) or "triton_scan" (the one-level tile-scan kernel, `kernel.kth_beater`,
             kept for comparison); the Triton ones also run on CPU under `TRITON_INTERPRET=1`.
     Returns:
         int64 [B, H, N]; sinks and invalid tokens get `NEVER`.
