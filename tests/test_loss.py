@@ -1,4 +1,4 @@
-"""Tests of the boundary loss (`kvpop.train.loss`, `KVPOP.md` Sec. 5).
+"""Tests of the boundary loss (`kvpop.train.loss`, `docs/method.md` Sec. 5).
 
 Run: `python -m pytest tests/test_loss.py -q`.
 """

@@ -208,7 +208,7 @@ def tiny():
 
 
 def oracle_brute_force(model, ids) -> list[torch.Tensor]:
-    """The oracle of `KVPOP.md` Sec. 4-5 from an explicit float64 dense softmax of each layer."""
+    """The oracle of `docs/method.md` Sec. 4-5 from an explicit float64 dense softmax of each layer."""
     cfg = kvpop_modules(model).config
     records = Capture()
     with torch.no_grad(), quiet():

@@ -131,7 +131,7 @@ def test_keys_without_future_queries_get_log_eps(backend):
 
 
 def test_reference_matches_the_formula_written_out():
-    # the reference itself, checked once against loops over the definition in KVPOP.md Sec. 4
+    # the reference itself, checked once against loops over the definition in docs/method.md Sec. 4
     B, Hq, Hkv, S, D, w, eps = 1, 4, 2, 9, 4, 2, 1e-3
     query, key, lse = make_inputs(B, Hq, Hkv, S, D, seed=5)
     lse = perturb(lse, amount=0.5)

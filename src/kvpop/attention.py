@@ -42,7 +42,7 @@ ATTENTION_NAME = "kvpop"
 
 @dataclass
 class LayerRecord:
-    """What one layer's teacher-forced forward exposes for training (`KVPOP.md` Sec. 4-5)."""
+    """What one layer's teacher-forced forward exposes for training (`docs/method.md` Sec. 4-5)."""
 
     layer_idx: int
     query: Tensor  # [B, Hq, S, D]

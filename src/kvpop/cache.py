@@ -1,4 +1,4 @@
-"""KVpopCache: a bounded KV cache of `sink + window + topk` slots per (layer, KV head) (`KVPOP.md` Sec. 7).
+"""KVpopCache: a bounded KV cache of `sink + window + topk` slots per (layer, KV head) (`docs/method.md` Sec. 7).
 
 Slot layout of every layer, the same for every head (so a decode step has static shapes):
 

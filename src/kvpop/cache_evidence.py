@@ -1,4 +1,4 @@
-"""The evidence scorer's part of the bounded cache (`KVPOP.md` Sec. 7b): window accumulators and readouts.
+"""The evidence scorer's part of the bounded cache (`docs/method.md` Sec. 8): window accumulators and readouts.
 
 Per layer the cache keeps, for each window ring slot, the sum, max and latest of the window-normalised
 attention its token received so far (`EvidenceState.acc`, and the key before RoPE for

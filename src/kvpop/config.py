@@ -1,4 +1,4 @@
-"""KVpopConfig: every knob of the method in one validated dataclass (`KVPOP.md`, Sec. 1-5).
+"""KVpopConfig: every knob of the method in one validated dataclass (`docs/method.md`, Sec. 1-5).
 
 A bad value raises `ValueError` naming the field, the value and what is allowed, so a typo on the
 command line never turns into a silently different experiment.
@@ -73,7 +73,7 @@ class KVpopConfig:
     topk: int = DEFAULT_BUDGET - DEFAULT_SINK - DEFAULT_BUDGET // 4
     """Long-range slots filled by the learned ranking of older tokens. >= 0 (0 = StreamingLLM pattern)."""
     layer_topk: tuple[int, ...] | None = None
-    """Per-layer budgets (an extension, `KVPOP.md` Sec. 7b): layer `l` keeps `sink + window + layer_topk[l]`
+    """Per-layer budgets (an extension, `docs/method.md` Sec. 8): layer `l` keeps `sink + window + layer_topk[l]`
     entries per KV head. Their mean must equal `topk`, so the total memory is that of the uniform split
     (`sum_l B_l = L x budget`). None: `topk` in every layer. `kvpop budgets` allocates them from measured
     per-layer sensitivity; `for_layer(l)` is the config layer `l` runs."""
@@ -107,14 +107,14 @@ class KVpopConfig:
     gamma_init: float = 0.9
     """Initial per-head decay `gamma_h = sigmoid(theta_h)`, strictly between 0 and 1."""
     tova_prior: float | None = None
-    """KVpop-TOVA (an extension, `KVPOP.md` Sec. 7b; mlp scorer only). None: the paper's static rule. A weight
+    """KVpop-TOVA (an extension, `docs/method.md` Sec. 8; mlp scorer only). None: the paper's static rule. A weight
     `alpha >= 0`: decode and evaluate dynamically, ranking each slot by TOVA's evidence (the latest query's
     attention averaged over every query head of the layer, as TOVA's paper ranks) plus `alpha * exp(r)`, the scorer's prediction of the
     token's future attention, fixed at insertion. The scorer trains as KVpop-mlp (the static rule), with its
     per-head bias `b2` calibrated so that `exp(r)` estimates the target's future attention mass. Measured worse
     than TOVA at every weight tried (docs/policies.md)."""
     tova_pool: int = 0
-    """KVpop-cascade (an extension, `KVPOP.md` Sec. 7b; mlp scorer only): how many of the `topk` long-range slots
+    """KVpop-cascade (an extension, `docs/method.md` Sec. 8; mlp scorer only): how many of the `topk` long-range slots
     form a pool ranked by TOVA (the latest query's attention, per KV head) that takes the static rule's rejects.
     0: the paper's static rule. With `n > 0`, a token leaving the window competes for the `topk - n` static slots
     by its learned priority; the loser of that competes for the `n` TOVA slots by its current attention; the

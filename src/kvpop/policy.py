@@ -1,4 +1,4 @@
-"""The retention rule of KVpop (`KVPOP.md` Sec. 1-2): static priorities, eviction and the mask.
+"""The retention rule of KVpop (`docs/method.md` Sec. 1-2): static priorities, eviction and the mask.
 
 Every execution - the dense reference, the training/prefill attention and the decoding cache -
 reduces to two facts per token: its static priority `pi[t]`, and the first query position at which
@@ -49,7 +49,7 @@ def _check_rule_args(priority: Tensor, sink: int, window: int, topk: int) -> Non
 
 
 def retention_mask(priority: Tensor, sink: int, window: int, topk: int) -> Tensor:
-    """The dense retention mask `M[b, h, q, t]` of `KVPOP.md` Sec. 2 (reference; `S x S`).
+    """The dense retention mask `M[b, h, q, t]` of `docs/method.md` Sec. 2 (reference; `S x S`).
 
     Args:
         priority: float32 [B, H, S], static priorities of positions `0 .. S-1`.
@@ -344,7 +344,7 @@ class EvidenceState(NamedTuple):
 
 
 class EvidencePolicy(ScorerPolicy):
-    """KVpop with the delayed evidence scorer (`KVPOP.md` Sec. 7b): token `t` scored when it leaves the window.
+    """KVpop with the delayed evidence scorer (`docs/method.md` Sec. 8): token `t` scored when it leaves the window.
 
     Its score reads `[k_t; v_t]` and what the queries `t .. t + w - 1` of its window gave it
     (`kvpop.ops.evidence`), so it is a delayed scorer with `delay = window`: the priority is known

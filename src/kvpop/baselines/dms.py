@@ -9,7 +9,7 @@ its decays). It gives every token a logit `a_t` at insertion. `alpha_t = 1` mean
 leaves the delayed-eviction window": our protected window `w` plays DMS's delay, so a token is always
 attendable for `w` steps after insertion, and sinks are never evicted.
 
-Inference (hard): `alpha_t = [a_t > 0]`, mapped onto the shared static-priority rule (`KVPOP.md`
+Inference (hard): `alpha_t = [a_t > 0]`, mapped onto the shared static-priority rule (`docs/method.md`
 Sec. 2) as `pi[t] = -inf` if `alpha_t = 1`, else `0`. The rule never gives a `-inf` token a long-range
 slot, so it is dropped as it leaves the window, and its slot stays free for others. Kept tokens all
 tie at 0, and ties go to the newer token, so when a head wants to keep more than `topk` tokens the

@@ -1,4 +1,4 @@
-"""Per-layer budgets at the same total memory (`KVPOP.md` Sec. 7b): measure, then allocate.
+"""Per-layer budgets at the same total memory (`docs/method.md` Sec. 8): measure, then allocate.
 
     kvpop budgets --model smollm2-135m --data champ --seq-len 2048 --budget 256 --sequences 2 --out b256.json
     kvpop train ... --budget 256 --layer-budgets b256.json

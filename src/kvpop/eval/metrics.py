@@ -6,7 +6,7 @@
   the sequences were batched.
 - `RetentionRecall`: the share of the oracle's long-range top-k that a policy also keeps under the
   same budget (the paper's Fig. 7), per layer and KV head, in `O(S log S)` per (sequence, head)
-  without an `S x S` tensor. `oracle_priorities` computes the oracle's ranking (`KVPOP.md` Sec. 4-5)
+  without an `S x S` tensor. `oracle_priorities` computes the oracle's ranking (`docs/method.md` Sec. 4-5)
   from the dense model itself; `model_recall` is the whole measurement for one model.
 - `is_correct` / `pass_at_1`: final answers scored with `math-verify`.
 """
@@ -225,7 +225,7 @@ def recall_sums(
     Args:
         teacher: float32 [B, H, S], the oracle's static priorities.
         model: float32 [B, H, S], the policy's static priorities.
-        sink, window, topk: the budget split of `KVPOP.md` Sec. 1; `topk >= 1`.
+        sink, window, topk: the budget split of `docs/method.md` Sec. 1; `topk >= 1`.
     Returns:
         (float64 [B, H] sum of `recall(q)` over `q = sink + window + topk .. S - 1`, number of those queries).
     """
@@ -361,7 +361,7 @@ def priorities_from_records(
     cfg: KVpopConfig,
     window: int | None = None,
 ) -> list[Tensor]:
-    """The oracle's static priorities from the records of a dense forward (`KVPOP.md` Sec. 4-5).
+    """The oracle's static priorities from the records of a dense forward (`docs/method.md` Sec. 4-5).
 
     `r_tgt` is the future attention mass of each key under the dense model's own attention (its
     dense log-normaliser), with the target settings of `cfg`; the priority adds the layer's decay.

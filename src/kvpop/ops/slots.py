@@ -15,7 +15,7 @@ clears its row, then scatters each held candidate's key, value, position and pri
 (docs/speed.md), the reference elsewhere. Both write the same bytes: each slot's
 fields are copied from one candidate or filled.
 
-One decode step (`step_slots`) is the same rule for a single new token (`KVPOP.md` Sec. 7): the token leaving the
+One decode step (`step_slots`) is the same rule for a single new token (`docs/method.md` Sec. 7): the token leaving the
 window replaces the weakest long-range slot if it beats it, then the new token takes its sink or ring slot; the
 cascades compare it with two pools in turn (`ops.dynamic.reference.static_first_step`, `tova_first_step`).
 `step_slots_reference` is those functions and one write per buffer (reductions, gathers, compares and eight to

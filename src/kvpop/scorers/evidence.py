@@ -1,4 +1,4 @@
-"""The delayed evidence scorer (`KVPOP.md` Sec. 7b): a token scored from `[k; v]` and the attention its window gave it.
+"""The delayed evidence scorer (`docs/method.md` Sec. 8): a token scored from `[k; v]` and the attention its window gave it.
 
 When token `t` leaves the window (query `t + w`), the `w` queries `t .. t + w - 1` have all attended
 it. Per query head `g` of its KV head the scorer reads three numbers about the window-normalised

@@ -1,4 +1,4 @@
-"""The stateless scorer of KVpop-mlp (`KVPOP.md` Sec. 3): `r[t] = W2 silu(W1 [k_t; v_t] + b1) + b2`.
+"""The stateless scorer of KVpop-mlp (`docs/method.md` Sec. 3): `r[t] = W2 silu(W1 [k_t; v_t] + b1) + b2`.
 
 One set of weights per KV head, all heads evaluated by one batched matmul. The score of a token depends on
 that token alone, so the decoding cache computes it once, when the token is inserted.

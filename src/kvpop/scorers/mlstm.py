@@ -1,4 +1,4 @@
-"""The stateful scorer of KVpop (`KVPOP.md` Sec. 3): a per-head mLSTM memory with delayed readout.
+"""The stateful scorer of KVpop (`docs/method.md` Sec. 3): a per-head mLSTM memory with delayed readout.
 
 Every token `t` is inserted into a matrix memory `C (d x d), n (d), m` (xLSTM's mLSTM: exponential
 input gate, log-sigmoid forget gate, max-stabiliser `m`); token `t` is *read out* with the memory
@@ -264,7 +264,7 @@ def mlstm_scan(
 
 
 def _float32(method):
-    """Run a scorer method with autocast off: `KVPOP.md` wants scores in float32, and bf16 einsums tie them."""
+    """Run a scorer method with autocast off: `docs/method.md` wants scores in float32, and bf16 einsums tie them."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
@@ -444,7 +444,7 @@ class MLSTMScorer(nn.Module):
         return self.d * self.d + self.d + 1
 
     def state_entries(self) -> int:
-        """KV entries the memory costs per head, `ceil((d*d + d) / (2D))` (`KVPOP.md` Sec. 3)."""
+        """KV entries the memory costs per head, `ceil((d*d + d) / (2D))` (`docs/method.md` Sec. 3)."""
         return -(-(self.d * self.d + self.d) // (2 * self.head_dim))
 
     def extra_repr(self) -> str:

@@ -1,1 +1,1 @@
-"""Training of the scorers: data, supervision target, boundary loss and the training loop (`KVPOP.md` Sec. 4-6)."""
+"""Training of the scorers: data, supervision target, boundary loss and the training loop (`docs/method.md` Sec. 4-6)."""

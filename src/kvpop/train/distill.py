@@ -1,4 +1,4 @@
-"""Distillation of a KVpop retrofit (`KVPOP.md` Sec. 6): the trainer behind `kvpop train`.
+"""Distillation of a KVpop retrofit (`docs/method.md` Sec. 6): the trainer behind `kvpop train`.
 
     kvpop train --model tiny-random-qwen3 --data notes.txt --seq-len 256 --sink 4 --window 32 --topk 64 \
         --steps 100 --out runs/tiny

@@ -1,4 +1,4 @@
-"""The boundary loss that trains the scorers (`KVPOP.md` Sec. 5).
+"""The boundary loss that trains the scorers (`docs/method.md` Sec. 5).
 
 At every sampled query `q` the token `t_new = q - w` leaves the window and challenges `t_bnd`,
 the weakest token the teacher retains at `q - 1`. The teacher's decision (keep `t_new` or drop

@@ -178,7 +178,7 @@ def sparse_block_mask(
         q_pos: int64 [B, Q], query positions; q_valid: bool [B, Q].
         k_pos: int64 [B, N], key positions; k_valid: bool [B, N].
         evict: int64 [B, Hkv, N], eviction positions of the keys (`NEVER` if never).
-        sink, window: the budget split of `KVPOP.md` Sec. 1.
+        sink, window: the budget split of `docs/method.md` Sec. 1.
         num_q_heads: `Hq`, a multiple of `Hkv`.
         backend: "auto" (the Triton kernels on CUDA, else torch), "torch" (`tile_states` and a
             stable argsort per table), or "triton" (`block_mask_kernel.py`: the statistics in one

@@ -126,7 +126,7 @@ def flex_sparse_attention(
         q_pos: int64 [B, Q]; q_valid: bool [B, Q] (False for padding queries).
         k_pos: int64 [B, N]; k_valid: bool [B, N] (False for padding keys).
         evict: int64 [B, Hkv, N], each key's eviction position (`NEVER` if never).
-        sink, window: the budget split of `KVPOP.md` Sec. 1.
+        sink, window: the budget split of `docs/method.md` Sec. 1.
         scale: logit scale (usually `D ** -0.5`).
         block_size: FlexAttention's sparse block size (128 unless the kernel is tuned otherwise).
         softcap: the model's logit soft-capping `c * tanh(l / c)` of the scaled logits, as a `score_mod`; None: none.

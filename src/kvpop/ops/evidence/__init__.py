@@ -1,4 +1,4 @@
-"""Window evidence: the attention a token receives from the queries of its own window (`KVPOP.md` Sec. 7b).
+"""Window evidence: the attention a token receives from the queries of its own window (`docs/method.md` Sec. 8).
 
 For local entry `i` (a key) and query head `(h, g)`, the queries `d` of its window are those with
 `i <= d <= i + w - 1`; each gives it the *window-normalised* probability

@@ -1,4 +1,4 @@
-"""The training target of the scorers: how much attention each key gets from the far future (`KVPOP.md` Sec. 4).
+"""The training target of the scorers: how much attention each key gets from the far future (`docs/method.md` Sec. 4).
 
 `reference.py` is the dense float64 definition (tests only); `chunked.py` a loop over query chunks
 for any device; `flex.py` one transposed FlexAttention pass for CUDA. Both fast backends return the

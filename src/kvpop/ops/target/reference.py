@@ -1,4 +1,4 @@
-"""The future-attention target straight from its definition (`KVPOP.md` Sec. 4): dense, float64, tests only.
+"""The future-attention target straight from its definition (`docs/method.md` Sec. 4): dense, float64, tests only.
 
 It materialises the `[S, S]` matrix of probabilities `p(d -> t)` per query head, so keep `S` to a few
 hundred. It sums masses in linear space (no log-sum-exp tricks), so it shares no numerics with the

@@ -1,4 +1,4 @@
-"""The retention rule straight from its definition (`KVPOP.md` Sec. 2): dense, slow, obviously right.
+"""The retention rule straight from its definition (`docs/method.md` Sec. 2): dense, slow, obviously right.
 
 Used by tests and as the ground truth every fast path is compared with. It materialises `S x S`
 (and an `S x S x S` product), so keep `S` to a few hundred.
@@ -24,7 +24,7 @@ def beats(priority: Tensor) -> Tensor:
 
 
 def retention_mask_reference(priority: Tensor, sink: int, window: int, topk: int) -> Tensor:
-    """`M[b, h, q, t]` of `KVPOP.md` Sec. 2.
+    """`M[b, h, q, t]` of `docs/method.md` Sec. 2.
 
     Args:
         priority: float32 [B, H, S], static priorities.

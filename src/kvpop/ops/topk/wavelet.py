@@ -97,7 +97,7 @@ def eviction_positions(
         priority: float32 [B, H, N], static priorities.
         position: int64 [B, H, N], positions within the sequence (distinct among valid tokens).
         valid: bool [B, H, N], False for padding and empty slots (their result is meaningless).
-        sink, window, topk: the budget split of `KVPOP.md` Sec. 1.
+        sink, window, topk: the budget split of `docs/method.md` Sec. 1.
         ordered: the valid tokens are stored in increasing position order (a teacher-forced
             sequence, padding anywhere). The Triton kernels (`kernel.py`) need that order: without
             it they run on a copy of each row sorted by position (one sort, three gathers, a scatter).
@@ -200,7 +200,7 @@ def _eviction_ordered_unfused(priority: Tensor, position: Tensor, ranked: Tensor
 
 
 def boundary_tokens(priority: Tensor, sink: int, window: int, topk: int | Tensor) -> Tensor:
-    """For each query `q`, the weakest token of the top-k of `E(q - 1)` (`KVPOP.md` Sec. 5's `t_bnd`).
+    """For each query `q`, the weakest token of the top-k of `E(q - 1)` (`docs/method.md` Sec. 5's `t_bnd`).
 
     Args:
         priority: float32 [B, H, S] over a whole sequence (positions `0 .. S-1`).
