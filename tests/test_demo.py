@@ -107,3 +107,19 @@ def test_demo_end_to_end_with_a_small_plan(tmp_path, monkeypatch, capsys, shippe
     assert "Long-context tasks" in out and "Long generation at B = 32" in out
     with pytest.raises(ValueError, match=r"task_budgets \[128\] are not trained"):
         demo.DemoPlan(budgets=(64, 32), task_budgets=(128,))
+
+
+def test_the_demo_runs_the_shipped_scorers_at_its_budgets():
+    # the shipped directory holds the static rule it was trained for; the demo moves it to each budget and runs the
+    # recommended policy there
+    from kvpop import pretrained
+    from kvpop.eval.demo import shipped_entries
+    from kvpop.retrofit import read_config
+
+    path = pretrained.shipped("smollm2-135m")
+    assert path is not None
+    entries = shipped_entries("smollm2-135m", (512, 256))
+    assert [(e.name, e.budget) for e in entries] == [("kvpop-shipped", 512), ("kvpop-shipped", 256)]
+    for e in entries:
+        assert e.cfg == read_config(path).at_budget(e.budget).recommended()
+        assert e.cfg.tova_head_average and e.cfg.window == 1 and e.cfg.budget == e.budget

@@ -88,6 +88,12 @@ def test_export_writes_bfloat16_scorers_with_their_recipe(shipped):
         assert value.dtype == torch.float32 and torch.equal(value, want[name].to(torch.bfloat16).float()), name
     assert {p.name for p in path.iterdir()} == {"kvpop_config.json", "kvpop_scorers.safetensors", "kvpop_base.json",
                                                 "kvpop_format.json"}
+    # the config is the one trained (the static rule): loading runs the recommended policy, as loading the run does,
+    # and the demo moves it to its budgets
+    saved = read_config(path)
+    assert saved.static_mlp and saved.budget == model.kvpop.config.budget
+    assert loaded.kvpop.config == saved.recommended()
+    assert saved.at_budget(8).budget == 8
 
 
 def test_export_refuses_weights_it_cannot_ship(root, tmp_path, shipped):
@@ -214,7 +220,10 @@ def test_smollm2_ships_trained_scorers():
     assert record["recipe"] and record["date"] and record["dtype"] == "bfloat16"
     if not smollm2.available():
         pytest.skip(f"smollm2-135m cannot be loaded here: {smollm2.install_command()}")
+    saved = read_config(path)
+    assert saved.static_mlp, f"{path}: its config must be the static rule it was trained for (bench/ship_scorers.py)"
     model = kvpop.load(path)
+    assert model.kvpop.config == saved.recommended()
     ids = torch.arange(100, 400)[None]
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()

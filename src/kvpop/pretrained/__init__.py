@@ -112,7 +112,9 @@ def export(final: str | Path, preset: str, out: str | Path | None = None, *, rec
     out = ROOT / preset if out is None else Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise ValueError(f"{out} exists: pass force=True (--force) to replace it")
-    model = kvpop.load(final, device="cpu")
+    # the config as trained (a KVpop-mlp's static rule), so that loading the shipped directory applies the same
+    # default rule as loading the run itself (`KVpopConfig.for_rule`), and `at_budget` can move it to other budgets
+    model = kvpop.load(final, device="cpu", rule="static")
     _check_frozen(final, preset, model)
     mods = kvpop_modules(model)
     if date is None:
