@@ -588,9 +588,8 @@ def demo_quick() -> str:
                      f(r["ppl_ratio"])])
     out = [table(["budget", "policy", "top-1 agreement", "KL", "ppl ratio"], rows, "llrrr"), ""]
     out += [f"- {line}" for line in d["verdict"]]
-    out += ["", f"The demo ran {d['demo_seconds'] / 60:.0f} min (it printed {d['demo_seconds']:.0f} s); the set-up "
-                f"command, installs included, {d['wall_seconds'] / 60:.0f} min.", "",
-            source(d["command"], d["device"], d["commit"], d["date"])]
+    out += ["", f"The demo ran {d['demo_seconds'] / 60:.1f} minutes (it printed {d['demo_seconds']:.0f} s), the installs "
+                "not counted.", "", source(d["command"], d["device"], d["commit"], d["date"])]
     return "\n".join(out)
 
 

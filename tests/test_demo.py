@@ -87,8 +87,9 @@ def test_demo_end_to_end_with_a_small_plan(tmp_path, monkeypatch, capsys, shippe
     assert rows["kvpop-static", 64]["rule"].startswith("the static rule at budget 64")
     assert rows["kvpop-static", 64]["recall"] is not None and "recall" not in rows["kvpop", 64]
     assert rows["kvpop-shipped", 32]["trained"] == str(shipped_dir[0]) and result["shipped"] == str(shipped_dir[0])
-    # one verdict line per budget, under the table and in table.txt
-    assert [line.split(":")[0] for line in result["verdict"]] == ["B = 64", "B = 32"]
+    # one verdict line per budget and learned row (the shipped weights first), under the table and in table.txt
+    assert [" ".join(line.split()[:4]) for line in result["verdict"]] == [
+        "B = 64: kvpop-shipped", "B = 32: kvpop-shipped", "B = 64: kvpop", "B = 32: kvpop"]
     assert all(line in out for line in result["verdict"])
     assert (tmp_path / "demo" / "table.txt").read_text().strip().endswith(result["verdict"][-1])
     for name in ("eviction_pattern", "recall_per_layer", "memory_latency", "tasks", "fidelity"):
