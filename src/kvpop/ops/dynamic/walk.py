@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kvpop.ops.attention.reference import slot_probs
-from kvpop.ops.dynamic.reference import move_slot, tova_first_step
+from kvpop.ops.dynamic.reference import move_slot
 from kvpop.ops.dynamic.score import LAYER_CASCADES, Score, score_update
 
 _LAST = torch.iinfo(torch.long).max
@@ -46,6 +46,9 @@ def dynamic_walk_torch(
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """See `ops.dynamic.dynamic_walk`."""
+    if score in LAYER_CASCADES:
+        return layer_cascade_walk(query, key, slot_keys, slot_pos, slot_pri, slot_prior, position, valid, priority, sink,
+                                  window, topk, scale, score, pool, decay, softcap)
     s, w, k = sink, window, topk
     pool = k if pool is None else pool
     static = k - pool  # KVpop-cascade's static pool (ranked by `slot_prior`), the long-range slots before the rest
@@ -104,11 +107,7 @@ def dynamic_walk_torch(
     full = False
 
     for j in range(C):
-        if decide[j] and score in LAYER_CASCADES:
-            # the layer-wide cascades: their decision is comparisons only, so the decode step's own code serves
-            out = tova_first_step((keys, pos, pri, prior), pos, pri, prior, idx[j], leave[j], s + w, static, pool)
-            ev[j].copy_(out.masked_fill(~leave[j], -1))
-        elif decide[j]:
+        if decide[j]:
             leave_pos, leave_pri = pos.gather(2, idx[j]), pri.gather(2, idx[j])
             if static:
                 # KVpop-cascade: the static pool first (the leaving token is the newest: it wins ties), then
@@ -162,3 +161,147 @@ def dynamic_walk_torch(
                                prior_n if has_prior else None, decay)
         pri_n.copy_(torch.where(real[j], updated, pri_n) if padded else updated)
     return evicted[..., 0], pos_n, pri_n, (prior_n if has_prior else None)
+
+
+def layer_cascade_walk(
+    query: Tensor,  # [B, Hq, C, D]
+    key: Tensor,  # [B, H, C, D]
+    slot_keys: Tensor,  # [B, H, N, D]
+    slot_pos: Tensor,  # [B, H, N]
+    slot_pri: Tensor,  # [B, H, N]
+    slot_prior: Tensor,  # [B, H, N]
+    position: Tensor,  # [B, C]
+    valid: Tensor,  # [B, C]
+    priority: Tensor,  # [B, H, C]
+    sink: int,
+    window: int,
+    topk: int,
+    scale: float,
+    score: Score,
+    pool: int,
+    decay: float = 1.0,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`dynamic_walk_torch` for the layer-wide cascades ("cascade_mean", "cascade_sum"): `tova_first_step`'s decisions
+    and moves in about half its operations.
+
+    A slot's position, score and static priority are one record (float64 holds an int64 position below 2**53 and a
+    float32 exactly, and orders them as their own types do), so reading a slot's record is one `index_select` and
+    moving a slot one `index_copy_` of its key and one of its record, by flat indices into the buffers. The decision
+    is `tova_first_step`'s, without the tests that cannot change a bit (`README.md`).
+    """
+    s, w, k = sink, window, topk
+    static = k - pool
+    lo, top = s + w, s + w + static  # the static pool's first slot, the score pool's first
+    B, Hq, C, D = query.shape
+    H, N = key.shape[1], slot_pos.shape[-1]
+    G, BH, M = Hq // H, B * H, N + 1
+    dev, f64 = key.device, torch.float64
+    # the decode step's slot layout, a scratch slot last in each row: its matmul sees the same keys
+    keys = torch.cat([slot_keys, slot_keys.new_zeros(B, H, 1, D)], dim=2)
+    keys_n, keys_flat = keys[:, :, :N], keys.view(BH * M, D)
+    rec = torch.stack([slot_pos, slot_pri, slot_prior]).to(f64).view(3, BH, N)
+    rec = torch.cat([rec, rec.new_tensor([-1.0, float("-inf"), float("-inf")])[:, None, None].expand(3, BH, 1)], 2)
+    rec_flat = rec.view(3, BH * M)
+    pos_n, pri_n = rec[0, :, :N].view(B, H, N), rec[1, :, :N].view(B, H, N)
+    t_pos, t_pri = rec[0, :, top:N], rec[1, :, top:N]  # the pool ranked by the score, [BH, pool]
+    s_pos, s_rank = rec[0, :, lo:top], rec[2, :, lo:top]  # the static pool, [BH, static]
+    # each row's first slot, as a flat index
+    row = torch.arange(0, BH * M, M, device=dev)
+    row_t, row_s, scratch = row + top, row + lo, row + N
+    inf = torch.tensor(float("inf"), dtype=f64, device=dev)
+
+    # per-token inputs, prepared once; each list holds C views
+    slot = torch.where(position < s, position.clamp(min=0), s + (position - s).clamp(min=0) % w)  # [B, C]
+    padded = not bool(valid.all())  # host syncs: a few per chunk, none per token
+    leaving = valid & (position >= s + w)  # [B, C]
+    decide = leaving.any(0).tolist()
+    every = leaving.all(0).tolist()  # every row has a token leaving: no move to mask
+    # the tests against -inf change a bit only where a token has a score or a static priority of -inf
+    held = slot_pos >= 0
+    finite = bool((priority > float("-inf")).all()) and bool(((slot_pri > float("-inf")) &
+                                                               (slot_prior > float("-inf")) | ~held).all())
+    may_fill = (position.amin(0) >= N - 1).tolist()
+    dst = torch.where(valid, slot, N) if padded else slot
+    at = (row[:, None] + slot[:, None].expand(B, H, C).reshape(BH, C)).T  # [C, BH]: the leaving token's slot
+    leave = leaving[:, None].expand(B, H, C).reshape(BH, C).T.unbind(0)  # [BH]
+    real = valid[:, None, :, None].unbind(2)  # [B, 1, 1]
+    # each step writes its slots in one `index_copy_` per buffer, from staging rows read before it: first the moves
+    # (the static pool's, then the score pool's, as `tova_first_step` makes them), then the new token. A move not
+    # made writes the scratch slot; the slots written are otherwise distinct, and every read comes first
+    moves = (static > 0) + (pool > 0)
+    m, e = moves * BH, (moves + 1) * BH
+    to = torch.empty(C, e, dtype=torch.long, device=dev)
+    to[:, m:] = (row[:, None] + dst[:, None].expand(B, H, C).reshape(BH, C)).T
+    src = torch.empty(C, m, dtype=torch.long, device=dev)
+    if moves:
+        src[:, m - BH:] = at  # the last move takes the leaving token (with one pool, the only move)
+    stage_k = torch.empty(C, e, D, dtype=keys.dtype, device=dev)
+    stage_k[:, m:] = key.permute(2, 0, 1, 3).reshape(C, BH, D)
+    # a new token's record: its position, a score of 0 (no attention seen yet) and its static priority
+    stage_r = torch.empty(C, 3, e, dtype=f64, device=dev)
+    new_pos = position.to(f64)[:, None].expand(B, H, C)
+    stage_r[:, :, m:] = torch.stack([new_pos, torch.zeros_like(new_pos), priority.to(f64)]).view(3, BH, C).permute(2, 0, 1)
+    at, to, src, stage_k, stage_r = at.unbind(0), to.unbind(0), src.unbind(0), stage_k.unbind(0), stage_r.unbind(0)
+    queries = (query.reshape(B, H, G, C, D).float() * scale).transpose(2, 3).contiguous().unbind(2)  # [B, H, G, D]
+    evicted = torch.full((C, BH), -1, dtype=f64, device=dev)
+    ev = evicted.unbind(0)
+    full = False
+
+    for j in range(C):
+        if decide[j]:
+            # the leaving token's record, [3, BH], read into the last move's staging row
+            out = torch.index_select(rec_flat, 1, at[j], out=stage_r[j][:, m - BH : m] if moves else None)
+            if pool:
+                # the pool's weakest (lowest score, then oldest; empty slots first): the leaving token is newer than
+                # every token there, so it wins a tie of scores
+                low = t_pri.amin(-1, keepdim=True)
+                w_pos, w_idx = torch.where(t_pri == low, t_pos, inf).min(-1)
+                w_idx += row_t
+                promote_t = out[1] >= low[:, 0]
+                if not every[j]:
+                    promote_t &= leave[j]
+                if not finite:
+                    promote_t &= out[1] > float("-inf")
+                torch.where(promote_t, w_idx, scratch, out=to[j][m - BH : m])
+            cand = out
+            if static and pool:
+                # the static pool's candidate: the score pool's weakest where the leaving token took its slot
+                torch.where(promote_t, w_idx, at[j], out=src[j][:BH])
+                cand = torch.index_select(rec_flat, 1, src[j][:BH], out=stage_r[j][:, :BH])
+            if static:
+                # it meets the static pool's weakest by (static priority, position): the candidate may be older
+                cand_pos, _, cand_rank = cand.unbind(0)
+                s_low = s_rank.amin(-1, keepdim=True)
+                s_at, s_idx = torch.where(s_rank == s_low, s_pos, inf).min(-1)
+                s_low = s_low[:, 0]
+                promote_s = torch.where(cand_rank == s_low, cand_pos > s_at, cand_rank > s_low)
+                if not every[j]:
+                    promote_s &= leave[j]
+                if not finite:
+                    promote_s &= cand_rank > float("-inf")
+                torch.where(promote_s, s_at, cand_pos, out=ev[j])
+                torch.where(promote_s, s_idx + row_s, scratch, out=to[j][:BH])
+            elif pool:
+                torch.where(promote_t, w_pos, out[0], out=ev[j])
+            else:
+                ev[j].copy_(out[0])
+            if padded or not every[j]:
+                ev[j].masked_fill_(~leave[j], -1)
+            if moves:
+                torch.index_select(keys_flat, 0, src[j], out=stage_k[j][:m])
+            keys_flat.index_copy_(0, to[j], stage_k[j])
+            rec_flat.index_copy_(1, to[j], stage_r[j])
+        else:
+            keys_flat.index_copy_(0, to[j][m:], stage_k[j][m:])
+            rec_flat.index_copy_(1, to[j][m:], stage_r[j][:, m:])
+        if not full and may_fill[j]:
+            full = bool((pos_n >= 0).all())
+        occupied = None if full else pos_n >= 0
+        probs = slot_probs(queries[j], keys_n, occupied, softcap)
+        # "cascade_mean" overwrites every occupied slot's score: the old scores matter only where slots are empty
+        updated = score_update(score, pri_n if full and score == "cascade_mean" else pri_n.float(), probs, occupied,
+                               None, decay)
+        pri_n.copy_(torch.where(real[j], updated, pri_n) if padded else updated)
+    f32 = torch.float32
+    return evicted.T.long().contiguous().view(B, H, C), pos_n.long(), pri_n.to(f32), rec[2, :, :N].reshape(B, H, N).to(f32)
