@@ -16,6 +16,8 @@ token" it wins every tie; the reference's two-part comparison reduces to `leave_
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -183,12 +185,13 @@ def layer_cascade_walk(
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`dynamic_walk_torch` for the layer-wide cascades ("cascade_mean", "cascade_sum"): `tova_first_step`'s decisions
-    and moves in about half its operations.
+    and moves in about a third of its operations.
 
     A slot's position, score and static priority are one record (float64 holds an int64 position below 2**53 and a
-    float32 exactly, and orders them as their own types do), so reading a slot's record is one `index_select` and
-    moving a slot one `index_copy_` of its key and one of its record, by flat indices into the buffers. The decision
-    is `tova_first_step`'s, without the tests that cannot change a bit (`README.md`).
+    float32 exactly, and orders them as their own types do), and the buffers are indexed flat: reading a slot's
+    record is one `index_select`, and a step writes every slot it changes (the moves, then the new token) in one
+    `index_copy_` of keys and one of records, from staging rows filled by the reads. The decision is
+    `tova_first_step`'s, without the tests that cannot change a bit (`README.md`).
     """
     s, w, k = sink, window, topk
     static = k - pool
@@ -206,8 +209,8 @@ def layer_cascade_walk(
     pos_n, pri_n = rec[0, :, :N].view(B, H, N), rec[1, :, :N].view(B, H, N)
     t_pos, t_pri = rec[0, :, top:N], rec[1, :, top:N]  # the pool ranked by the score, [BH, pool]
     s_pos, s_rank = rec[0, :, lo:top], rec[2, :, lo:top]  # the static pool, [BH, static]
-    # each row's first slot, as a flat index
-    row = torch.arange(0, BH * M, M, device=dev)
+    # each row's first slot as a flat index, [BH, 1]: the per-row values below are such columns
+    row = torch.arange(0, BH * M, M, device=dev)[:, None]
     row_t, row_s, scratch = row + top, row + lo, row + N
     inf = torch.tensor(float("inf"), dtype=f64, device=dev)
 
@@ -222,79 +225,98 @@ def layer_cascade_walk(
     finite = bool((priority > float("-inf")).all()) and bool(((slot_pri > float("-inf")) &
                                                                (slot_prior > float("-inf")) | ~held).all())
     may_fill = (position.amin(0) >= N - 1).tolist()
-    dst = torch.where(valid, slot, N) if padded else slot
-    at = (row[:, None] + slot[:, None].expand(B, H, C).reshape(BH, C)).T  # [C, BH]: the leaving token's slot
-    leave = leaving[:, None].expand(B, H, C).reshape(BH, C).T.unbind(0)  # [BH]
-    real = valid[:, None, :, None].unbind(2)  # [B, 1, 1]
-    # each step writes its slots in one `index_copy_` per buffer, from staging rows read before it: first the moves
-    # (the static pool's, then the score pool's, as `tova_first_step` makes them), then the new token. A move not
-    # made writes the scratch slot; the slots written are otherwise distinct, and every read comes first
+
+    def per_row(x: Tensor) -> Tensor:  # [B, C] -> [C, BH, 1]
+        return x[:, None].expand(B, H, C).reshape(BH, C).T[..., None]
+
+    at = row + per_row(slot)  # the leaving token's slot
+    leave, real = per_row(leaving).unbind(0), valid[:, None, :, None].unbind(2)  # [BH, 1], [B, 1, 1]
+    # the slots each step writes, all in one `index_copy_` per buffer from staging rows that the reads fill: the
+    # moves first (the static pool's, then the score pool's, as `tova_first_step` makes them), then the new token's.
+    # A move not made writes the scratch slot; the other slots written are distinct, and every read comes first
     moves = (static > 0) + (pool > 0)
     m, e = moves * BH, (moves + 1) * BH
-    to = torch.empty(C, e, dtype=torch.long, device=dev)
-    to[:, m:] = (row[:, None] + dst[:, None].expand(B, H, C).reshape(BH, C)).T
-    src = torch.empty(C, m, dtype=torch.long, device=dev)
+    first, last = slice(0, BH), slice(m - BH, m)  # the first move's rows, the last's (it moves the leaving token)
+    to = torch.empty(C, e, 1, dtype=torch.long, device=dev)
+    to[:, m:] = row + per_row(torch.where(valid, slot, N) if padded else slot)
+    src = torch.empty(C, m, 1, dtype=torch.long, device=dev)
     if moves:
-        src[:, m - BH:] = at  # the last move takes the leaving token (with one pool, the only move)
+        src[:, last] = at
+    # while every row's pool has an empty slot, the pool takes the leaving token into one, whose loser is that empty
+    # slot (position -1, static priority -inf), which the static pool never takes: the first `spare` deciding steps
+    # make no static move (their rows below stay so, the scratch slot)
+    spare = 0
+    if static and pool and finite:
+        to[:, first], src[:, first] = scratch, at
+        empty = t_pos < 0
+        if bool(((t_pri == float("-inf")) & (rec[2, :, top:N] == float("-inf")) | ~empty).all()):
+            spare = int(empty.sum(-1).min())
+    early = [d and n <= spare for d, n in zip(decide, itertools.accumulate(decide))]
     stage_k = torch.empty(C, e, D, dtype=keys.dtype, device=dev)
     stage_k[:, m:] = key.permute(2, 0, 1, 3).reshape(C, BH, D)
     # a new token's record: its position, a score of 0 (no attention seen yet) and its static priority
     stage_r = torch.empty(C, 3, e, dtype=f64, device=dev)
     new_pos = position.to(f64)[:, None].expand(B, H, C)
-    stage_r[:, :, m:] = torch.stack([new_pos, torch.zeros_like(new_pos), priority.to(f64)]).view(3, BH, C).permute(2, 0, 1)
-    at, to, src, stage_k, stage_r = at.unbind(0), to.unbind(0), src.unbind(0), stage_k.unbind(0), stage_r.unbind(0)
+    new_rec = torch.stack([new_pos, torch.zeros_like(new_pos), priority.to(f64)]).view(3, BH, C).permute(2, 0, 1)
+    stage_r[:, :, m:] = new_rec
+    # views of the staging rows: the leaving token's record and its score, the static pool's candidate's record,
+    # position and static priority, the moves' slots
+    out = (stage_r[:, :, last], stage_r[:, 0, last, None], stage_r[:, 1, last, None], stage_r[:, 2, last, None])
+    # with one pool the leaving token is the static pool's candidate
+    cand = (stage_r[:, :, first], stage_r[:, 0, first, None], stage_r[:, 2, first, None]) if pool else (out[0], out[1], out[3])
+    (out, out_pos, out_pri, _), (cand, cand_pos, cand_rank) = ([x.unbind(0) for x in v] for v in (out, cand))
+    to_s, to_t, src_s, src_s_flat = to[:, first].unbind(0), to[:, last].unbind(0), src[:, first].unbind(0), src[:, first, 0].unbind(0)
+    src_flat, to_flat, moved_k, new_k, new_r, to_new = (x.unbind(0) for x in (src[..., 0], to[..., 0], stage_k[:, :m],
+                                                        stage_k[:, m:], stage_r[:, :, m:], to[:, m:, 0]))
+    at, at_flat, stage_k, stage_r = at.unbind(0), at[..., 0].unbind(0), stage_k.unbind(0), stage_r.unbind(0)
     queries = (query.reshape(B, H, G, C, D).float() * scale).transpose(2, 3).contiguous().unbind(2)  # [B, H, G, D]
-    evicted = torch.full((C, BH), -1, dtype=f64, device=dev)
+    evicted = torch.full((C, BH, 1), -1, dtype=f64, device=dev)
     ev = evicted.unbind(0)
     full = False
 
     for j in range(C):
-        if decide[j]:
-            # the leaving token's record, [3, BH], read into the last move's staging row
-            out = torch.index_select(rec_flat, 1, at[j], out=stage_r[j][:, m - BH : m] if moves else None)
+        if decide[j] and moves:
+            torch.index_select(rec_flat, 1, at_flat[j], out=out[j])  # the leaving token's record
             if pool:
                 # the pool's weakest (lowest score, then oldest; empty slots first): the leaving token is newer than
                 # every token there, so it wins a tie of scores
                 low = t_pri.amin(-1, keepdim=True)
-                w_pos, w_idx = torch.where(t_pri == low, t_pos, inf).min(-1)
+                w_pos, w_idx = torch.where(t_pri == low, t_pos, inf).min(-1, keepdim=True)
                 w_idx += row_t
-                promote_t = out[1] >= low[:, 0]
+                promote_t = out_pri[j] >= low
                 if not every[j]:
                     promote_t &= leave[j]
                 if not finite:
-                    promote_t &= out[1] > float("-inf")
-                torch.where(promote_t, w_idx, scratch, out=to[j][m - BH : m])
-            cand = out
-            if static and pool:
-                # the static pool's candidate: the score pool's weakest where the leaving token took its slot
-                torch.where(promote_t, w_idx, at[j], out=src[j][:BH])
-                cand = torch.index_select(rec_flat, 1, src[j][:BH], out=stage_r[j][:, :BH])
-            if static:
+                    promote_t &= out_pri[j] > float("-inf")
+                torch.where(promote_t, w_idx, scratch, out=to_t[j])
+                if static and not early[j]:
+                    # the static pool's candidate: the pool's weakest where the leaving token took its slot
+                    torch.where(promote_t, w_idx, at[j], out=src_s[j])
+                    torch.index_select(rec_flat, 1, src_s_flat[j], out=cand[j])
+            if static and not early[j]:
                 # it meets the static pool's weakest by (static priority, position): the candidate may be older
-                cand_pos, _, cand_rank = cand.unbind(0)
                 s_low = s_rank.amin(-1, keepdim=True)
-                s_at, s_idx = torch.where(s_rank == s_low, s_pos, inf).min(-1)
-                s_low = s_low[:, 0]
-                promote_s = torch.where(cand_rank == s_low, cand_pos > s_at, cand_rank > s_low)
+                s_at, s_idx = torch.where(s_rank == s_low, s_pos, inf).min(-1, keepdim=True)
+                promote_s = torch.where(cand_rank[j] == s_low, cand_pos[j] > s_at, cand_rank[j] > s_low)
                 if not every[j]:
                     promote_s &= leave[j]
                 if not finite:
-                    promote_s &= cand_rank > float("-inf")
-                torch.where(promote_s, s_at, cand_pos, out=ev[j])
-                torch.where(promote_s, s_idx + row_s, scratch, out=to[j][:BH])
-            elif pool:
-                torch.where(promote_t, w_pos, out[0], out=ev[j])
-            else:
-                ev[j].copy_(out[0])
+                    promote_s &= cand_rank[j] > float("-inf")
+                torch.where(promote_s, s_at, cand_pos[j], out=ev[j])
+                s_idx += row_s
+                torch.where(promote_s, s_idx, scratch, out=to_s[j])
+            elif not static:
+                torch.where(promote_t, w_pos, out_pos[j], out=ev[j])
             if padded or not every[j]:
                 ev[j].masked_fill_(~leave[j], -1)
-            if moves:
-                torch.index_select(keys_flat, 0, src[j], out=stage_k[j][:m])
-            keys_flat.index_copy_(0, to[j], stage_k[j])
-            rec_flat.index_copy_(1, to[j], stage_r[j])
+            torch.index_select(keys_flat, 0, src_flat[j], out=moved_k[j])
+            keys_flat.index_copy_(0, to_flat[j], stage_k[j])
+            rec_flat.index_copy_(1, to_flat[j], stage_r[j])
         else:
-            keys_flat.index_copy_(0, to[j][m:], stage_k[j][m:])
-            rec_flat.index_copy_(1, to[j][m:], stage_r[j][:, m:])
+            if decide[j]:  # no long-range slots: the leaving token goes
+                ev[j][:, 0] = rec_flat[0].index_select(0, at_flat[j]).masked_fill(~leave[j][:, 0], -1)
+            keys_flat.index_copy_(0, to_new[j], new_k[j])
+            rec_flat.index_copy_(1, to_new[j], new_r[j])
         if not full and may_fill[j]:
             full = bool((pos_n >= 0).all())
         occupied = None if full else pos_n >= 0
@@ -304,4 +326,5 @@ def layer_cascade_walk(
                                None, decay)
         pri_n.copy_(torch.where(real[j], updated, pri_n) if padded else updated)
     f32 = torch.float32
-    return evicted.T.long().contiguous().view(B, H, C), pos_n.long(), pri_n.to(f32), rec[2, :, :N].reshape(B, H, N).to(f32)
+    return (evicted[..., 0].T.long().contiguous().view(B, H, C), pos_n.long(), pri_n.to(f32),
+            rec[2, :, :N].reshape(B, H, N).to(f32))
