@@ -7,7 +7,9 @@ scaled query and per-token input prepared once per chunk; the decision skipped a
 has a token leaving the window; the occupancy mask dropped once every slot is taken (it then changes
 no bit); padding handled only when a chunk has any. The loop over positions remains, since each
 decision depends on the last; everything inside it is vectorised over the batch and the heads.
-The chunk's attention output is computed afterwards, in one sparse-attention call.
+The chunk's attention output is computed afterwards, in one sparse-attention call. The layer-wide cascades
+("cascade_mean", "cascade_sum", the recommended policy) have their own loop (`layer_cascade_walk`): each slot one
+record, flat indices, one write per buffer and step (`README.md`).
 
 Why the comparison with the weakest slot needs no position tie-break: the token leaving the window is
 newer than every long-range token (those left the window earlier), so under "ties go to the newer
@@ -83,8 +85,12 @@ def dynamic_walk_torch(
     padded = not bool(valid.all())  # host syncs: a few per chunk, none per token
     leaving = valid & (position >= s + w)  # [B, C]
     decide = leaving.any(0).tolist()
+    every = leaving.all(0).tolist()  # every row has a token leaving: no move to mask
     # a token of priority -inf never takes a long-range slot: only then is that test needed
     finite = bool((priority > float("-inf")).all()) and bool(((slot_pri > float("-inf")) | (slot_pos < 0)).all())
+    # the scores but H2O's overwrite every occupied slot's priority after the step, so the priority a moved or new
+    # token brings is never read: only "sum" writes it
+    accumulate = score == "sum"
     # once a row's position reaches N - 1 its slots may be full; checked from there until they are
     may_fill = (position.amin(0) >= N - 1).tolist()
     dst = torch.where(valid, slot, N) if padded else slot
@@ -97,8 +103,6 @@ def dynamic_walk_torch(
     new_key = key.to(keys.dtype)[:, :, :, None].unbind(2)  # [B, H, 1, D]
     new_pos = position[:, None, :, None].expand(B, H, C, 1).unbind(2)
     new_pri = priority.float()[..., None].unbind(2)
-    # with a prior a new token's score starts at 0 (`ops.dynamic.score`): one zero column serves every step
-    start = torch.zeros(B, H, 1, device=dev) if has_prior else None
     # the decode step scales each query (elementwise: the same bits for the whole chunk at once)
     queries = (query.reshape(B, H, G, C, D).float() * scale).transpose(2, 3).contiguous().unbind(2)  # [B, H, G, D]
     last = torch.tensor(_LAST, device=dev)
@@ -134,15 +138,18 @@ def dynamic_walk_torch(
             elif k > 0:
                 weakest_pri = top_pri.amin(-1, keepdim=True)
                 # among equal weakest priorities the older token is weaker; empty slots (-inf, -1) go first
-                widx = torch.where(top_pri == weakest_pri, top_pos, last).argmin(-1, keepdim=True)
-                promote = (leave_pri >= weakest_pri) & leave[j]
+                weakest_pos, widx = torch.where(top_pri == weakest_pri, top_pos, last).min(-1, keepdim=True)
+                promote = leave_pri >= weakest_pri
+                if not every[j]:
+                    promote &= leave[j]
                 if not finite:
                     promote &= leave_pri > float("-inf")
-                torch.where(promote, top_pos.gather(2, widx), leave_pos, out=ev[j])
+                torch.where(promote, weakest_pos, leave_pos, out=ev[j])
                 to = torch.where(promote, widx, scratch)
                 keys_top.scatter_(2, to[..., None].expand(B, H, 1, D), keys.gather(2, idx4[j]))
                 pos_top.scatter_(2, to, leave_pos)
-                pri_top.scatter_(2, to, leave_pri)
+                if accumulate:
+                    pri_top.scatter_(2, to, leave_pri)
                 if has_prior:
                     prior_top.scatter_(2, to, prior.gather(2, idx[j]))
             else:
@@ -152,9 +159,8 @@ def dynamic_walk_torch(
         keys.scatter_(2, dst4[j], new_key[j])
         pos.scatter_(2, dst1[j], new_pos[j])
         if has_prior:  # a new token's prior is its priority at insertion
-            pri.scatter_(2, dst1[j], start)
             prior.scatter_(2, dst1[j], new_pri[j])
-        else:
+        elif accumulate:
             pri.scatter_(2, dst1[j], new_pri[j])
         if not full and may_fill[j]:
             full = bool((pos_n >= 0).all())
@@ -185,13 +191,14 @@ def layer_cascade_walk(
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`dynamic_walk_torch` for the layer-wide cascades ("cascade_mean", "cascade_sum"): `tova_first_step`'s decisions
-    and moves in about a third of its operations.
+    and moves in a third of its operations.
 
-    A slot's position, score and static priority are one record (float64 holds an int64 position below 2**53 and a
-    float32 exactly, and orders them as their own types do), and the buffers are indexed flat: reading a slot's
-    record is one `index_select`, and a step writes every slot it changes (the moves, then the new token) in one
-    `index_copy_` of keys and one of records, from staging rows filled by the reads. The decision is
-    `tova_first_step`'s, without the tests that cannot change a bit (`README.md`).
+    A slot's score, position and static priority are one record (float64 holds a float32 and an int64 position below
+    2**53 exactly, and orders them as their own types do), and the buffers are indexed flat: reading a slot's record
+    is one `index_select`, and a step writes every slot it changes (its moves, then the new token) with one
+    `index_copy_` of keys and one of records, from staging rows that the reads fill. The decision is
+    `tova_first_step`'s, in fewer operations (`README.md`): the static pool's weakest is sought among the candidate
+    and the static pool together, and the candidate goes in if it is not the weakest of them.
     """
     s, w, k = sink, window, topk
     static = k - pool
@@ -199,19 +206,20 @@ def layer_cascade_walk(
     B, Hq, C, D = query.shape
     H, N = key.shape[1], slot_pos.shape[-1]
     G, BH, M = Hq // H, B * H, N + 1
-    dev, f64 = key.device, torch.float64
+    dev, f64, long = key.device, torch.float64, torch.long
+    ninf = float("-inf")
     # the decode step's slot layout, a scratch slot last in each row: its matmul sees the same keys
     keys = torch.cat([slot_keys, slot_keys.new_zeros(B, H, 1, D)], dim=2)
     keys_n, keys_flat = keys[:, :, :N], keys.view(BH * M, D)
-    rec = torch.stack([slot_pos, slot_pri, slot_prior]).to(f64).view(3, BH, N)
-    rec = torch.cat([rec, rec.new_tensor([-1.0, float("-inf"), float("-inf")])[:, None, None].expand(3, BH, 1)], 2)
+    rec = torch.stack([slot_pri, slot_pos, slot_prior]).to(f64).view(3, BH, N)
+    rec = torch.cat([rec, rec.new_tensor([ninf, -1.0, ninf])[:, None, None].expand(3, BH, 1)], 2)
     rec_flat = rec.view(3, BH * M)
-    pos_n, pri_n = rec[0, :, :N].view(B, H, N), rec[1, :, :N].view(B, H, N)
-    t_pos, t_pri = rec[0, :, top:N], rec[1, :, top:N]  # the pool ranked by the score, [BH, pool]
-    s_pos, s_rank = rec[0, :, lo:top], rec[2, :, lo:top]  # the static pool, [BH, static]
+    pri_n, pos_n = rec[0, :, :N].view(B, H, N), rec[1, :, :N].view(B, H, N)
+    t_pri, t_pos = rec[0, :, top:N], rec[1, :, top:N]  # the pool ranked by the score, [BH, pool]
+    s_rec = rec[1:, :, lo:top]  # the static pool's positions and static priorities, [2, BH, static]
     # each row's first slot as a flat index, [BH, 1]: the per-row values below are such columns
     row = torch.arange(0, BH * M, M, device=dev)[:, None]
-    row_t, row_s, scratch = row + top, row + lo, row + N
+    row_t, scratch = row + top, row + N
     inf = torch.tensor(float("inf"), dtype=f64, device=dev)
 
     # per-token inputs, prepared once; each list holds C views
@@ -222,8 +230,7 @@ def layer_cascade_walk(
     every = leaving.all(0).tolist()  # every row has a token leaving: no move to mask
     # the tests against -inf change a bit only where a token has a score or a static priority of -inf
     held = slot_pos >= 0
-    finite = bool((priority > float("-inf")).all()) and bool(((slot_pri > float("-inf")) &
-                                                               (slot_prior > float("-inf")) | ~held).all())
+    finite = bool((priority > ninf).all()) and bool(((slot_pri > ninf) & (slot_prior > ninf) | ~held).all())
     may_fill = (position.amin(0) >= N - 1).tolist()
 
     def per_row(x: Tensor) -> Tensor:  # [B, C] -> [C, BH, 1]
@@ -231,44 +238,50 @@ def layer_cascade_walk(
 
     at = row + per_row(slot)  # the leaving token's slot
     leave, real = per_row(leaving).unbind(0), valid[:, None, :, None].unbind(2)  # [BH, 1], [B, 1, 1]
-    # the slots each step writes, all in one `index_copy_` per buffer from staging rows that the reads fill: the
-    # moves first (the static pool's, then the score pool's, as `tova_first_step` makes them), then the new token's.
-    # A move not made writes the scratch slot; the other slots written are distinct, and every read comes first
+    # each step writes its slots with one `index_copy_` per buffer, from staging rows that its reads fill: the new
+    # token's slot and the moves' (the static pool's move, then the score pool's, as `tova_first_step` makes them).
+    # A move not made writes the scratch slot; the other slots written are distinct, and every read comes first.
+    # Index rows per step: the slots written (the new token's, the moves'), then the moves' sources
     moves = (static > 0) + (pool > 0)
-    m, e = moves * BH, (moves + 1) * BH
-    first, last = slice(0, BH), slice(m - BH, m)  # the first move's rows, the last's (it moves the leaving token)
-    to = torch.empty(C, e, 1, dtype=torch.long, device=dev)
-    to[:, m:] = row + per_row(torch.where(valid, slot, N) if padded else slot)
-    src = torch.empty(C, m, 1, dtype=torch.long, device=dev)
-    if moves:
-        src[:, last] = at
+    rows = max(moves, 1)  # without long-range slots the moves' rows are there but unused
+    ix = torch.empty(C, 1 + 2 * rows, BH, 1, dtype=long, device=dev)
+    ix[:, 0] = row + per_row(torch.where(valid, slot, N) if padded else slot)
+    ix[:, 1 + moves :] = at[:, None]  # the moves' sources: the leaving token, unless the static move takes another
+    stage_k = torch.empty(C, 1 + rows, BH, D, dtype=keys.dtype, device=dev)
+    stage_k[:, 0] = key.permute(2, 0, 1, 3).reshape(C, BH, D)
+    # a new token's record: a score of 0 (no attention seen yet), its position and its static priority
+    stage_r = torch.empty(C, 3, 1 + rows, BH, dtype=f64, device=dev)
+    new_pos = position.to(f64)[:, None].expand(B, H, C)
+    stage_r[:, :, 0] = torch.stack([torch.zeros_like(new_pos), new_pos, priority.to(f64)]).view(3, BH, C).permute(2, 0, 1)
+    # the leaving token's record (the last move's row), its score and position; the static pool's candidate's
+    # position and static priority (the first move's row), and its slot in the static move's source row
+    out, out_pri, out_pos = stage_r[:, :, moves], stage_r[:, 0, moves, :, None], stage_r[:, 1, moves, :, None]
+    cand, cand_pr = stage_r[:, :, 1], stage_r[:, 1:, 1, :, None]
+    # the score pool's move: its slot (or the scratch slot), and the static move's source, one `where` for both
+    to_t_src_s = ix[:, moves : moves + 2]
+    to_s, cand_at = ix[:, 1], ix[:, 1 + moves, :, 0]
+    to_flat, src_flat = ix[:, : 1 + moves].flatten(1), ix[:, 1 + moves :].flatten(1)
+    views = (out, out_pri, out_pos, cand, cand_pr, to_t_src_s, to_s, cand_at, to_flat, src_flat, at[..., 0],
+             stage_k.flatten(1, 2), stage_k[:, 1:].flatten(1, 2), stage_r.flatten(2))
+    (out, out_pri, out_pos, cand, cand_pr, to_t_src_s, to_s, cand_at, to_flat, src_flat, at_flat, all_k, moved_k,
+     all_r) = (v.unbind(0) for v in views)
+    # the score pool's move writes the scratch slot where not made; the static move reads the leaving token's slot
+    scratch_at = torch.stack([scratch.expand(C, BH, 1), at], dim=1).unbind(0)  # [2, BH, 1]
+    # the static pool's candidate and its slots side by side, [2, BH, 1 + static]: positions, static priorities
+    side = torch.empty(2, BH, 1 + static, dtype=f64, device=dev)
+    side_pos, side_rank = side
+    i = torch.empty(BH, 1, dtype=long, device=dev)  # the weakest's side-by-side index
+    row_s = row + lo - 1  # a side-by-side index `i >= 1` is static slot `lo + i - 1`
     # while every row's pool has an empty slot, the pool takes the leaving token into one, whose loser is that empty
     # slot (position -1, static priority -inf), which the static pool never takes: the first `spare` deciding steps
     # make no static move (their rows below stay so, the scratch slot)
     spare = 0
     if static and pool and finite:
-        to[:, first], src[:, first] = scratch, at
+        ix[:, 1] = scratch
         empty = t_pos < 0
-        if bool(((t_pri == float("-inf")) & (rec[2, :, top:N] == float("-inf")) | ~empty).all()):
+        if bool(((t_pri == ninf) & (rec[2, :, top:N] == ninf) | ~empty).all()):
             spare = int(empty.sum(-1).min())
     early = [d and n <= spare for d, n in zip(decide, itertools.accumulate(decide))]
-    stage_k = torch.empty(C, e, D, dtype=keys.dtype, device=dev)
-    stage_k[:, m:] = key.permute(2, 0, 1, 3).reshape(C, BH, D)
-    # a new token's record: its position, a score of 0 (no attention seen yet) and its static priority
-    stage_r = torch.empty(C, 3, e, dtype=f64, device=dev)
-    new_pos = position.to(f64)[:, None].expand(B, H, C)
-    new_rec = torch.stack([new_pos, torch.zeros_like(new_pos), priority.to(f64)]).view(3, BH, C).permute(2, 0, 1)
-    stage_r[:, :, m:] = new_rec
-    # views of the staging rows: the leaving token's record and its score, the static pool's candidate's record,
-    # position and static priority, the moves' slots
-    out = (stage_r[:, :, last], stage_r[:, 0, last, None], stage_r[:, 1, last, None], stage_r[:, 2, last, None])
-    # with one pool the leaving token is the static pool's candidate
-    cand = (stage_r[:, :, first], stage_r[:, 0, first, None], stage_r[:, 2, first, None]) if pool else (out[0], out[1], out[3])
-    (out, out_pos, out_pri, _), (cand, cand_pos, cand_rank) = ([x.unbind(0) for x in v] for v in (out, cand))
-    to_s, to_t, src_s, src_s_flat = to[:, first].unbind(0), to[:, last].unbind(0), src[:, first].unbind(0), src[:, first, 0].unbind(0)
-    src_flat, to_flat, moved_k, new_k, new_r, to_new = (x.unbind(0) for x in (src[..., 0], to[..., 0], stage_k[:, :m],
-                                                        stage_k[:, m:], stage_r[:, :, m:], to[:, m:, 0]))
-    at, at_flat, stage_k, stage_r = at.unbind(0), at[..., 0].unbind(0), stage_k.unbind(0), stage_r.unbind(0)
     queries = (query.reshape(B, H, G, C, D).float() * scale).transpose(2, 3).contiguous().unbind(2)  # [B, H, G, D]
     evicted = torch.full((C, BH, 1), -1, dtype=f64, device=dev)
     ev = evicted.unbind(0)
@@ -287,36 +300,40 @@ def layer_cascade_walk(
                 if not every[j]:
                     promote_t &= leave[j]
                 if not finite:
-                    promote_t &= out_pri[j] > float("-inf")
-                torch.where(promote_t, w_idx, scratch, out=to_t[j])
+                    promote_t &= out_pri[j] > ninf
                 if static and not early[j]:
                     # the static pool's candidate: the pool's weakest where the leaving token took its slot
-                    torch.where(promote_t, w_idx, at[j], out=src_s[j])
-                    torch.index_select(rec_flat, 1, src_s_flat[j], out=cand[j])
+                    torch.where(promote_t, w_idx, scratch_at[j], out=to_t_src_s[j])
+                    torch.index_select(rec_flat, 1, cand_at[j], out=cand[j])
+                else:
+                    torch.where(promote_t, w_idx, scratch, out=to_t_src_s[j][0])
+                if not static:
+                    torch.where(promote_t, w_pos, out_pos[j], out=ev[j])
             if static and not early[j]:
-                # it meets the static pool's weakest by (static priority, position): the candidate may be older
-                s_low = s_rank.amin(-1, keepdim=True)
-                s_at, s_idx = torch.where(s_rank == s_low, s_pos, inf).min(-1, keepdim=True)
-                promote_s = torch.where(cand_rank[j] == s_low, cand_pos[j] > s_at, cand_rank[j] > s_low)
+                # the candidate and the static pool side by side, weakest first by (static priority, position) and
+                # the candidate first in a full tie: it goes in where it is not the weakest, and the weakest goes
+                torch.cat([cand_pr[j], s_rec], dim=2, out=side)
+                low = side_rank.amin(-1, keepdim=True)
+                torch.min(torch.where(side_rank == low, side_pos, inf), -1, keepdim=True, out=(ev[j], i))
+                promote_s = i > 0
                 if not every[j]:
                     promote_s &= leave[j]
                 if not finite:
-                    promote_s &= cand_rank[j] > float("-inf")
-                torch.where(promote_s, s_at, cand_pos[j], out=ev[j])
-                s_idx += row_s
-                torch.where(promote_s, s_idx, scratch, out=to_s[j])
-            elif not static:
-                torch.where(promote_t, w_pos, out_pos[j], out=ev[j])
+                    promote_s &= side_rank[:, :1] > ninf
+                    torch.where(promote_s, ev[j], side_pos[:, :1], out=ev[j])
+                i += row_s
+                torch.where(promote_s, i, scratch, out=to_s[j])
             if padded or not every[j]:
                 ev[j].masked_fill_(~leave[j], -1)
             torch.index_select(keys_flat, 0, src_flat[j], out=moved_k[j])
-            keys_flat.index_copy_(0, to_flat[j], stage_k[j])
-            rec_flat.index_copy_(1, to_flat[j], stage_r[j])
+            keys_flat.index_copy_(0, to_flat[j], all_k[j])
+            rec_flat.index_copy_(1, to_flat[j], all_r[j])
         else:
             if decide[j]:  # no long-range slots: the leaving token goes
-                ev[j][:, 0] = rec_flat[0].index_select(0, at_flat[j]).masked_fill(~leave[j][:, 0], -1)
-            keys_flat.index_copy_(0, to_new[j], new_k[j])
-            rec_flat.index_copy_(1, to_new[j], new_r[j])
+                ev[j][:, 0] = rec_flat[1].index_select(0, at_flat[j]).masked_fill(~leave[j][:, 0], -1)
+            # the new token alone: the first rows
+            keys_flat.index_copy_(0, to_flat[j][:BH], all_k[j][:BH])
+            rec_flat.index_copy_(1, to_flat[j][:BH], all_r[j][:, :BH])
         if not full and may_fill[j]:
             full = bool((pos_n >= 0).all())
         occupied = None if full else pos_n >= 0
