@@ -246,8 +246,8 @@ def test_torch_walk_equals_the_reference_walk(B, Hkv, G, S, D, sink, window, top
 
 
 @pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk,pool", [
-    (2, 3, 2, 40, 8, 0, 1, 9, 6), (2, 2, 2, 50, 8, 2, 3, 8, 3), (2, 3, 1, 36, 4, 0, 1, 5, 0), (2, 2, 2, 36, 4, 0, 1, 5, 5),
-    (1, 2, 3, 30, 4, 1, 2, 0, 0),
+    (2, 3, 2, 40, 8, 0, 1, 9, 6), (2, 2, 2, 50, 8, 2, 3, 8, 3), (2, 3, 1, 36, 4, 0, 1, 5, 0),
+    (2, 2, 2, 36, 4, 0, 1, 5, 5), (1, 2, 3, 30, 4, 1, 2, 0, 0),
 ])
 @pytest.mark.parametrize("score,decay", [("cascade_mean", 1.0), ("cascade_sum", 0.7)], ids=["cascade_mean", "mix"])
 def test_layer_cascade_walk_with_infinite_priorities(B, Hkv, G, S, D, sink, window, topk, pool, score, decay):

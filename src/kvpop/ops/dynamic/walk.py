@@ -51,8 +51,8 @@ def dynamic_walk_torch(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """See `ops.dynamic.dynamic_walk`."""
     if score in LAYER_CASCADES:
-        return layer_cascade_walk(query, key, slot_keys, slot_pos, slot_pri, slot_prior, position, valid, priority, sink,
-                                  window, topk, scale, score, pool, decay, softcap)
+        return layer_cascade_walk(query, key, slot_keys, slot_pos, slot_pri, slot_prior, position, valid, priority,
+                                  sink, window, topk, scale, score, pool, decay, softcap)
     s, w, k = sink, window, topk
     pool = k if pool is None else pool
     static = k - pool  # KVpop-cascade's static pool (ranked by `slot_prior`), the long-range slots before the rest
@@ -191,7 +191,7 @@ def layer_cascade_walk(
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """`dynamic_walk_torch` for the layer-wide cascades ("cascade_mean", "cascade_sum"): `tova_first_step`'s decisions
-    and moves in a third of its operations.
+    and moves, about 35 operations a token where a loop calling it runs 130.
 
     A slot's score, position and static priority are one record (float64 holds a float32 and an int64 position below
     2**53 exactly, and orders them as their own types do), and the buffers are indexed flat: reading a slot's record
@@ -252,7 +252,8 @@ def layer_cascade_walk(
     # a new token's record: a score of 0 (no attention seen yet), its position and its static priority
     stage_r = torch.empty(C, 3, 1 + rows, BH, dtype=f64, device=dev)
     new_pos = position.to(f64)[:, None].expand(B, H, C)
-    stage_r[:, :, 0] = torch.stack([torch.zeros_like(new_pos), new_pos, priority.to(f64)]).view(3, BH, C).permute(2, 0, 1)
+    new_rec = torch.stack([torch.zeros_like(new_pos), new_pos, priority.to(f64)])  # [3, B, H, C]
+    stage_r[:, :, 0] = new_rec.view(3, BH, C).permute(2, 0, 1)
     # the leaving token's record (the last move's row), its score and position; the static pool's candidate's
     # position and static priority (the first move's row), and its slot in the static move's source row
     out, out_pri, out_pos = stage_r[:, :, moves], stage_r[:, 0, moves, :, None], stage_r[:, 1, moves, :, None]
