@@ -244,6 +244,45 @@ def test_torch_walk_equals_the_reference_walk(B, Hkv, G, S, D, sink, window, top
         assert kept.unique().numel() == kept.numel()
 
 
+
+@pytest.mark.parametrize("B,Hkv,G,S,D,sink,window,topk,pool", [
+    (2, 3, 2, 40, 8, 0, 1, 9, 6), (2, 2, 2, 50, 8, 2, 3, 8, 3), (2, 3, 1, 36, 4, 0, 1, 5, 0),
+    (2, 2, 2, 36, 4, 0, 1, 5, 5), (1, 2, 3, 30, 4, 1, 2, 0, 0),
+])
+@pytest.mark.parametrize("score,decay", [("cascade_mean", 1.0), ("cascade_sum", 0.7)], ids=["cascade_mean", "mix"])
+def test_layer_cascade_walk_with_infinite_priorities(B, Hkv, G, S, D, sink, window, topk, pool, score, decay):
+    # tokens of static priority -inf (the static pool never takes them), and a second chunk from slots where some held
+    # tokens' scores and static priorities are -inf (a leaving token of score -inf never enters the score pool): the
+    # torch walk's shortcuts for finite priorities are off and it makes the reference's moves; topk 0 has no
+    # long-range slot at all
+    q, k, _, pi = _inputs(B, Hkv, G, S, D, False, seed=S + topk)
+    g = torch.Generator().manual_seed(S)
+    pi = torch.where(torch.rand(pi.shape, generator=g) < 0.3, float("-inf"), pi)
+    N = sink + window + topk
+    valid = left_padded(B, S, seed=3)
+    position = valid.long().cumsum(-1) - 1
+    empty = torch.full((B, Hkv, N), float("-inf"))
+    half = S // 2
+    slots = (k.new_zeros(B, Hkv, N, D), position.new_full((B, Hkv, N), -1), empty)
+    args = (q[:, :, :half], k[:, :, :half], *slots, position[:, :half], valid[:, :half], pi[..., :half], sink, window,
+            topk, D**-0.5, score)
+    first = dynamic_walk(*args, backend="reference", slot_prior=empty, pool=pool, decay=decay)
+    again = dynamic_walk(*args, backend="torch", slot_prior=empty, pool=pool, decay=decay)
+    for a, b, what in zip(again, first, ("evicted", "pos", "pri", "prior")):
+        assert torch.equal(a, b), f"first chunk: {what}"
+    src = first[1].clamp(min=0)[..., None].expand(-1, -1, -1, D)
+    keys = torch.where((first[1] >= 0)[..., None], k.gather(2, src), 0.0)
+    gone = (first[1] >= 0) & (torch.rand(first[2].shape, generator=g) < 0.3)
+    pri, prior = first[2].masked_fill(gone, float("-inf")), first[3].masked_fill(gone, float("-inf"))
+    args = (q[:, :, half:], k[:, :, half:], keys, first[1], pri, position[:, half:], valid[:, half:], pi[..., half:],
+            sink, window, topk, D**-0.5, score)
+    want = dynamic_walk(*args, backend="reference", slot_prior=prior, pool=pool, decay=decay)
+    got = dynamic_walk(*args, backend="torch", slot_prior=prior, pool=pool, decay=decay)
+    for a, b, what in zip(got, want, ("evicted", "pos", "pri", "prior")):
+        assert torch.equal(a, b), what
+    # some -inf token was up for a slot
+    assert bool((pi[..., half:] == float("-inf")).any()) and bool(gone.any())
+
 @pytest.mark.parametrize("split", [(40,), (17, 30, 1, 1, 1, 13), (1, 5, 40, 1, 1, 15)], ids=str)
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("layer,decay", [(False, None), (True, None), (True, 1.0), (True, 0.5)],

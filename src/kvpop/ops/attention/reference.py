@@ -70,7 +70,11 @@ def slot_probs(
     Returns:
         float32 [B, Hkv, G, N], 0 on empty slots.
     """
-    logits = soft_cap(torch.matmul(query, key.float().transpose(-1, -2)), softcap)
+    B, H, G, D = query.shape
+    # `torch.matmul`'s batched product, called on the views it would make (the same kernel, the same bits) without
+    # its shape handling, which costs a one-query step on the CPU a quarter of the product's time
+    logits = torch.bmm(query.reshape(B * H, G, D), key.float().reshape(B * H, -1, D).transpose(1, 2))
+    logits = soft_cap(logits.view(B, H, G, -1), softcap)
     if occupied is not None:
         logits = logits.masked_fill(~occupied[:, :, None], float("-inf"))
     return torch.softmax(logits, dim=-1)
