@@ -1316,7 +1316,7 @@ def viz(args: argparse.Namespace) -> int:
 
 
 @command("demo", "the main job: train KVpop on SmolLM2-135M + champ math, compare with the baselines, plot", [
-    arg("--quick", action="store_true", help="a shorter run (about 18 minutes on a 2-core CPU)"),
+    arg("--quick", action="store_true", help="a shorter run (about 11 minutes on a 2-core CPU)"),
     arg("--out", default="runs/demo", help="output directory (default runs/demo)"),
     arg("--device", default=None, help="cpu, cuda, ... (default: cuda if available, else cpu)"),
     arg("--seed", type=int, default=0, help="random seed (default 0)"),

@@ -29,7 +29,7 @@ import torch
 BASELINES = ("streaming_llm", "tova", "tova_windowed", "h2o", "h2o_windowed", "oracle")
 QUICK_CPU_BASELINES = ("streaming_llm", "tova", "h2o", "oracle")
 """The quick CPU plan leaves out the windowed TOVA / H2O: each is a token-by-token pass, too slow for the plan's
-about 18 minutes on a 2-core CPU."""
+about 11 minutes on a 2-core CPU."""
 
 
 @dataclass
@@ -64,7 +64,7 @@ class DemoPlan:
         if cuda:
             return cls(seq_len=2048, train_steps=60 if quick else 400, eval_sequences=4 if quick else 16)
         if quick:
-            # about 18 minutes on a 2-core CPU: a 2048-token forward of SmolLM2 takes ~6 s there, TOVA's walk (and the
+            # about 11 minutes on a 2-core CPU: a 2048-token forward of SmolLM2 takes ~6 s there, TOVA's walk (and the
             # recommended cascade's) ~15 s more, so the tasks and the generation rows run at the smallest budget with
             # the strongest baselines; the passkey only (SmolLM2 fails variable tracking at 2k densely: a row that
             # says nothing about eviction), and two context lengths in the decode benchmark
