@@ -142,8 +142,8 @@ def _q_source(run: str, name: str, command: str, device: str, commit: str, date:
 _Q_TODAY = "quality_champ_8k_2026-12-07"
 _Q_BASELINES = "quality_champ_8k_2026-12-01"
 _Q_STATIC = "quality_cascade_2026-12-02"
-_Q_CODE = "quality_dms_mlstm_code_2026-12-02"
 _Q_OOD = "quality_out_of_domain_2026-12-01"
+_Q_OOD_TODAY = "quality_out_of_domain_8k_2026-12-07"
 _Q_SUITE = "quality_suite_selfgen_2026-12-01"
 _Q_GENERATION = "long_generation_b1024_2026-12-07"
 
@@ -231,38 +231,37 @@ def baselines_champ_8k() -> str:
 
 @register("out-of-domain")
 def out_of_domain() -> str:
-    """Held-out Python code (pystdlib) and Python's help topics (pydoc): the layer-wide cascade against the rest."""
-    code = {b: _q_rows(_Q_CODE, "code", str(b)) for b in (2048, 1024)}
-    pydoc = {b: _q_rows(_Q_STATIC, "pydoc", f"pydoc_b{b}") for b in (2048, 1024)}
-    ood = {(src, b): _q_rows(_Q_OOD, "code", f"{src}_{b}") for src in ("pystdlib", "pydoc") for b in (2048, 1024)}
+    """Held-out Python code (pystdlib) and Python's help topics (pydoc): the recommended policy against the rest, every
+    row of a source and budget from one run on the same sequences; the static rule from an earlier run beside them."""
+    d, old = data(_Q_OOD_TODAY), data(_Q_OOD)
     static = "kvpop-mlp+prerope+mix+frozen"
-    cascade = {("pystdlib", 2048): (code[2048], "mlp+lpool1791", "b"), ("pystdlib", 1024): (code[1024], "mlp+lpool767", "b"),
-               ("pydoc", 2048): (pydoc[2048], "lpool", "c"), ("pydoc", 1024): (pydoc[1024], "lpool", "c")}
+    plan = [("mlp_s0", "recommended policy, seed 0", "a"), ("mlp_s1", "recommended policy, seed 1", "a"),
+            (static, "static rule, seed 0", "b"), ("tova", "TOVA (paper)", "a"), ("h2o", "H2O (paper)", "a"),
+            ("streaming_llm", "StreamingLLM", "a")]
     out = []
     for src in ("pystdlib", "pydoc"):
-        tova = {b: _q_row(ood[src, b], "tova", b) for b in (2048, 1024)}
-        rows = [("layer-wide cascade (pool 1791 / 767)", {b: cascade[src, b][:2] for b in (2048, 1024)},
-                 cascade[src, 2048][2]),
-                ("static rule", {b: (ood[src, b], static) for b in (2048, 1024)}, "a"),
-                ("TOVA (paper)", {b: (ood[src, b], "tova") for b in (2048, 1024)}, "a"),
-                ("H2O (paper)", {b: (ood[src, b], "h2o") for b in (2048, 1024)}, "a"),
-                ("StreamingLLM", {b: (ood[src, b], "streaming_llm") for b in (2048, 1024)}, "a")]
-        for label, where, run in rows:
-            got = {b: _q_row(r, p, b) for b, (r, p) in where.items()}
-            paired = ["" if label.startswith("TOVA") else
-                      _q_diff(got[b]["kl_per_sequence"], tova[b]["kl_per_sequence"]) for b in (2048, 1024)]
-            out.append([f"`{src}`", label, f(got[2048]["kl"], 4), paired[0], f(got[1024]["kl"], 4), paired[1], run])
-    head = ["data", "policy", "KL, CR 75 %", "− TOVA's, paired", "KL, CR 88 %", "− TOVA's, paired", "run"]
-    dc, ds, do = data(_Q_CODE), data(_Q_STATIC), data(_Q_OOD)
+        got = {b: {r["policy"]: r for r in d["tables"][src][str(b)]["rows"]} for b in (2048, 1024)}
+        for b in (2048, 1024):
+            got[b][static] = _q_row(_q_rows(_Q_OOD, "code", f"{src}_{b}"), static, b)
+        for policy, label, run in plan:
+            cells = []
+            for b in (2048, 1024):
+                r = got[b][policy]
+                cells += [f(r["kl"], 4), f(r["top1_agreement"], 3)]
+                for ref in ("tova", "h2o"):
+                    cells.append("" if ref == policy else
+                                 _q_diff(r["kl_per_sequence"], got[b][ref]["kl_per_sequence"]))
+            out.append([f"`{src}`", label, *cells, run])
+    head = ["data", "policy"] + [x for cr in ("75", "88") for x in
+                                 (f"KL, CR {cr} %", "top-1", "− TOVA's KL, paired", "− H2O's KL, paired")] + ["run"]
     lines = [
-        _q_source("a", _Q_OOD, do["code"]["pystdlib_2048"]["command"] + " (and --budgets 1024; --data pydoc --split all)",
-                  do["machine"], do["commit"], do["date"], "static rule (its own seed-0 weights), TOVA, H2O, StreamingLLM"),
-        _q_source("b", _Q_CODE, dc["code"]["2048"]["command"] + " (and --budgets 1024 --tova-pool-layer 767)",
-                  dc["machine"], dc["commit"], dc["date"], "layer-wide cascade on pystdlib"),
-        _q_source("c", _Q_STATIC, ds["pydoc_commands"][0] + " (and 1024)", ds["machine"], ds["commit"], ds["date"],
-                  "layer-wide cascade on pydoc (`lpool_bB`: the static rule's seed-0 run saved at the cascade's pool)"),
+        _q_source("a", _Q_OOD_TODAY, d["commands"][0] + " (and --budgets 1024; --data pydoc --split all)", d["device"],
+                  d["commit"], d["date"], "recommended policy (seeds 0, 1), TOVA, H2O, StreamingLLM"),
+        _q_source("b", _Q_OOD, old["code"]["pystdlib_2048"]["command"] + " (and --budgets 1024; --data pydoc --split all)",
+                  old["machine"], old["commit"], old["date"],
+                  "static rule (the same recipe's seed-0 weights of that run; its TOVA, H2O and StreamingLLM rows equal run a's bit for bit)"),
     ]
-    return table(head, out, "llrrrrl") + "\n\n" + "  \n".join(lines)
+    return table(head, out, "llrrrrrrrrl") + "\n\n" + "  \n".join(lines)
 
 
 def _q_suite(cells: list[dict]) -> dict[tuple[str, int | None], dict[str, list[int]]]:
@@ -400,31 +399,30 @@ def _span(values: list[float], digits: int = 2) -> str:
 
 @register("decode-8b")
 def decode_8b() -> str:
-    d = data("decode_8b_shape_2026-12-06")
-    current = [r for r in d["runs"] if r["commit"] == "d0f5144"]
-    dense_run = next(r for r in d["runs"] if r["commit"] != "d0f5144")
-    floor = d["floor_ms"]
-    dense = {4096: _compiled(current[0], "dense", 4096), 131072: _compiled(dense_run, "dense", 131072)}
-    kv4 = [r for r in (_compiled(run, "kvpop", 4096) for run in current) if r]
-    kv128 = [r for r in (_compiled(run, "kvpop", 131072) for run in current) if r]
-    gb = lambda rows: _span([r["peak_mb"] / 1024 for r in rows])  # noqa: E731
-    rows = [
-        ["dense, HF `StaticCache` + `torch.compile`", "4k", f(dense[4096]["ms_per_token"], 2), "1.00", "–",
-         gb([dense[4096]]), f(dense[4096]["compile_s"], 0)],
-        [f"dense, the same (commit {dense_run['commit']})", "128k", f(dense[131072]["ms_per_token"], 2), "1.00", "–",
-         gb([dense[131072]]), f(dense[131072]["compile_s"], 0)],
-        ["**KVpop, B = 2048**", "4k", f"**{_span([r['ms_per_token'] for r in kv4])}**",
-         _span([r["ms_per_token"] / dense[4096]["ms_per_token"] for r in kv4]),
-         _span([r["ms_per_token"] / floor for r in kv4]), gb(kv4),
-         " / ".join(f(r["compile_s"], 0) for r in kv4) + " (cold / inductor's cache)"],
-        ["**KVpop, B = 2048**", "128k", f"**{_span([r['ms_per_token'] for r in kv128])}**",
-         _span([r["ms_per_token"] / dense[131072]["ms_per_token"] for r in kv128]),
-         _span([r["ms_per_token"] / floor for r in kv128]), gb(kv128), "0 (the same graph)"],
-    ]
+    """The compiled decode step at the 8B shape: the static rule and the recommended policy as a user gets them (no
+    environment variable set), beside compiled dense `StaticCache` and the bandwidth floor."""
+    old = data("decode_8b_shape_2026-12-06")
+    d = data("decode_default_8b_shape_2026-12-07")
+    dense_run = next(r for r in old["runs"] if r["commit"] != "d0f5144")
+    dense = {4096: _compiled(next(r for r in old["runs"] if r["commit"] == "d0f5144"), "dense", 4096),
+             131072: _compiled(dense_run, "dense", 131072)}
+    floor = round(d["rows"][0]["floor_ms"], 2)
+    rows = [[f"dense, HF `StaticCache` + `torch.compile` (commit {c})", f"{ctx // 1024}k",
+             f(dense[ctx]["ms_per_token"], 2), "1.00", f(dense[ctx]["ms_per_token"] / floor, 2),
+             f(dense[ctx]["peak_mb"] / 1024, 2), f(dense[ctx]["compile_s"], 0)]
+            for ctx, c in ((4096, "d0f5144"), (131072, dense_run["commit"]))]
+    for cache, label in (("kvpop", "static rule"), ("cascade", "recommended policy")):
+        for ctx in (4096, 131072):
+            r = _compiled(d, cache, ctx)
+            rows.append([f"**{label}, B = 2048**", f"{ctx // 1024}k", f"**{f(r['ms_per_token'], 2)}**",
+                         f(r["ms_per_token"] / dense[ctx]["ms_per_token"], 2), f(r["ms_per_token"] / floor, 2),
+                         f(r["peak_mb"] / 1024, 2),
+                         f(r["compile_s"], 0) + (" (cold)" if ctx == 4096 else " (the same graph)")])
     head = ["Qwen3-8B shape, 36 layers, batch 1", "context", "ms per token", "vs dense", f"vs floor ({floor} ms)",
             "peak GiB", "compile s"]
-    return table(head, rows, "llrrrrl") + "\n\n" + source(
-        dense_run["command"], d["device"], f"d0f5144 (dense at 128k: {dense_run['commit']})", d["date"])
+    return table(head, rows, "llrrrrl") + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])[:-1] + \
+        f"; dense: `{old['runs'][0]['command']}` · {card(old['device'])} · commits d0f5144, {dense_run['commit']} · " \
+        f"{old['date']}*"
 
 
 @register("generate")
@@ -449,6 +447,35 @@ def generate() -> str:
                                                d["date"])
 
 
+@register("generate-recommended")
+def generate_recommended() -> str:
+    """`model.generate` at SmolLM2's shape, batch 1: compiled `StaticCache`, the static rule, the recommended policy."""
+    d = data("generate_recommended_2026-12-07")
+    r = {x["cache"]: x for x in d["rows"]}
+    names = {"static": "dense, `StaticCache`", "kvpop": "static rule, B = 1024", "cascade": "recommended policy, B = 1024"}
+    rows = [[names[c], f(r[c]["wall_ms_per_token"], 2), f(r[c]["wall_ms_per_token"] / r["static"]["wall_ms_per_token"], 2),
+             f(r[c]["wall_decode_ms"], 2), f(r[c]["wall_prefill_s"], 3), f(r[c]["first_call_s"], 0)]
+            for c in ("static", "kvpop", "cascade")]
+    head = ["SmolLM2 shape, 4096-token prompt + 128 tokens, batch 1, bf16", "ms/token (prefill incl.)", "vs dense",
+            "decode ms", "prefill s", "first call s (compile, cold)"]
+    return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
+
+
+@register("prefill-gpu")
+def prefill_gpu() -> str:
+    """One 8192-token prompt at B = 2048 at two shapes: the dense forward, the static rule's one pass, and the walks."""
+    d = data("prefill_gpu_2026-12-07")
+    names = {"dense": "dense forward", "kvpop": "static rule (one pass)", "h2o": "H2O (walk)", "tova": "TOVA (walk)",
+             "cascade": "recommended policy (walk)"}
+    runs = {run["model"]: {r["policy"]: r["wall_all"][-1] for r in run["rows"]} for run in d["runs"]}
+    big, small = runs["qwen3-8b-shape"], runs["smollm2-135m-shape"]
+    rows = [[names[p], f(big[p], 2), f(big[p] / big["dense"], 1) + "×", f(small[p], 3),
+             f(small[p] / small["dense"], 1) + "×"] for p in ("dense", "kvpop", "h2o", "tova", "cascade")]
+    head = ["8192-token prompt, B = 2048, batch 1, bf16", "Qwen3-8B shape s", "vs dense", "SmolLM2 shape s", "vs dense"]
+    cmd = d["runs"][0]["command"] + " (and --model smollm2-135m-shape --dtype bfloat16 --repeats 3)"
+    return table(head, rows) + "\n\n" + source(cmd, d["device"], d["commit"], d["date"])
+
+
 @register("prefill-profile-smollm2")
 def prefill_profile_smollm2() -> str:
     d = data("prefill_profile_smollm2_2026-12-06")
@@ -458,19 +485,6 @@ def prefill_profile_smollm2() -> str:
             for name, key, digits in (("wall ms", "wall_ms", 1), ("GPU busy ms", "gpu_ms", 1),
                                       ("operators dispatched", "ops", 0), ("kernels", "kernels", 0))]
     return table(["SmolLM2 shape, one 4096-token prefill", "dense", "KVpop", "KVpop - dense, per layer"], rows) + \
-        "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
-
-
-@register("prefill-8b-dynamic")
-def prefill_8b_dynamic() -> str:
-    d = data("prefill_8b_shape_2026-12-01")
-    names = {"dense": "dense forward", "kvpop": "KVpop (the rule, one pass)", "h2o": "H2O (Triton walk)",
-             "tova": "TOVA (parallel walk)"}
-    warm = {r["policy"]: r["wall_all"][-1] for r in d["rows"]}
-    ratio = {p: warm[p] / warm["dense"] for p in warm}
-    rows = [[names[p], f(warm[p], 2), f(ratio[p], 2 if ratio[p] < 2 else 1) + "×"]
-            for p in ("dense", "kvpop", "h2o", "tova")]
-    return table(["Qwen3-8B shape, 36 layers, 8192-token prompt, B = 2048", "s (warm)", "vs dense"], rows) + \
         "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
 
 
@@ -658,6 +672,23 @@ def pool_choice() -> str:
                        "decayed sum (0.9)", "H2O's sum"], rows),
             "", source(" ; ".join(cpu["commands"]), cpu["device"], cpu["commit"], cpu["date"])]
     return "\n".join(out)
+
+
+@register("pool-choice-passkey")
+def pool_choice_passkey() -> str:
+    """Passkey retrieval on development prompts at B = 1024: the pool ranked by TOVA's latest attention against the
+    pool ranked by accumulated attention."""
+    d = data("pool_choice_passkey_2026-12-07")
+    lengths = d["config"]["lengths"]
+    agg: dict = {}
+    for c in d["cells"]:
+        cell = agg.setdefault(c["policy"], {}).setdefault(c["length"], [0, 0])
+        cell[0] += c["correct"]
+        cell[1] += c["n"]
+    rows = [[d["names"][p], "–" if p == "dense" else "1024"] + [f"{agg[p][n][0]}/{agg[p][n][1]}" for n in lengths]
+            for p in ("dense", "mlp_s0+lpool767", "mlp_s0+lpool767+h2o", "mlp_s0", "tova", "h2o")]
+    head = ["policy", "B"] + [f"passkey, {n} tokens" for n in lengths]
+    return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
 
 
 # --- blocks ---
