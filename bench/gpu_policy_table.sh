@@ -19,7 +19,11 @@
 # The GPU machine has no network: .stage_a/.stage_b are staged as bench/README.md says, with the champ-dataset
 # and math-verify wheels (math-verify, latex2sympy2_extended, antlr4-python3-runtime) added to .stage_b.
 # Each phase fits a 10-minute command; the phases must follow each other on the same machine (results live under
-# $HOME there). Knobs: STEPS (120), TRAIN_S (360), SIDE_S (seconds of each evaluation process, 420), PROBLEMS (27).
+# $HOME there). Knobs: STEPS (120), TRAIN_S (360), SIDE_S (seconds of each evaluation process, 420), PROBLEMS (27),
+# JOBS (processes on the GPU at once: 12 under MPS, else 1). The walks of TOVA, H2O and the recommended policy are
+# bound by kernel launches; without MPS the GPU time-slices between processes, and on an H100 seven evaluations at
+# once did not finish in 500 s where one at a time each 8 x 8192-token table took about 100 s. Without MPS a phase
+# then runs fewer rows than it starts: what did not finish is named by its log's exit status.
 set -uo pipefail
 usage="usage: bench/gpu_policy_table.sh stage|train|trained OUT_DIR"
 phase=${1:?$usage}
@@ -57,15 +61,20 @@ weights() {  # weights BUDGET SEED: a training run's final directory
 }
 pool() { python -c "from kvpop.config import recommended_pool; print(recommended_pool($1))"; }
 decays() { python -c "from kvpop.config import RECOMMENDED_POOL_DECAY as d; print('none' if d is None else d)"; }
+slot() {  # wait for a free place among the JOBS evaluations allowed on the GPU at once (BESIDE: other background jobs)
+  while [ "$(jobs -rp | wc -l)" -ge "$(( ${JOBS:-1} + ${BESIDE:-0} ))" ]; do wait -n; done
+}
 mps_probe() { python -c "import torch; print(float(torch.ones(8, device='cuda').sum()))" 2>/dev/null | grep -q '^8.0$'; }
 mps_on() {  # NVIDIA's MPS daemon: the launch-bound processes share the GPU at once instead of time-sliced
   export CUDA_MPS_PIPE_DIRECTORY=$HOME/mps/pipe CUDA_MPS_LOG_DIRECTORY=$HOME/mps/log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   if mps_probe || { nvidia-cuda-mps-control -d && mps_probe; }; then
-    echo "MPS on"
+    JOBS=${JOBS:-12}
+    echo "MPS on, $JOBS processes at once"
   else
     echo quit | timeout 5 nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-    echo "MPS off (the daemon or its probe failed)"
+    JOBS=${JOBS:-1}
+    echo "MPS off (the daemon or its probe failed), $JOBS process(es) at once"
   fi
 }
 tables() {  # tables ARGS...: the teacher-forced table of each held-out source and budget, one process each
@@ -73,6 +82,7 @@ tables() {  # tables ARGS...: the teacher-forced table of each held-out source a
   for data in champ pystdlib pydoc; do
     split=(); [ "$data" = pydoc ] && split=(--split all)  # Python's help topics: no training run reads them
     for b in "${budgets[@]}"; do
+      slot
       eval_into "table_${data}_b${b}_$1" --data "$data" "${split[@]}" --seq-len 8192 --sequences 8 --budgets "$b" \
         "${@:2}" $( [ "$1" = trained ] && trained_rows "$b" ) &
     done
@@ -110,8 +120,10 @@ train)
   step train $(( ${TRAIN_S:-360} + 60 )) python bench/quality_study.py --out "$study" --steps "${STEPS:-120}" --seeds 0,1 \
     --rows "$run" --mix champ,pystdlib,prose --free-rows oracle --phase train --deadline-s "${TRAIN_S:-360}" \
     --concurrency 4 &
+  BESIDE=1
   tables free --policies tova,h2o,streaming_llm
-  for b in "${budgets[@]}"; do suite "suite_b${b}_free" "$b" --policies tova,h2o,streaming_llm & done
+  for b in "${budgets[@]}"; do slot; suite "suite_b${b}_free" "$b" --policies tova,h2o,streaming_llm & done
+  slot
   eval_into gen_dense --generate 2048 --problems "${PROBLEMS:-27}" --samples 0 --gen-batch "${PROBLEMS:-27}" \
     --ignore-eos --budgets 1024 --policies streaming_llm &
   wait
@@ -124,13 +136,16 @@ trained)
   mps_on
   tables trained --policies none
   for b in "${budgets[@]}"; do
+    slot
     eval_into "dev_b$b" --data champ --seq-len 8192 --sequences 8 --skip-sequences 8 --budgets "$b" --policies none \
       --trained "mlp_s0=$(weights "$b" 0)" --rule static --tova-pool-layer "$(pool "$b")" --pool-decay none,1,0.99 &
+    slot
     suite "suite_b${b}_trained" "$b" --policies none \
       $(for s in "${seeds[@]}"; do echo "--trained mlp_s$s=$(weights "$b" "$s")"; done) &
   done
-  for s in "${seeds[@]}"; do generation "gen_mlp_s$s" --policies none --trained "mlp_s$s=$(weights 1024 "$s")" & done
-  generation gen_tova --policies tova & generation gen_h2o --policies h2o &
+  for s in "${seeds[@]}"; do slot; generation "gen_mlp_s$s" --policies none --trained "mlp_s$s=$(weights 1024 "$s")" & done
+  slot; generation gen_tova --policies tova &
+  slot; generation gen_h2o --policies h2o &
   wait
   ;;
 *)

@@ -12,6 +12,9 @@
 #                                                        # compiled StaticCache, KVpop, the cascade, cold (about 5 min)
 #   bash bench/gpu_speed_defaults.sh generate1-cached OUT  # the same from inductor's cache (about 3 min)
 #   bash bench/gpu_speed_defaults.sh generate4 OUT      # batch 4 (about 5 min)
+#   bash bench/gpu_speed_defaults.sh prefill OUT        # one 8192-token prompt at B = 2048: the dense forward, the
+#                                                        # static rule, H2O, TOVA and the recommended policy's walk at
+#                                                        # the Qwen3-8B shape and SmolLM2's (about 2 min)
 #   bash bench/gpu_speed_defaults.sh distill OUT        # a distillation step, SmolLM2's shape at 8k (auto, gather)
 #                                                        # and the Qwen3-4B shape at 16k, 4 layers (auto, flex)
 #                                                        # (about 8 min)
@@ -22,7 +25,7 @@
 # prints whether it found the cache empty. Every command has its own time limit and log (OUT/NAME.log); its JSON
 # result is OUT/NAME.json.
 set -uo pipefail
-phase=${1:?usage: bench/gpu_speed_defaults.sh tests|decode|decode-long|generate1|generate1-cached|generate4|distill|all OUT_DIR}
+phase=${1:?usage: bench/gpu_speed_defaults.sh tests|decode|decode-long|generate1|generate1-cached|generate4|prefill|distill|all OUT_DIR}
 out=${2:?usage: bench/gpu_speed_defaults.sh PHASE OUT_DIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -62,6 +65,8 @@ if [ "$tiny" = 1 ]; then
        --steps 1)
   d4b=(--model smollm2-135m-shape --num-layers 1 --dtype float32 --seq-len 256 --budget 64 --window 16 --warmup 1
        --steps 1)
+  pre8b=(--model tiny-qwen3-shape --dtype float32 --context 128 --budget 32 --repeats 2)
+  presm=(--model smollm2-135m-shape --num-layers 2 --dtype float32 --context 128 --budget 32 --repeats 2)
   tests=(tests/test_attention.py -k auto_backend)
   gpu_tests=(tests/test_decode.py -m gpu)
 else
@@ -70,6 +75,8 @@ else
   msm=(--model smollm2-135m-shape --dtype bfloat16); gctx=4096; gbudget=1024; gnew=128; grep_=2
   dsm=(--model smollm2-135m-shape --dtype float32 --seq-len 8192 --budget 1024 --window 256 --warmup 3 --steps 8)
   d4b=(--model qwen3-4b-shape --num-layers 4 --seq-len 16384 --budget 2048 --window 512 --warmup 2 --steps 5)
+  pre8b=(--model qwen3-8b-shape --context 8192 --budget 2048 --repeats 2)
+  presm=(--model smollm2-135m-shape --dtype bfloat16 --context 8192 --budget 2048 --repeats 3)
   tests=(tests/test_slots.py tests/test_decode_kernel.py tests/test_attention.py::test_decode_attention_matches_reference
          tests/test_attention.py::test_auto_backend_on_cuda_picks_by_shape_and_budget
          tests/test_attention.py::test_auto_backend_threshold_and_the_other_devices)
@@ -106,6 +113,12 @@ run_phase() {
     generate4)
       warm
       step generate_b4 560 "${generate[@]}" --batch 4 --json-out "$out/generate_b4.json" ;;
+    prefill)
+      # the first repeat of each row is cold (compiles, Triton's first launches); the targets compare the last one
+      step prefill_8b 200 python bench/bench_prefill.py "${pre8b[@]}" --device "$device" \
+        --policies tova,h2o,kvpop,cascade --no-replay --json-out "$out/prefill_8b.json"
+      step prefill_smollm2 120 python bench/bench_prefill.py "${presm[@]}" --device "$device" \
+        --policies tova,h2o,kvpop,cascade --no-replay --json-out "$out/prefill_smollm2.json" ;;
     distill)
       # SmolLM2's shape: auto keeps FlexAttention (its step is bound by launches), the gathered tiles beside it;
       # the 4B shape at 16k: auto takes the gathered tiles, FlexAttention over the sequence beside it
@@ -117,13 +130,13 @@ run_phase() {
         step distill_4b_flex 130 "${distill[@]}" "${d4b[@]}" --attention flex --json-out "$out/distill_4b_flex.json"
       fi ;;
     *)
-      echo "unknown phase $1: tests, decode, decode-long, generate1, generate1-cached, generate4, distill or all" >&2
+      echo "unknown phase $1: tests, decode, decode-long, generate1, generate1-cached, generate4, prefill, distill or all" >&2
       exit 2 ;;
   esac
 }
 
 if [ "$phase" = all ]; then
-  for p in tests decode decode-long generate1 generate1-cached generate4 distill; do run_phase "$p"; done
+  for p in tests decode decode-long generate1 generate1-cached generate4 prefill distill; do run_phase "$p"; done
 else
   run_phase "$phase"
 fi

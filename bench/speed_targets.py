@@ -10,6 +10,9 @@ inductor's cache), then one JSON line. Targets:
   (128k within 10 % of 4k);
 - `model.generate` at SmolLM2's shape, 4k prompt, batch 1 and 4 (`bench/bench_generate.py`): KVpop's ms per token
   with the prefill counted at most compiled `StaticCache`'s (the cascade's beside it);
+- prefill of one 8192-token prompt at B = 2048 (`bench/bench_prefill.py`, the last repeat of each row): the recommended
+  policy's walk at most 3x the dense forward at the Qwen3-8B shape and 2x at SmolLM2's (TOVA's, H2O's and the static
+  rule's ratios beside it, for the record);
 - a distillation step (`bench/bench_distill.py`): "auto" at least as fast as FlexAttention over the sequence (what
   "auto" picks below its threshold) at SmolLM2's shape and at the Qwen3-4B shape.
 """
@@ -97,6 +100,24 @@ def targets(folder: Path) -> tuple[list[dict], dict]:
             for kind, r in by_kind.items():
                 if r.get("compile_s") is not None:
                     compile_s[f"generate SmolLM2 b{batch} {kind} ({label})"] = r["compile_s"]
+
+    for shape, label, bound in (("8b", "8B", 3.0), ("smollm2", "SmolLM2", 2.0)):
+        result = _load(folder, f"prefill_{shape}.json")
+        if result is None:
+            continue
+        last = {r["policy"]: r["wall_all"][-1] for r in result["rows"]}
+        if "dense" not in last:
+            continue
+        for policy in ("cascade", "tova", "h2o", "kvpop"):
+            if policy not in last:
+                continue
+            ratio = last[policy] / last["dense"]
+            detail = f"{last[policy]:.3f} against {last['dense']:.3f} s, {result['rows'][0]['context']} tokens"
+            if policy == "cascade":
+                check(f"prefill {label} {policy} / dense", ratio, bound, detail)
+            else:
+                lines.append({"target": f"prefill {label} {policy} / dense (for the record)", "value": ratio,
+                              "bound": None, "met": None, "detail": detail})
 
     for shape, today in (("smollm2", "flex"), ("4b", "flex")):
         auto = _load(folder, f"distill_{shape}_auto.json")
