@@ -45,9 +45,9 @@ COMPILE_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True,
 """Inductor's options for kvpop's compiled decode steps on CUDA (`Decoder`, and `model.generate` with a `KVpopCache`
 through `generation_compile_config`), passed to `torch.compile` so that they apply to these compiles only: CUDA
 graphs (what mode "reduce-overhead" sets), coordinate-descent tuning of the generated Triton kernels (gpt-fast's
-setting) and autotuning of the matrix products. With them the 36-layer decode step of the Qwen3-8B shape took
-6.6-6.7 ms on an H100, against 7.98 ms with plain inductor and 9.67 ms with backend "cudagraph" (docs/speed.md);
-they cost compile time, spent once per shape and then read from inductor's on-disk cache."""
+setting) and autotuning of the matrix products. With them and nothing set by the user, the 36-layer decode step of
+the Qwen3-8B shape takes 6.71 ms on an H100, 1.45x the bandwidth floor (docs/speed.md, "Decoding"); they cost compile
+time (about 80 s for that step), spent once per shape and then read from inductor's on-disk cache."""
 
 
 def compile_options(device: torch.device) -> dict | None:
