@@ -145,6 +145,7 @@ _Q_STATIC = "quality_cascade_2026-12-02"
 _Q_OOD = "quality_out_of_domain_2026-12-01"
 _Q_OOD_TODAY = "quality_out_of_domain_8k_2026-12-07"
 _Q_SUITE = "quality_suite_selfgen_2026-12-01"
+_Q_SUITE_TODAY = "quality_suite_recommended_cpu_2026-12-07"
 _Q_GENERATION = "long_generation_b1024_2026-12-07"
 
 
@@ -282,11 +283,16 @@ def task_suite() -> str:
                           + [c for c in data(_Q_SUITE)["suite_b1024"]["cells"] if c["policy"] != "dense"]),
             "b": _q_suite(data(_Q_STATIC)["suite"]["suite_b2048"]["cells"] + data(_Q_STATIC)["suite"]["suite_b1024"]["cells"]),
             "c": _q_suite([c for k in ("suite_b2048_kvpop-mlp+prerope+mix+frozen", "suite_b1024_kvpop-mlp+prerope+mix+frozen")
-                           for c in data(_Q_OOD)["suite"][k]["cells"]])}
+                           for c in data(_Q_OOD)["suite"][k]["cells"]]),
+            "d": _q_suite([c for run in data(_Q_SUITE_TODAY)["runs"].values() for c in run["cells"]])}
+    today = sorted((b for (p, b) in runs["d"] if p == "mlp_s0"), reverse=True)
     plan = [("dense", "dense", None, "a")]
     for b in (2048, 1024):
-        plan += [("layer-wide cascade (pool " + ("1791)" if b == 2048 else "767)"), "lpool", b, "b"),
-                 ("static rule", "kvpop-mlp+prerope+mix+frozen", b, "c"),
+        if b in today:
+            plan += [(f"recommended policy, seed {s} (CPU)", f"mlp_s{s}", b, "d") for s in (0, 1)]
+        else:
+            plan += [("layer-wide cascade (pool 767, an earlier run's seed 0)", "lpool", b, "b")]
+        plan += [("static rule", "kvpop-mlp+prerope+mix+frozen", b, "c"),
                  ("TOVA (paper)", "tova", b, "a"), ("H2O (paper)", "h2o", b, "a"),
                  ("StreamingLLM", "streaming_llm", b, "a")]
     tasks = ("passkey", "multikey", "qa")
@@ -300,7 +306,7 @@ def task_suite() -> str:
         out.append([label, "–" if b is None else str(b)] + [f"{got[t][0]}/{got[t][1]}" for t in tasks]
                    + [f"**{total[0]}**/{total[1]}", run])
     head = ["policy", "B", "passkey", "multikey", "QA", "all 32 prompts", "run"]
-    da, db, dc = data(_Q_SUITE), data(_Q_STATIC), data(_Q_OOD)
+    da, db, dc, dd = data(_Q_SUITE), data(_Q_STATIC), data(_Q_OOD), data(_Q_SUITE_TODAY)
     lines = [
         _q_source("a", _Q_SUITE, da["suite_b2048"]["command"] + " (and --budgets 1024)", da["study"]["device"],
                   da["commit"], da["study"]["date"], "dense, TOVA, H2O, StreamingLLM"),
@@ -308,6 +314,9 @@ def task_suite() -> str:
                   db["date"], "layer-wide cascade (the runs of the static rule's table, seed 0)"),
         _q_source("c", _Q_OOD, dc["suite"]["suite_b2048_kvpop-mlp+prerope+mix+frozen"]["command"] + " (and 1024)",
                   dc["machine"], dc["commit"], dc["date"], "static rule"),
+        _q_source("d", _Q_SUITE_TODAY, dd["commands"][0] + (" (and --budgets 1024)" if len(dd["commands"]) > 1 else ""),
+                  dd["device"], dd["commit"], dd["date"],
+                  "recommended policy (seeds 0, 1; its dense row answers as run a's, prompt for prompt)"),
     ]
     note = ("Multi-value, variable tracking and common-word extraction (14 prompts) are 0 for every row, dense included, "
             "so they say nothing about eviction and are left out.")
