@@ -589,6 +589,19 @@ def cpu_generate() -> str:
     return table(head, rows) + "\n\n" + source(" ; ".join(d["commands"]), d["device"], d["commit"], d["date"])
 
 
+@register("cpu-generate-recommended")
+def cpu_generate_recommended() -> str:
+    """`generate` on the CPU after a 2048-token prompt: dense, the static rule, the recommended policy."""
+    d = data("cpu_generate_recommended_2026-12-07")
+    r = {x["cache"]: x for x in d["rows"]}
+    names = {"dense": "dense (`DynamicCache`)", "kvpop": "static rule, B = 512", "cascade": "recommended policy, B = 512"}
+    rows = [[names[c], f(r[c]["cpu_ms_per_token"], 1), f(r[c]["cpu_vs_dense"], 2),
+             f(r[c]["cpu_prefill_s"], 2), f(r[c]["cpu_decode_ms"], 1)] for c in ("dense", "kvpop", "cascade")]
+    head = ["SmolLM2-135M, 2048-token prompt + 64 tokens, one thread", "CPU ms/token (prefill incl.)", "vs dense (paired)",
+            "prefill s", "decode ms/token"]
+    return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
+
+
 @register("prefill-cpu")
 def prefill_cpu() -> str:
     """The prefill of a 2048-token prompt on the CPU: the static rule, the recommended policy's walk, TOVA's walk."""
