@@ -415,7 +415,7 @@ def decode_8b() -> str:
     dense_run = next(r for r in old["runs"] if r["commit"] != "d0f5144")
     dense = {4096: _compiled(next(r for r in old["runs"] if r["commit"] == "d0f5144"), "dense", 4096),
              131072: _compiled(dense_run, "dense", 131072)}
-    floor = round(d["rows"][0]["floor_ms"], 2)
+    floor = d["rows"][0]["floor_ms"]
     rows = [[f"dense, HF `StaticCache` + `torch.compile` (commit {c})", f"{ctx // 1024}k",
              f(dense[ctx]["ms_per_token"], 2), "1.00", f(dense[ctx]["ms_per_token"] / floor, 2),
              f(dense[ctx]["peak_mb"] / 1024, 2), f(dense[ctx]["compile_s"], 0)]
@@ -427,7 +427,7 @@ def decode_8b() -> str:
                          f(r["ms_per_token"] / dense[ctx]["ms_per_token"], 2), f(r["ms_per_token"] / floor, 2),
                          f(r["peak_mb"] / 1024, 2),
                          f(r["compile_s"], 0) + (" (cold)" if ctx == 4096 else " (the same graph)")])
-    head = ["Qwen3-8B shape, 36 layers, batch 1", "context", "ms per token", "vs dense", f"vs floor ({floor} ms)",
+    head = ["Qwen3-8B shape, 36 layers, batch 1", "context", "ms per token", "vs dense", f"vs floor ({f(floor, 2)} ms)",
             "peak GiB", "compile s"]
     return table(head, rows, "llrrrrl") + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])[:-1] + \
         f"; dense: `{old['runs'][0]['command']}` · {card(old['device'])} · commits d0f5144, {dense_run['commit']} · " \
