@@ -145,7 +145,7 @@ _Q_STATIC = "quality_cascade_2026-12-02"
 _Q_OOD = "quality_out_of_domain_2026-12-01"
 _Q_OOD_TODAY = "quality_out_of_domain_8k_2026-12-07"
 _Q_SUITE = "quality_suite_selfgen_2026-12-01"
-_Q_SUITE_TODAY = "quality_suite_recommended_cpu_2026-12-07"
+_Q_SUITE_TODAY = "quality_suite_recommended_2026-12-07"
 _Q_GENERATION = "long_generation_b1024_2026-12-07"
 
 
@@ -279,20 +279,17 @@ def _q_suite(cells: list[dict]) -> dict[tuple[str, int | None], dict[str, list[i
 def task_suite() -> str:
     """The 32 prompts of the task suite (6 families, 4k and 8000 tokens, needle depths 0, 0.5, 1) per policy."""
     # the dense cells repeat in every run's file: take them once
+    today = data(_Q_SUITE_TODAY)["runs"]
     runs = {"a": _q_suite(data(_Q_SUITE)["suite_b2048"]["cells"]
                           + [c for c in data(_Q_SUITE)["suite_b1024"]["cells"] if c["policy"] != "dense"]),
-            "b": _q_suite(data(_Q_STATIC)["suite"]["suite_b2048"]["cells"] + data(_Q_STATIC)["suite"]["suite_b1024"]["cells"]),
-            "c": _q_suite([c for k in ("suite_b2048_kvpop-mlp+prerope+mix+frozen", "suite_b1024_kvpop-mlp+prerope+mix+frozen")
+            "b": _q_suite([c for k in ("suite_b2048_kvpop-mlp+prerope+mix+frozen", "suite_b1024_kvpop-mlp+prerope+mix+frozen")
                            for c in data(_Q_OOD)["suite"][k]["cells"]]),
-            "d": _q_suite([c for run in data(_Q_SUITE_TODAY)["runs"].values() for c in run["cells"]])}
-    today = sorted((b for (p, b) in runs["d"] if p == "mlp_s0"), reverse=True)
+            "c": _q_suite(today["suite_b2048"]["cells"]),
+            "d": _q_suite(today["suite_b1024"]["cells"])}
     plan = [("dense", "dense", None, "a")]
-    for b in (2048, 1024):
-        if b in today:
-            plan += [(f"recommended policy, seed {s} (CPU)", f"mlp_s{s}", b, "d") for s in (0, 1)]
-        else:
-            plan += [("layer-wide cascade (pool 767, an earlier run's seed 0)", "lpool", b, "b")]
-        plan += [("static rule", "kvpop-mlp+prerope+mix+frozen", b, "c"),
+    for b, run in ((2048, "c"), (1024, "d")):
+        plan += [(f"recommended policy, seed {s}", f"mlp_s{s}", b, run) for s in (0, 1)]
+        plan += [("static rule", "kvpop-mlp+prerope+mix+frozen", b, "b"),
                  ("TOVA (paper)", "tova", b, "a"), ("H2O (paper)", "h2o", b, "a"),
                  ("StreamingLLM", "streaming_llm", b, "a")]
     tasks = ("passkey", "multikey", "qa")
@@ -306,18 +303,16 @@ def task_suite() -> str:
         out.append([label, "–" if b is None else str(b)] + [f"{got[t][0]}/{got[t][1]}" for t in tasks]
                    + [f"**{total[0]}**/{total[1]}", run])
     head = ["policy", "B", "passkey", "multikey", "QA", "all 32 prompts", "run"]
-    da, db, dc, dd = data(_Q_SUITE), data(_Q_STATIC), data(_Q_OOD), data(_Q_SUITE_TODAY)
+    da, db = data(_Q_SUITE), data(_Q_OOD)
     lines = [
         _q_source("a", _Q_SUITE, da["suite_b2048"]["command"] + " (and --budgets 1024)", da["study"]["device"],
                   da["commit"], da["study"]["date"], "dense, TOVA, H2O, StreamingLLM"),
-        _q_source("b", _Q_STATIC, db["suite"]["suite_b2048"]["command"] + " (and 1024)", db["machine"], db["commit"],
-                  db["date"], "layer-wide cascade (the runs of the static rule's table, seed 0)"),
-        _q_source("c", _Q_OOD, dc["suite"]["suite_b2048_kvpop-mlp+prerope+mix+frozen"]["command"] + " (and 1024)",
-                  dc["machine"], dc["commit"], dc["date"], "static rule"),
-        _q_source("d", _Q_SUITE_TODAY, dd["commands"][0] + (" (and --budgets 1024)" if len(dd["commands"]) > 1 else ""),
-                  dd["device"], dd["commit"], dd["date"],
-                  "recommended policy (seeds 0, 1; its dense row answers as run a's, prompt for prompt)"),
-    ]
+        _q_source("b", _Q_OOD, db["suite"]["suite_b2048_kvpop-mlp+prerope+mix+frozen"]["command"] + " (and 1024)",
+                  db["machine"], db["commit"], db["date"], "static rule"),
+    ] + [_q_source(run, _Q_SUITE_TODAY, today[key]["command"], today[key]["device"], today[key]["commit"],
+                   today[key]["date"], "recommended policy, seeds 0 and 1 (its dense row answers as run a's, prompt "
+                   "for prompt)")
+         for run, key in (("c", "suite_b2048"), ("d", "suite_b1024"))]
     note = ("Multi-value, variable tracking and common-word extraction (14 prompts) are 0 for every row, dense included, "
             "so they say nothing about eviction and are left out.")
     return table(head, out, "lrrrrrl") + "\n\n" + note + "\n\n" + "  \n".join(lines)
@@ -458,16 +453,20 @@ def generate() -> str:
 
 @register("generate-recommended")
 def generate_recommended() -> str:
-    """`model.generate` at SmolLM2's shape, batch 1: compiled `StaticCache`, the static rule, the recommended policy."""
+    """`model.generate` at SmolLM2's shape, batch 1 and 4: compiled `StaticCache`, the static rule, the recommended
+    policy; the first call from an empty inductor cache and from a cache an earlier process left."""
     d = data("generate_recommended_2026-12-07")
-    r = {x["cache"]: x for x in d["rows"]}
     names = {"static": "dense, `StaticCache`", "kvpop": "static rule, B = 1024", "cascade": "recommended policy, B = 1024"}
-    rows = [[names[c], f(r[c]["wall_ms_per_token"], 2), f(r[c]["wall_ms_per_token"] / r["static"]["wall_ms_per_token"], 2),
-             f(r[c]["wall_decode_ms"], 2), f(r[c]["wall_prefill_s"], 3), f(r[c]["first_call_s"], 0)]
-            for c in ("static", "kvpop", "cascade")]
-    head = ["SmolLM2 shape, 4096-token prompt + 128 tokens, batch 1, bf16", "ms/token (prefill incl.)", "vs dense",
-            "decode ms", "prefill s", "first call s (compile, cold)"]
-    return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
+    rows = []
+    for run in d["runs"]:
+        r = {x["cache"]: x for x in run["rows"]}
+        rows += [[run["label"], names[c], f(r[c]["wall_ms_per_token"], 2),
+                  f(r[c]["wall_ms_per_token"] / r["static"]["wall_ms_per_token"], 2), f(r[c]["wall_decode_ms"], 2),
+                  f(r[c]["wall_prefill_s"], 3), f(r[c]["first_call_s"], 0)] for c in ("static", "kvpop", "cascade")]
+    head = ["4096-token prompt + 128 tokens", "SmolLM2 shape, bf16", "ms/token (prefill incl.)", "vs dense",
+            "decode ms", "prefill s", "first call s (compile)"]
+    lines = [source(run["command"], d["device"], run["commit"], run["date"]) + f" — {run['label']}" for run in d["runs"]]
+    return table(head, rows, "llrrrrr") + "\n\n" + "  \n".join(lines)
 
 
 @register("prefill-gpu")
@@ -542,6 +541,29 @@ def training_throughput() -> str:
              f(r["step_s_median"] * 1e3, 0), f"{r['tokens_per_s']:,.0f}", f(r["peak_gb"], 1)]]
     head = ["model", "S", "budget", "training", "attention", "ms per step", "tokens/s", "peak GiB"]
     return table(head, rows, "lrrllrrr") + "\n\n" + source(run["command"], d["device"], run["commit"], d["date"])
+
+
+@register("distill-auto")
+def distill_auto() -> str:
+    """A distillation step with the training attention `auto` picks, beside the other one, at two shapes."""
+    d = data("distill_auto_2026-12-07")
+    names = {"smollm2-135m-shape": "SmolLM2-135M shape, 30 layers", "qwen3-4b-shape": "Qwen3-4B shape, 4 layers"}
+    att = {"flex": "FlexAttention over the sequence", "gather": "gathered tiles"}
+    rows, steps = [], {}
+    for run in d["runs"]:
+        r = run["rows"][0]
+        chosen = r["attention_auto"] if r["attention"] == "auto" else r["attention"]
+        steps.setdefault(r["model"], {})[chosen] = r["step_s_median"]
+        label = f"**{att[chosen]} (`auto`)**" if r["attention"] == "auto" else att[chosen]
+        rows.append([names[r["model"]], str(r["seq_len"]), str(r["budget"]), label, f(r["step_s_median"] * 1e3, 0),
+                     f"{r['tokens_per_s']:,.0f}", f(r["peak_gb"], 1)])
+    for row, run in zip(rows, d["runs"], strict=True):
+        r = run["rows"][0]
+        mine, other = steps[r["model"]], r["attention_auto"]
+        row.append(f(mine[r["attention_auto"] if r["attention"] == "auto" else r["attention"]] / mine[other], 3))
+    head = ["shape", "S", "budget", "training attention", "ms per step", "tokens/s", "peak GiB", "/ `auto`'s step"]
+    cmds = " ; ".join(run["command"] for run in d["runs"][::2]) + " (and --attention gather, flex)"
+    return table(head, rows, "lrrlrrrr") + "\n\n" + source(cmds, d["device"], d["commit"], d["date"])
 
 
 @register("distributed")
