@@ -8,7 +8,9 @@ forward over the prompt (a `DynamicCache`, `logits_to_keep=1`), then for each po
 into a `KVpopCache`, once per prefill path: "walk" (TOVA / H2O: `ops.dynamic`, the default) and
 "replay" (their decode step token by token, the path before the walk; `--no-replay` skips it).
 Static policies (kvpop, streaming_llm) have one path ("rule"). `cascade` is the recommended policy, the layer-wide
-KVpop-cascade a trained KVpop-mlp directory runs by default (random scorers here: the time does not depend on them). Reported per row: the median over
+KVpop-cascade a trained KVpop-mlp directory runs by default (random scorers here: the time does not depend on them);
+`tova+chunkC` and `cascade+chunkC` the same rules deciding once every C steps (`KVpopConfig.decision_chunk`: path
+"chunks"). Reported per row: the median over
 repeats of the wall time and, on the CPU, of the process's CPU time (unaffected by other processes
 on a shared machine when `--threads 1`), and their ratio to the dense row of the same repeat.
 
@@ -54,7 +56,7 @@ def bench_prefill(model, ids: torch.Tensor, budget: int, policies: list[str], re
     runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
     rows_order = [("dense", "-")]
     for p in policies:
-        paths = (["walk", "replay"] if replay else ["walk"]) if p in DYNAMIC else ["rule"]
+        paths = (["walk", "replay"] if replay else ["walk"]) if p in DYNAMIC else ["chunks"] if "+chunk" in p else ["rule"]
         rows_order += [(p, path) for path in paths]
     for r in range(repeats):
         for policy, path in rows_order:

@@ -37,9 +37,10 @@ from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import decode_attention, decode_attention_scored, sparse_attention
 from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
+from kvpop.ops.dynamic.chunked import chunk_decision, chunk_scores
 from kvpop.ops.dynamic.reference import write_slot
 from kvpop.ops.slots import step_slots, write_slots
-from kvpop.ops.topk import eviction_positions
+from kvpop.ops.topk import NEVER, eviction_positions
 from kvpop.policy import LayerPolicy
 
 
@@ -213,6 +214,9 @@ class KVpopLayerCache(CacheLayerMixin):
         dynamic policy ranks by; None: none."""
         if policy.teacher_forced_only:
             raise ValueError(f"the {type(policy).__name__} ranks tokens by future attention: it cannot decode")
+        if policy.chunk > 1:
+            raise ValueError(f"decision_chunk={policy.chunk}: this layer's cache decides after every token; a "
+                             "KVpopCache built for the retrofitted model holds the chunked rule's layers")
         if not self.is_initialized:
             self.lazy_initialization(key, value, with_prior=policy.score in ("prior", *CASCADES))
         position = self.seen[:, None] + torch.cumsum(valid.long(), dim=-1) - 1  # [B, C]
@@ -487,6 +491,115 @@ def fused_decode_step(backend: str = "inductor"):
     return _FUSED[backend]
 
 
+class ChunkedLayerCache(KVpopLayerCache):
+    """One full-attention layer's cache under the chunked rule (`KVpopConfig.decision_chunk`, `ops/dynamic/chunked.py`).
+
+    `topk` long-range slots, then a ring of `chunk` slots that the chunk's tokens take in step order (padding steps
+    included, as empty slots), and the chunk's queries: the cache holds at most `topk + chunk` tokens. While a chunk
+    is read nothing is evicted, and each query attends the occupied slots up to itself; after the chunk's last
+    step the decision (`chunk_scores`, `chunk_decision`) keeps `topk` of the long-range slots and the ring's tokens
+    and empties the ring. The decision reads the same tensors in the same order as the teacher-forced execution
+    (`chunked_eviction_positions`: the slots, then the chunk), so both make the same decisions bit for bit, however
+    the tokens arrive (a prompt at once, in pieces, or one per step).
+
+    Steps are counted on the host (`filled`), so this layer decodes eagerly: a compiled step would specialise on the
+    count."""
+
+    is_compileable = False
+
+    def __init__(self, topk: int, chunk: int, pool: int | None):
+        super().__init__(0, 1, topk)
+        self.chunk, self.pool_size = chunk, pool
+        self.filled = 0  # steps of the current chunk so far
+        self.queries: Tensor | None = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor, with_prior: bool = False) -> None:
+        B, H, _, D = key_states.shape
+        n, kw = self.topk + self.chunk, dict(device=key_states.device)
+        # the long-range slots [0, topk), then the ring; no scratch slot (no masked per-step write here)
+        self.buffers = (
+            torch.zeros(B, H, n, D, dtype=key_states.dtype, **kw),
+            torch.zeros(B, H, n, value_states.shape[-1], dtype=value_states.dtype, **kw),
+            torch.full((B, H, n), -1, dtype=torch.long, **kw),
+            torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),  # the static prior of each slot
+        )
+        self.slots = n
+        self._views()
+        self.seen = torch.zeros(B, dtype=torch.long, **kw)
+        self._length(key_states.device)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def _views(self) -> None:
+        self.keys, self.values, self.pos, self.prior = self.buffers
+        self.pri = self.prior
+
+    def reset(self) -> None:
+        super().reset()
+        self.filled = 0
+
+    def _map_rows(self, fn) -> None:
+        super()._map_rows(fn)
+        if self.queries is not None:
+            self.queries = fn(self.queries)
+
+    def static_tensors(self) -> list[Tensor]:
+        if not self.is_initialized:
+            return []
+        return [*self.buffers, self.seen, self.length, *(() if self.queries is None else (self.queries,))]
+
+    def attend(self, query, key, value, valid, policy, scale, rope=None, softcap=None) -> Tensor:
+        if policy.chunk != self.chunk:
+            raise ValueError(f"this layer's cache decides every {self.chunk} steps, its policy every {policy.chunk}")
+        if not self.is_initialized:
+            self.lazy_initialization(key, value)
+        B, H, C, D = key.shape
+        if self.queries is None:
+            self.queries = query.new_zeros(B, query.shape[1], self.chunk, query.shape[-1])
+        position = self.seen[:, None] + torch.cumsum(valid.long(), dim=-1) - 1  # [B, C]
+        priority = policy.priority(policy.scorer_key(key, rope), value, position.clamp(min=0)).detach()
+        K, outs, i = self.topk, [], 0
+        while i < C:
+            n = min(self.chunk - self.filled, C - i)
+            seg = slice(i, i + n)
+            ring = slice(K + self.filled, K + self.filled + n)
+            self.keys[:, :, ring] = key[:, :, seg]
+            self.values[:, :, ring] = value[:, :, seg]
+            self.pos[:, :, ring] = torch.where(valid[:, seg], position[:, seg], -1)[:, None].expand(B, H, n)
+            self.prior[:, :, ring] = priority[:, :, seg].float()
+            self.queries[:, :, self.filled : self.filled + n] = query[:, :, seg]
+            # the segment's queries over the occupied slots, causally by position (the ring's later tokens too)
+            occupied = self.pos >= 0
+            never = torch.full_like(self.pos, NEVER)
+            out, _ = sparse_attention(query[:, :, seg], self.keys, self.values, position[:, seg], valid[:, seg],
+                                      self.pos, occupied, never, 0, 1, scale, topk=self.slots - 1, softcap=softcap)
+            outs.append(out)
+            self.filled += n
+            i += n
+            if self.filled == self.chunk:
+                self._decide(policy, scale, softcap)
+        self.seen.add_(valid.sum(-1))
+        self.fresh = False
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _decide(self, policy, scale: float, softcap: float | None) -> None:
+        """The decision after the chunk's last step: `topk` of the slots and the ring stay, the ring empties."""
+        K = self.topk
+        held = self.pos[:, :, :K] >= 0
+        ring_valid = self.pos[:, 0, K:] >= 0
+        score = chunk_scores(self.queries, self.keys, held, ring_valid, scale, softcap)
+        pool = K if self.pool_size is None else self.pool_size
+        keep, _ = chunk_decision(score, self.pos, self.prior, K, pool)
+        D, Dv = self.keys.shape[-1], self.values.shape[-1]
+        self.keys[:, :, :K] = self.keys.gather(2, keep[..., None].expand(-1, -1, -1, D))
+        self.values[:, :, :K] = self.values.gather(2, keep[..., None].expand(-1, -1, -1, Dv))
+        self.pos[:, :, :K] = self.pos.gather(2, keep)
+        self.prior[:, :, :K] = self.prior.gather(2, keep)
+        self.pos[:, :, K:] = -1
+        self.prior[:, :, K:] = float("-inf")
+        self.filled = 0
+
+
 class KVpopCache(Cache):
     """The bounded cache for a model prepared by `kvpop.retrofit`; pass it as `cache=` (`past_key_values=` on 5.17).
 
@@ -513,11 +626,14 @@ class KVpopCache(Cache):
         else:
             # a hybrid model's sliding-window layers keep their window (`KVpopModules.layer_configs`)
             layers = kvpop_modules(model).layer_configs(config)
-        super().__init__(layers=[KVpopLayerCache(c.sink, c.window, c.topk, dynamic_prefill) for c in layers])
+        super().__init__(layers=[
+            ChunkedLayerCache(c.topk, c.decision_chunk, c.tova_pool or None) if c.decision_chunk > 1
+            else KVpopLayerCache(c.sink, c.window, c.topk, dynamic_prefill) for c in layers])
 
     @property
     def is_compileable(self) -> bool:
-        return True
+        # the chunked rule counts its steps on the host: `generate` then decodes eagerly
+        return all(layer.is_compileable for layer in self.layers)
 
     def fuse(self, backend: str | None = "inductor") -> None:
         """Decode every layer with `decode_step` compiled (`fused_decode_step`); `None` goes back to eager.

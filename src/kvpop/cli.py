@@ -856,6 +856,10 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
              "below 1 older steps fade (NAME+lpoolN+dD); 'none' keeps TOVA's latest attention (NAME+lpoolN) "
              "(default: none)"),
     POLICY_RULE,
+    arg("--decision-chunk", default=None, metavar="C[,C]",
+        help="also run each TOVA row and each layer-wide KVpop-cascade row deciding once every C steps from the "
+             "chunk's C queries instead of after every token (rows NAME+chunkC; the chunked rule, teacher-forced "
+             "table only; the cache then holds up to budget - 1 + C tokens)"),
     arg("--layer-budgets", action="append", default=[], metavar="FILE",
         help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
              "(the same total memory as the uniform row); repeatable"),
@@ -923,6 +927,7 @@ def evaluate(args: argparse.Namespace) -> int:
     entries += _tova_pool_entries(args, directories)
     entries += _training_free_entries(args)
     entries += _layer_budget_entries(args, directories)
+    entries += _decision_chunk_entries(args, entries)
     base, tokenizer = load_model(args.model, device=device)
     if getattr(base, "kvpop", None) is not None:
         raise ValueError(f"--model must be the base model; pass kvpop directories with --trained ({args.model})")
@@ -1077,6 +1082,30 @@ def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
                 _check_pool(flag, n, saved, layer, f"--trained {e.trained}")
                 out += [with_tova_pool(e, n, layer=layer, decay=d) for d in (decays if layer else [None])]
     return out
+
+
+def _decision_chunk_entries(args: argparse.Namespace, entries: list) -> list:
+    """`--decision-chunk C[,C]`: every row of TOVA's paper rule or of a layer-wide KVpop-cascade (TOVA's latest
+    attention) also deciding once every C steps (`NAME+chunkC`)."""
+    from kvpop.eval.evaluate import with_decision_chunk
+
+    if args.decision_chunk is None:
+        return []
+    try:
+        chunks = [int(c) for c in args.decision_chunk.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--decision-chunk={args.decision_chunk!r} must be comma-separated integers >= 2") from None
+    if not chunks or any(c < 2 for c in chunks):
+        raise ValueError(f"--decision-chunk={args.decision_chunk!r} must be comma-separated integers >= 2 (1 is the "
+                         "per-token rule every row already runs)")
+    if args.suite or args.generate:
+        raise ValueError("--decision-chunk rows are evaluated teacher-forced only: drop --suite / --generate")
+    base = [e for e in entries if e.cfg.tova_head_average and e.cfg.pool_decay is None
+            and (e.cfg.policy == "tova" or e.cfg.tova_pool > 0) and e.cfg.sink == 0 and e.cfg.window == 1]
+    if not base:
+        raise ValueError("--decision-chunk needs a row it applies to: --policies tova (TOVA's paper rule) or a "
+                         "--trained KVpop-mlp directory run as the layer-wide cascade")
+    return [with_decision_chunk(e, c) for e in base for c in chunks]
 
 
 def _pool_decays(value: str | None) -> list[float | None]:

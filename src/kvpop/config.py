@@ -133,6 +133,14 @@ class KVpopConfig:
     "cascade_sum"): `d = 1` is H2O's accumulated attention, `d < 1` weighs a step `age` steps ago by `d ** age`.
     At TOVA's split (window 1) H2O's sum lets almost no new token into the pool, so the last tokens fall to the
     static pool and many are evicted: measured 10-20x TOVA's pool's KL on development rows (SmolLM2, S = 2048)."""
+    decision_chunk: int = 1
+    """How often TOVA's head-averaged rule and the layer-wide KVpop-cascade decide (`ops/dynamic/chunked.py`). 1 (the
+    default): after every token, the per-token rules. `C > 1`: the chunked rule, an extension: nothing is evicted
+    while a chunk of `C` steps is read, then one decision from the chunk's `C` queries (each candidate's attention
+    averaged over the layer's query heads and the queries that see it) keeps the best `topk` of the held tokens and
+    the chunk's; the cache holds at most `topk + C` tokens. A prefill then takes `S / C` rounds instead of `S`.
+    TOVA with `tova_head_average` and the layer-wide cascade with `pool_decay` None only. Evaluation
+    (teacher-forced) only so far: a `KVpopCache` refuses it."""
     dms_temperature: float = 0.1
     """DMS only: temperature of the Gumbel-sigmoid relaxation of the eviction gates in training. > 0."""
     dms_target_retention: float | None = None
@@ -207,6 +215,13 @@ class KVpopConfig:
                "must be None (TOVA's latest attention) or a decay in (0, 1] (1: H2O's accumulated attention)")
         _check(self.pool_decay is None or (self.tova_pool > 0 and self.tova_head_average), "pool_decay", self.pool_decay,
                "applies to the layer-wide KVpop-cascade only (tova_pool > 0 with tova_head_average=True)")
+        _check(_is_int(self.decision_chunk) and self.decision_chunk >= 1, "decision_chunk", self.decision_chunk,
+               "must be an integer >= 1 (1: decide after every token)")
+        chunkable = (self.policy == "tova" and self.tova_head_average) or (
+            self.tova_pool > 0 and self.tova_head_average and self.pool_decay is None)
+        _check(self.decision_chunk == 1 or (chunkable and self.sink == 0 and self.window == 1), "decision_chunk",
+               self.decision_chunk, "applies to TOVA with tova_head_average and to the layer-wide KVpop-cascade "
+               "(tova_pool > 0, tova_head_average, pool_decay None), at TOVA's split (sink 0, window 1)")
         _check(self.policy not in RECENCY_POLICIES or self.topk == 0, "topk", self.topk,
                f"must be 0 for policy {self.policy!r}, which keeps only sinks and the window "
                f"(use window = budget - sink; KVpopConfig.for_budget does it)")
@@ -338,7 +353,7 @@ class KVpopConfig:
         at the same split), any other config as it is."""
         if not self.tova_pool:
             return self
-        return dataclasses.replace(self, tova_pool=0, tova_head_average=False, pool_decay=None)
+        return dataclasses.replace(self, tova_pool=0, tova_head_average=False, pool_decay=None, decision_chunk=1)
 
     def for_rule(self, rule: str | None = None) -> KVpopConfig:
         """The config a trained directory saved with this config runs under `rule` (one of `RULES`, or None).

@@ -111,6 +111,9 @@ class LayerPolicy(nn.Module):
     leaving the window first, and the static pool keeps the best of what it evicts."""
     decay = 1.0
     """Score "cascade_sum" only (`KVpopConfig.pool_decay`): the weight of a slot's accumulated score at each step."""
+    chunk = 1
+    """Scores "mean" and "cascade_mean" (`KVpopConfig.decision_chunk`): decide once every `chunk` steps from the
+    chunk's queries (`ops.dynamic.chunked`); 1: after every token."""
     stateful = False
     evidence = False
     teacher_forced_only = False
@@ -286,6 +289,7 @@ class CascadePolicy(ScorerPolicy):
         self.tova_first = bool(cfg.tova_head_average)
         self.score = "cascade_sum" if cfg.pool_decay is not None else "cascade_mean" if self.tova_first else "cascade"
         self.decay = 1.0 if cfg.pool_decay is None else float(cfg.pool_decay)
+        self.chunk = int(cfg.decision_chunk)
 
     @property
     def dynamic(self) -> bool:  # type: ignore[override]

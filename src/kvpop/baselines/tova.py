@@ -23,6 +23,7 @@ class TOVAPolicy(LayerPolicy):
     def __init__(self, cfg: KVpopConfig, num_kv_heads: int, head_dim: int):
         super().__init__(cfg, num_kv_heads, head_dim)
         self.head_average = cfg.tova_head_average
+        self.chunk = int(cfg.decision_chunk)
 
     @property
     def score(self) -> str:

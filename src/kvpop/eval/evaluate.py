@@ -20,6 +20,8 @@ Because the training mask equals the decoding cache, these are the numbers a use
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -165,6 +167,16 @@ def with_tova_pool(entry: Entry, pool: int, layer: bool = False, decay: float | 
         raise ValueError(f"{entry.name}: {err}") from None
     rank = "" if decay is None else "+h2o" if decay == 1 else f"+d{decay:g}"
     return Entry(f"{entry.name}+{'l' if layer else ''}pool{pool}{rank}", entry.budget, cfg, trained=entry.trained)
+
+
+def with_decision_chunk(entry: Entry, chunk: int) -> Entry:
+    """`entry` (TOVA's paper rule or a layer-wide KVpop-cascade) deciding once every `chunk` steps, `NAME+chunkC`
+    (`KVpopConfig.decision_chunk`): the same budget and weights, evaluated teacher-forced."""
+    try:
+        cfg = dataclasses.replace(entry.cfg, decision_chunk=chunk)
+    except ValueError as err:
+        raise ValueError(f"{entry.name}: {err}") from None
+    return Entry(f"{entry.name}+chunk{chunk}", entry.budget, cfg, trained=entry.trained)
 
 
 def run_as(model: nn.Module, cfg: KVpopConfig) -> nn.Module:

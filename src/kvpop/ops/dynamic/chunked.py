@@ -1,0 +1,197 @@
+"""The chunked TOVA pool (an extension): the dynamic rules' decisions once every `C` tokens, not after each one.
+
+The per-token rules (TOVA, the layer-wide KVpop-cascade) decide after every query, so their prefill is a sequential
+walk over the prompt (`README.md` beside this file). The chunked rule decides after every `C`-th step, from the
+`C` queries of the chunk that just ended, all at once:
+
+- while a chunk is read, nothing is evicted: query `q` sees the `K` long-range slots held at the chunk's start and
+  the chunk's tokens up to itself, so the cache holds at most `K + C` tokens;
+- a candidate's chunk score is its attention probability averaged over the layer's query heads and over the
+  chunk's queries that see it (each normalised over what that query sees): every one of them for a held token,
+  the queries from its own on for a token of the chunk. With `C = 1` that is TOVA's head-averaged latest attention;
+- the pool (the last `pool` slots, the same tokens in every KV head) keeps the `pool` best of its tokens and the
+  chunk's by (score, position): the newer wins a tie;
+- each KV head's static pool (the first `K - pool` slots) keeps the `K - pool` best of its own tokens and the pool's
+  losers by (static priority, position); the rest are evicted, invisible from the next chunk's first query on.
+
+With `pool = K` it is TOVA's rule (head average, no sinks), chunked; with `C = 1` both make the per-token rules'
+decisions exactly (the leaving token meets the pool first, whichever loses meets the static pool). The
+decisions of a chunk are parallel: one GEMM of its queries against its candidates, a softmax and two sorts, so a
+prefill of `S` tokens takes `S / C` sequential rounds instead of `S`.
+
+Chunks are counted in steps of the batch (padding steps count): every row decides after the same step.
+`chunked_eviction_positions` is the teacher-forced execution (the eviction position of every token of a sequence,
+for `ops.attention.sparse_attention`); `chunk_decision_reference` is the rule stated slot by slot in Python, the
+reference the tests compare with.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvpop.ops.topk import NEVER
+
+
+def chunk_scores(
+    query: Tensor,  # [B, Hq, L, D]
+    cand_keys: Tensor,  # [B, H, M, D], the held slots (K) then the chunk's tokens (L)
+    held: Tensor,  # [B, H, K] bool: the slot holds a token
+    chunk_valid: Tensor,  # [B, L] bool
+    scale: float,
+    softcap: float | None = None,
+) -> Tensor:
+    """Each candidate's chunk score: its probability averaged over the layer's query heads and the valid queries
+    of the chunk that see it. float32 [B, M]; 0 where no valid query sees it.
+
+    Every query is normalised over what it sees: the held slots of its KV head and the chunk's valid tokens up to
+    itself. The floats are the same in every execution (the teacher-forced walk here and the reference)."""
+    B, Hq, L, D = query.shape
+    H, M = cand_keys.shape[1], cand_keys.shape[2]
+    K = M - L
+    G = Hq // H
+    logits = torch.matmul(query.reshape(B, H, G * L, D).float() * scale, cand_keys.float().transpose(-1, -2))
+    logits = logits.view(B, H, G, L, M)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    i = torch.arange(L, device=query.device)
+    causal = i[None, :] <= i[:, None]  # [L (query), L (token)]
+    sees = torch.cat([held[:, :, None, :].expand(B, H, L, K),
+                      (causal[None] & chunk_valid[:, None, :])[:, None].expand(B, H, L, L)], dim=-1)  # [B, H, L, M]
+    logits = logits.masked_fill(~sees[:, :, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    # a padding query sees its own column only through the mask above if it is valid: drop its row whatever it holds
+    probs = probs.masked_fill(~chunk_valid[:, None, None, :, None], 0.0).nan_to_num(0.0)
+    # the sum over heads and queries, the heads innermost (the same order for every column)
+    total = probs.permute(0, 4, 3, 1, 2).reshape(B, M, L, H * G).sum(-1).sum(-1)  # [B, M]
+    q_valid = chunk_valid.sum(-1, keepdim=True)  # [B, 1]
+    # a chunk token t is seen by the valid queries from t on
+    after = torch.flip(torch.cumsum(torch.flip(chunk_valid.long(), [-1]), -1), [-1])  # [B, L]
+    count = torch.cat([q_valid.expand(B, K), torch.where(chunk_valid, after, 0)], dim=-1).float()
+    return torch.where(count > 0, total / (H * G * count.clamp(min=1)), 0.0)
+
+
+def _order(rank: Tensor, pos: Tensor) -> Tensor:
+    """Indices along the last dim, best first: by rank, then by position (the newer first); empty (-inf, -1) last."""
+    by_pos = pos.argsort(dim=-1, descending=True, stable=True)
+    by_rank = rank.gather(-1, by_pos).argsort(dim=-1, descending=True, stable=True)
+    return by_pos.gather(-1, by_rank)
+
+
+def chunk_decision(
+    score: Tensor,  # [B, M]
+    cand_pos: Tensor,  # [B, H, M], -1: no token
+    cand_prior: Tensor,  # [B, H, M]
+    topk: int,
+    pool: int,
+) -> tuple[Tensor, Tensor]:
+    """Which candidates the long-range slots keep after a chunk (module docstring).
+
+    Candidates are the `K = topk` slots (the static pool `[0, K - pool)`, then the pool) followed by the chunk's
+    `L` tokens. The pool's slots hold the same tokens in every KV head.
+
+    Returns:
+        keep: int64 [B, H, K], the candidate each new slot holds (static pool first, then the pool; the pool's
+            entries are the same in every head);
+        evicted: int64 [B, H, L], the candidates evicted (empty candidates among them are no token).
+    """
+    B, H, M = cand_pos.shape
+    K = topk
+    S = K - pool
+    # the pool: its tokens and the chunk's, one ranking for the layer (head 0's positions: the same in every head)
+    pool_cols = torch.arange(S, M, device=score.device)
+    p_pos = cand_pos[:, 0, S:]
+    p_score = torch.where(p_pos >= 0, score[:, S:], float("-inf"))
+    p_order = pool_cols[_order(p_score, p_pos)]  # [B, pool + L]
+    pool_keep, losers = p_order[:, :pool], p_order[:, pool:]
+    # each head's static pool: its tokens and the pool's losers, by (static priority, position)
+    s_cols = torch.cat([torch.arange(S, device=score.device).expand(B, S), losers], dim=-1)[:, None].expand(B, H, -1)
+    s_pos = cand_pos.gather(-1, s_cols)
+    s_rank = torch.where(s_pos >= 0, cand_prior.gather(-1, s_cols), float("-inf"))
+    s_order = s_cols.gather(-1, _order(s_rank, s_pos))  # [B, H, S + L]
+    keep = torch.cat([s_order[..., :S], pool_keep[:, None].expand(B, H, pool)], dim=-1)
+    return keep, s_order[..., S:]
+
+
+def chunked_eviction_positions(
+    query: Tensor,  # [B, Hq, S, D]
+    key: Tensor,  # [B, H, S, D]
+    position: Tensor,  # [B, S]
+    valid: Tensor,  # [B, S]
+    prior: Tensor,  # [B, H, S]
+    topk: int,
+    pool: int,
+    chunk: int,
+    scale: float,
+    softcap: float | None = None,
+) -> Tensor:
+    """Teacher-forced: the eviction position of every token of a sequence under the chunked rule.
+
+    A token evicted after the chunk ending at step `c` is invisible from the first real query after `c` on. With
+    these, `ops.attention.sparse_attention` (sink 0, window 1, top-k `topk + chunk - 1`) gives the attention output.
+
+    Args:
+        prior: float32, each token's static priority (the static pool's rank; any values where `pool = topk`).
+        topk: `K`, the long-range slots kept after each decision; pool: the slots ranked by the chunk score, in
+            [0, topk]; chunk: `C >= 1`.
+    Returns:
+        int64 [B, H, S], `NEVER` for tokens never evicted (and for padding).
+    """
+    B, Hq, S_len, D = query.shape
+    H = key.shape[1]
+    if not (isinstance(chunk, int) and chunk >= 1):
+        raise ValueError(f"chunk={chunk!r} must be an integer >= 1")
+    if not (isinstance(topk, int) and topk >= 1 and isinstance(pool, int) and 0 <= pool <= topk):
+        raise ValueError(f"topk={topk!r}, pool={pool!r}: need topk >= 1 and 0 <= pool <= topk")
+    dev = key.device
+    evict = torch.full((B, H, S_len + 1), NEVER, dtype=torch.long, device=dev)  # a scratch column last
+    # the first real position after each step: when a decision after that step takes effect
+    big = torch.iinfo(torch.long).max
+    real_pos = torch.where(valid, position, big)
+    next_pos = torch.flip(torch.cummin(torch.flip(real_pos, [-1]), -1).values, [-1])  # [B, S]: min over cols >= c
+    slot_keys = key.new_zeros(B, H, topk, D)
+    slot_col = torch.full((B, H, topk), -1, dtype=torch.long, device=dev)
+    slot_pos = torch.full((B, H, topk), -1, dtype=torch.long, device=dev)
+    slot_prior = torch.full((B, H, topk), float("-inf"), device=dev)
+    for c0 in range(0, S_len - chunk + 1, chunk):
+        c1 = c0 + chunk
+        if c1 >= S_len:
+            break  # no query after the last chunk: its decision changes no visibility
+        cols = torch.arange(c0, c1, device=dev)
+        cv = valid[:, c0:c1]
+        cand_keys = torch.cat([slot_keys, key[:, :, c0:c1]], dim=2)
+        cand_col = torch.cat([slot_col, torch.where(cv, cols, -1)[:, None].expand(B, H, chunk)], dim=2)
+        cand_pos = torch.cat([slot_pos, torch.where(cv, position[:, c0:c1], -1)[:, None].expand(B, H, chunk)], dim=2)
+        cand_prior = torch.cat([slot_prior, prior[:, :, c0:c1].float()], dim=2)
+        score = chunk_scores(query[:, :, c0:c1], cand_keys, slot_pos >= 0, cv, scale, softcap)
+        keep, out = chunk_decision(score, cand_pos, cand_prior, topk, pool)
+        # the evicted tokens: invisible from the first real query after this chunk
+        out_col = cand_col.gather(-1, out)
+        when = next_pos[:, c1][:, None, None].expand_as(out_col)
+        # no token (an empty candidate) writes the scratch column
+        evict.scatter_(2, torch.where(out_col >= 0, out_col, S_len), when)
+        slot_keys = cand_keys.gather(2, keep[..., None].expand(-1, -1, -1, D))
+        slot_col, slot_pos, slot_prior = (t.gather(-1, keep) for t in (cand_col, cand_pos, cand_prior))
+    return torch.where(valid[:, None], evict[..., :S_len], NEVER)
+
+
+def chunk_decision_reference(score, cand_pos, cand_prior, topk: int, pool: int) -> list[list[set[int]]]:
+    """The decision of one chunk stated slot by slot in Python (the reference of `chunk_decision`): per row and KV
+    head, the set of candidate indices evicted (real tokens only).
+
+    The pool's tokens and the chunk's compete by (score, position); the `pool` best stay. Each head's static tokens
+    and the pool's losers compete by (static priority, position); the `topk - pool` best stay; the rest go."""
+    B, H, M = cand_pos.shape
+    S = topk - pool
+    out = []
+    for b in range(B):
+        rows = []
+        pool_cands = [m for m in range(S, M) if int(cand_pos[b, 0, m]) >= 0]
+        ranked = sorted(pool_cands, key=lambda m: (float(score[b, m]), int(cand_pos[b, 0, m])), reverse=True)
+        losers = ranked[pool:]
+        for h in range(H):
+            static = [m for m in range(S) if int(cand_pos[b, h, m]) >= 0] + losers
+            kept = sorted(static, key=lambda m: (float(cand_prior[b, h, m]), int(cand_pos[b, h, m])), reverse=True)
+            rows.append(set(kept[S:]))
+        out.append(rows)
+    return out

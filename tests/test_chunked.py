@@ -1,0 +1,283 @@
+"""The chunked rule (`ops/dynamic/chunked.py`): one decision per chunk of steps, TOVA's and the layer-wide cascade's.
+
+The claims: the vectorised decision equals the rule stated slot by slot (ties of score, of static priority, empty
+slots, padding); with chunks of one token it makes exactly the per-token rules' decisions (the walk of
+`ops.dynamic`); the teacher-forced evictions of longer chunks equal an independent float64 walk over Python sets;
+no query ever sees more than `topk + chunk` tokens; the model runs it teacher-forced and a cache refuses it.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import kvpop
+from kvpop.ops.attention import sparse_attention
+from kvpop.ops.dynamic import NEVER, dynamic_eviction_positions
+from kvpop.ops.dynamic.chunked import (
+    chunk_decision,
+    chunk_decision_reference,
+    chunk_scores,
+    chunked_eviction_positions,
+)
+
+
+def _candidates(B, H, K, P, L, gen, empty_slots=0, pad=0, ties=False):
+    """Random candidates: K slots (the last P the pool, the same tokens in every head) and L chunk tokens."""
+    S = K - P
+    pos = torch.full((B, H, K + L), -1, dtype=torch.long)
+    for b in range(B):
+        perm = torch.randperm(1000, generator=gen)[: K + L]
+        held = perm[:K].sort().values
+        pos[b, :, S:K] = held[S:K]
+        for h in range(H):
+            pos[b, h, :S] = torch.randperm(1000, generator=gen)[:S] + 1000 * (h + 1)  # each head its own static tokens
+        pos[b, :, K:] = torch.arange(5000, 5000 + L)
+    if empty_slots:
+        pos[:, :, :empty_slots] = -1
+        pos[:, :, S:S + empty_slots] = -1
+    if pad:
+        pos[:, :, K:K + pad] = -1
+    score = torch.rand(B, K + L, generator=gen)
+    prior = torch.randn(B, H, K + L, generator=gen)
+    if ties:
+        score = (score * 3).floor() / 3
+        prior = (prior * 2).round() / 2
+    return score, pos, prior
+
+
+@pytest.mark.parametrize("K,P,L", [(6, 3, 4), (6, 6, 4), (6, 0, 3), (1, 1, 1), (9, 4, 1), (5, 2, 8)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_decision_matches_the_slot_by_slot_rule(K, P, L, ties):
+    gen = torch.Generator().manual_seed(K * 100 + P * 10 + L + ties)
+    for empty, pad in ((0, 0), (min(1, K - P), min(1, L - 1)), (0, L - 1)):
+        score, pos, prior = _candidates(2, 3, K, P, L, gen, empty_slots=empty if K - P > empty else 0, pad=pad,
+                                        ties=ties)
+        keep, evicted = chunk_decision(score, pos, prior, K, P)
+        ref = chunk_decision_reference(score, pos, prior, K, P)
+        for b in range(2):
+            for h in range(3):
+                got = {int(m) for m in evicted[b, h] if int(pos[b, h, m]) >= 0}
+                assert got == ref[b][h], (b, h)
+                kept = [int(m) for m in keep[b, h] if int(pos[b, h, m]) >= 0]
+                # every real candidate is kept or evicted, once
+                assert sorted(kept + sorted(got)) == sorted(m for m in range(K + L) if int(pos[b, h, m]) >= 0)
+        # the pool's slots hold the same tokens in every head
+        pool_pos = pos.gather(-1, keep)[..., K - P:]
+        assert torch.equal(pool_pos, pool_pos[:, :1].expand_as(pool_pos))
+
+
+def _inputs(B, Hkv, G, S, D, seed, dup=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv * G, S, D, generator=gen)
+    k = torch.randn(B, Hkv, S, D, generator=gen)
+    if dup:  # exact duplicates: equal logits for several tokens
+        k[:, :, 5:9] = k[:, :, 4:5]
+    prior = torch.randn(B, Hkv, S, generator=gen)
+    pos = torch.arange(S).expand(B, S).contiguous()
+    return q, k, pos, torch.ones(B, S, dtype=torch.bool), prior
+
+
+@pytest.mark.parametrize("K,P", [(7, 7), (7, 5), (7, 0), (12, 9), (3, 1)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chunks_of_one_token_are_the_per_token_rules(K, P, seed):
+    """With C = 1 the chunked decision is the per-token walk's: TOVA (pool = topk) and the layer-wide cascade."""
+    q, k, pos, valid, prior = _inputs(2, 2, 3, 37, 8, seed)
+    score = "mean" if P == K else "cascade_mean"
+    want = dynamic_eviction_positions(q, k, pos, valid, prior, 0, 1, K, 0.35, score, backend="torch",
+                                      pool=None if P == K else P)
+    got = chunked_eviction_positions(q, k, pos, valid, prior, K, P, 1, 0.35)
+    assert torch.equal(got, want)
+
+
+def _walk_float64(q, k, pos, valid, prior, K, P, C, scale):
+    """The chunked rule over Python sets with float64 probabilities: the eviction position of every token."""
+    B, Hq, S, D = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    evict = torch.full((B, H, S), NEVER, dtype=torch.long)
+    for b in range(B):
+        pool: list[int] = []
+        static: list[list[int]] = [[] for _ in range(H)]
+        for c0 in range(0, S - C, C):
+            chunk = [t for t in range(c0, c0 + C) if valid[b, t]]
+            if c0 + C >= S:
+                break
+            score: dict[int, float] = {}
+            seen: dict[int, int] = {}
+            for h in range(H):
+                held = pool + static[h]
+                for qi in chunk:
+                    vis = held + [t for t in chunk if t <= qi]
+                    for g in range(G):
+                        lg = torch.tensor([float((q[b, h * G + g, qi].double() @ k[b, h, t].double()) * scale)
+                                           for t in vis], dtype=torch.float64)
+                        pr = torch.softmax(lg, 0)
+                        for t, p in zip(vis, pr.tolist()):
+                            if t in pool or t in chunk:
+                                score[t] = score.get(t, 0.0) + p
+                                seen[t] = seen.get(t, 0) + 1
+            avg = {t: score[t] / seen[t] for t in score}
+            ranked = sorted(pool + chunk, key=lambda t: (avg[t], t), reverse=True)
+            pool, losers = ranked[:P], ranked[P:]
+            when = next(int(pos[b, t]) for t in range(c0 + C, S) if valid[b, t])
+            for h in range(H):
+                cands = sorted(static[h] + losers, key=lambda t: (float(prior[b, h, t]), t), reverse=True)
+                static[h] = cands[: K - P]
+                for t in cands[K - P:]:
+                    evict[b, h, t] = when
+    return evict
+
+
+@pytest.mark.parametrize("K,P,C", [(6, 4, 4), (6, 6, 5), (8, 2, 3), (5, 0, 7), (4, 3, 16)])
+def test_teacher_forced_evictions_match_an_independent_walk(K, P, C):
+    q, k, pos, valid, prior = _inputs(2, 2, 2, 30, 8, seed=K * C + P)
+    got = chunked_eviction_positions(q, k, pos, valid, prior, K, P, C, 0.4)
+    want = _walk_float64(q, k, pos, valid, prior, K, P, C, 0.4)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("C", [1, 3, 8])
+def test_no_query_sees_more_than_topk_plus_chunk(C):
+    K, P, S = 6, 4, 40
+    q, k, pos, valid, prior = _inputs(1, 2, 2, S, 8, seed=C, dup=True)
+    evict = chunked_eviction_positions(q, k, pos, valid, prior, K, P, C, 0.4)
+    t = torch.arange(S)
+    for qi in range(S):
+        visible = ((t <= qi) & (evict[0] > qi)).sum(-1)  # [H]
+        assert int(visible.max()) <= K + C
+        # and the full cache holds K + (the chunk so far) once it has filled
+        if qi >= K + C:
+            assert int(visible.min()) == K + qi % C + 1
+
+
+def test_left_padding_rows_decide_at_the_same_steps():
+    """A left-padded row: its padding neither scores nor is evicted, and its decisions take effect at its next real
+    query's position."""
+    q, k, pos, valid, prior = _inputs(2, 2, 2, 24, 8, seed=3)
+    valid[1, :5] = False
+    pos = torch.cumsum(valid.long(), -1) - 1
+    got = chunked_eviction_positions(q, k, pos, valid, prior, 5, 3, 4, 0.4)
+    assert (got[1, :, :5] == NEVER).all()
+    want = _walk_float64(q, k, pos, valid, prior, 5, 3, 4, 0.4)
+    assert torch.equal(got, want)
+
+
+def test_scores_average_over_the_queries_that_see_a_token():
+    """One KV head, one query head, a chunk of two tokens after one held slot: the scores by hand."""
+    q = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]]])  # [1, 1, 2, 2]
+    keys = torch.tensor([[[[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]]]])  # held slot, then the chunk's two tokens
+    held = torch.tensor([[[True]]])
+    s = chunk_scores(q, keys, held, torch.tensor([[True, True]]), scale=1.0)
+    e = math.e
+    q0 = [e / (e + 1), 1 / (e + 1), 0.0]  # query 0 sees the slot and itself
+    q1 = [1 / (2 + e), 1 / (2 + e), e / (2 + e)]  # query 1 sees all three
+    want = torch.tensor([[(q0[0] + q1[0]) / 2, (q0[1] + q1[1]) / 2, q1[2]]])
+    assert torch.allclose(s, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["tova", "cascade"])
+def test_the_model_teacher_forced_equals_its_prefill_and_decode(policy):
+    """Train == prefill == decode on a model: the teacher-forced logits, a prompt through a `KVpopCache` and the rest
+    one token per step agree; `generate` runs it eagerly."""
+    from kvpop.cache import cache_kwargs
+    from kvpop.models import load_model
+
+    model, _ = load_model("tiny-random-llama", dtype="float32")
+    cfg = kvpop.KVpopConfig.for_budget(24, policy="tova")
+    if policy == "cascade":
+        cfg = kvpop.KVpopConfig.for_budget(24).with_tova_pool(17, layer=True)
+    ids = torch.randint(3, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for chunk in (1, 8):
+        torch.manual_seed(0)
+        kvpop.retrofit(model, dataclasses.replace(cfg, decision_chunk=chunk))
+        model.eval()
+        with torch.no_grad():
+            outs[chunk] = model(ids).logits
+            if chunk > 1:
+                cache = kvpop.KVpopCache(model)
+                assert not cache.is_compileable
+                steps = [model(ids[:, :37], use_cache=True, **cache_kwargs(model, cache)).logits]
+                for t in range(37, 64):
+                    steps.append(model(ids[:, t : t + 1], use_cache=True, **cache_kwargs(model, cache)).logits)
+                assert torch.allclose(torch.cat(steps, dim=1), outs[chunk], atol=1e-4)
+                held = max(int(n.max()) for n in cache.slots_used())
+                assert held <= 24 - 1 + 8
+                gen = model.generate(ids[:, :40], max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                     **cache_kwargs(model, kvpop.KVpopCache(model)))
+                assert gen.shape == (2, 46)
+        kvpop.detach(model)
+    # before the first decision (the budget, then a chunk) the two rules see the same tokens
+    assert torch.allclose(outs[1][:, :24], outs[8][:, :24], atol=1e-5)
+    assert not torch.allclose(outs[1], outs[8], atol=1e-3)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(policy="tova", decision_chunk=0), "integer >= 1"),
+    (dict(policy="tova", decision_chunk=8), "TOVA with tova_head_average"),
+    (dict(policy="h2o", decision_chunk=8), "applies to TOVA"),
+])
+def test_config_refuses_what_the_chunked_rule_does_not_apply_to(kwargs, msg):
+    budget = 32
+    base = kvpop.KVpopConfig.for_budget(budget, policy=kwargs.pop("policy"))
+    if "head" in msg:  # TOVA per KV head (not the head average)
+        base = dataclasses.replace(base, tova_head_average=False)
+    with pytest.raises(ValueError, match=msg):
+        dataclasses.replace(base, **kwargs)
+
+
+def test_sparse_attention_bound_covers_a_full_chunk():
+    """The teacher-forced attention under chunked evictions equals the dense reference under the same visibility."""
+    q, k, pos, valid, prior = _inputs(1, 2, 2, 40, 8, seed=7)
+    v = torch.randn(1, 2, 40, 8)
+    K, C = 6, 8
+    evict = chunked_eviction_positions(q, k, pos, valid, prior, K, 4, C, 0.4)
+    out, _ = sparse_attention(q, k, v, pos, valid, pos, valid, evict, 0, 1, 0.4, topk=K + C - 1)
+    ref, _ = sparse_attention(q, k, v, pos, valid, pos, valid, evict, 0, 1, 0.4, backend="reference")
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+class _Policy:
+    """What `ChunkedLayerCache.attend` asks of a layer policy: its chunk, its pool and the static priorities."""
+
+    def __init__(self, chunk, prior):
+        self.chunk, self.prior_all, self.offset = chunk, prior, 0
+
+    def scorer_key(self, key, rope):
+        return key
+
+    def priority(self, key, value, position):
+        n = key.shape[2]
+        out = self.prior_all[:, :, self.offset : self.offset + n]
+        self.offset += n
+        return out
+
+
+@pytest.mark.parametrize("K,P,C", [(6, 4, 4), (6, 6, 5), (8, 2, 3), (5, 0, 7)])
+@pytest.mark.parametrize("split", ["prompt", "tokens", "pieces"])
+def test_the_cache_makes_the_teacher_forced_decisions(K, P, C, split):
+    """Prefill at once, one token per step, or in uneven pieces: the cache's slots after every piece are the tokens
+    the teacher-forced evictions keep visible to the next query, and its outputs are the teacher-forced ones."""
+    from kvpop.cache import ChunkedLayerCache
+
+    S = 31
+    q, k, pos, valid, prior = _inputs(2, 2, 2, S, 8, seed=K + P + C)
+    v = torch.randn(2, 2, S, 8, generator=torch.Generator().manual_seed(1))
+    evict = chunked_eviction_positions(q, k, pos, valid, prior, K, P, C, 0.4)
+    want, _ = sparse_attention(q, k, v, pos, valid, pos, valid, evict, 0, 1, 0.4, backend="reference")
+    cache = ChunkedLayerCache(K, C, None if P == K else P)
+    policy = _Policy(C, prior)
+    cuts = {"prompt": [0, S], "tokens": list(range(S + 1)), "pieces": [0, 3, 4, 11, 12, 20, 29, S]}[split]
+    outs = []
+    for a, b in zip(cuts, cuts[1:]):
+        outs.append(cache.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], valid[:, a:b], policy, 0.4))
+        # the cache holds exactly what the next query would see under the teacher-forced evictions
+        held = [sorted(int(p) for p in cache.pos[bb, h] if p >= 0) for bb in range(2) for h in range(2)]
+        t = torch.arange(b)
+        visible = [sorted(int(x) for x in t[(evict[bb, h, :b] > b - 1) if b == S else (evict[bb, h, :b] > b)])
+                   for bb in range(2) for h in range(2)]
+        assert held == visible, (a, b)
+        assert int((cache.pos >= 0).sum(-1).max()) <= K + C
+    assert torch.allclose(torch.cat(outs, dim=2), want, atol=1e-5)
