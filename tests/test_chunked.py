@@ -192,7 +192,7 @@ def test_the_model_teacher_forced_equals_its_prefill_and_decode(policy):
     outs = {}
     for chunk in (1, 8):
         torch.manual_seed(0)
-        kvpop.retrofit(model, dataclasses.replace(cfg, decision_chunk=chunk))
+        kvpop.retrofit(model, cfg.with_decision_chunk(chunk) if chunk > 1 else cfg)
         model.eval()
         with torch.no_grad():
             outs[chunk] = model(ids).logits
@@ -204,7 +204,7 @@ def test_the_model_teacher_forced_equals_its_prefill_and_decode(policy):
                     steps.append(model(ids[:, t : t + 1], use_cache=True, **cache_kwargs(model, cache)).logits)
                 assert torch.allclose(torch.cat(steps, dim=1), outs[chunk], atol=1e-4)
                 held = max(int(n.max()) for n in cache.slots_used())
-                assert held <= 24 - 1 + 8
+                assert held <= 24  # the budget: 16 long-range slots and a ring of 8
                 gen = model.generate(ids[:, :40], max_new_tokens=6, do_sample=False, pad_token_id=0,
                                      **cache_kwargs(model, kvpop.KVpopCache(model)))
                 assert gen.shape == (2, 46)
@@ -218,12 +218,13 @@ def test_the_model_teacher_forced_equals_its_prefill_and_decode(policy):
     (dict(policy="tova", decision_chunk=0), "integer >= 1"),
     (dict(policy="tova", decision_chunk=8), "TOVA with tova_head_average"),
     (dict(policy="h2o", decision_chunk=8), "applies to TOVA"),
+    (dict(policy="tova", decision_chunk=8, window=1), "window as its ring"),
 ])
 def test_config_refuses_what_the_chunked_rule_does_not_apply_to(kwargs, msg):
     budget = 32
     base = kvpop.KVpopConfig.for_budget(budget, policy=kwargs.pop("policy"))
     if "head" in msg:  # TOVA per KV head (not the head average)
-        base = dataclasses.replace(base, tova_head_average=False)
+        base = dataclasses.replace(base, tova_head_average=False, window=8, topk=24)
     with pytest.raises(ValueError, match=msg):
         dataclasses.replace(base, **kwargs)
 
@@ -281,3 +282,15 @@ def test_the_cache_makes_the_teacher_forced_decisions(K, P, C, split):
         assert held == visible, (a, b)
         assert int((cache.pos >= 0).sum(-1).max()) <= K + C
     assert torch.allclose(torch.cat(outs, dim=2), want, atol=1e-5)
+
+
+def test_with_decision_chunk_keeps_the_memory_and_the_pool_share():
+    cascade = kvpop.KVpopConfig.for_budget(1024).recommended()
+    chunked = cascade.with_decision_chunk(64)
+    assert (chunked.sink, chunked.window, chunked.topk, chunked.budget) == (0, 64, 960, 1024)
+    assert chunked.tova_pool == cascade.tova_pool * 960 // 1023
+    assert cascade.with_decision_chunk(1) == dataclasses.replace(cascade, decision_chunk=1)
+    tova = kvpop.KVpopConfig.for_budget(256, policy="tova").with_decision_chunk(16)
+    assert (tova.window, tova.topk, tova.tova_pool) == (16, 240, 0)
+    with pytest.raises(ValueError, match="budget - 1"):
+        cascade.with_decision_chunk(1024)

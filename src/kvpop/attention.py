@@ -167,19 +167,21 @@ def kvpop_attention(
     if policy.dynamic and not kwargs.get("kvpop_dense", False):
         # TOVA / H2O: the decode step's decisions over the sequence (a walk), then one sparse attention
         priority = policy.priority(policy.scorer_key(key, kwargs.get("kvpop_rope")), value, position.clamp(min=0)).detach()
-        topk = cfg.topk
+        sink, window, topk = cfg.sink, cfg.window, cfg.topk
         with timed("kvpop.dynamic_walk"):
             if policy.chunk > 1:
                 # the chunked rule: one decision per chunk of steps; a query sees up to topk + chunk tokens
                 evict = chunked_eviction_positions(query, key, position, valid, priority, cfg.topk,
                                                    cfg.topk if policy.pool is None else policy.pool, policy.chunk,
                                                    scale, softcap)
-                topk = cfg.topk + policy.chunk - 1
+                # its evictions say everything: no window beyond the query's own token (the ring's tokens go at
+                # the decision like any other)
+                window, topk = 1, cfg.topk + policy.chunk - 1
             else:
                 evict = dynamic_eviction_positions(query, key, position, valid, priority, cfg.sink, cfg.window, cfg.topk,
                                                    scale, policy.score, pool=policy.pool, decay=policy.decay,
                                                    softcap=softcap)
-        out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict, cfg.sink, cfg.window,
+        out, _ = sparse_attention(query, key, value, position, valid, position, valid, evict, sink, window,
                                   scale, backend=backend, topk=topk, softcap=softcap)
         return out.transpose(1, 2), None
     capture = kwargs.get("kvpop_capture")

@@ -858,8 +858,8 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
     POLICY_RULE,
     arg("--decision-chunk", default=None, metavar="C[,C]",
         help="also run each TOVA row and each layer-wide KVpop-cascade row deciding once every C steps from the "
-             "chunk's C queries instead of after every token (rows NAME+chunkC; the chunked rule, teacher-forced "
-             "table only; the cache then holds up to budget - 1 + C tokens)"),
+             "chunk's C queries instead of after every token (rows NAME+chunkC: the chunked rule in the same "
+             "memory, the window a ring of C slots and budget - C long-range slots; the teacher-forced table)"),
     arg("--layer-budgets", action="append", default=[], metavar="FILE",
         help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
              "(the same total memory as the uniform row); repeatable"),
@@ -1101,7 +1101,7 @@ def _decision_chunk_entries(args: argparse.Namespace, entries: list) -> list:
     if args.suite or args.generate:
         raise ValueError("--decision-chunk rows are evaluated teacher-forced only: drop --suite / --generate")
     base = [e for e in entries if e.cfg.tova_head_average and e.cfg.pool_decay is None
-            and (e.cfg.policy == "tova" or e.cfg.tova_pool > 0) and e.cfg.sink == 0 and e.cfg.window == 1]
+            and (e.cfg.policy == "tova" or e.cfg.tova_pool > 0) and e.cfg.decision_chunk == 1]
     if not base:
         raise ValueError("--decision-chunk needs a row it applies to: --policies tova (TOVA's paper rule) or a "
                          "--trained KVpop-mlp directory run as the layer-wide cascade")

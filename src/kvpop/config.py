@@ -135,12 +135,13 @@ class KVpopConfig:
     static pool and many are evicted: measured 10-20x TOVA's pool's KL on development rows (SmolLM2, S = 2048)."""
     decision_chunk: int = 1
     """How often TOVA's head-averaged rule and the layer-wide KVpop-cascade decide (`ops/dynamic/chunked.py`). 1 (the
-    default): after every token, the per-token rules. `C > 1`: the chunked rule, an extension: nothing is evicted
-    while a chunk of `C` steps is read, then one decision from the chunk's `C` queries (each candidate's attention
-    averaged over the layer's query heads and the queries that see it) keeps the best `topk` of the held tokens and
-    the chunk's; the cache holds at most `topk + C` tokens. A prefill then takes `S / C` rounds instead of `S`.
-    TOVA with `tova_head_average` and the layer-wide cascade with `pool_decay` None only. Evaluation
-    (teacher-forced) only so far: a `KVpopCache` refuses it."""
+    default): after every token, the per-token rules. `C > 1`: the chunked rule, an extension: the window is a ring
+    of `C` slots that a chunk's tokens fill, nothing is evicted while it fills, then one decision from the chunk's
+    `C` queries (each candidate's attention averaged over the layer's query heads and the queries that see it) keeps
+    the best `topk` of the held tokens and the chunk's and empties the ring. The cache holds at most
+    `topk + C = budget` tokens, and a prefill takes `S / C` rounds instead of `S`. TOVA with `tova_head_average` and
+    the layer-wide cascade with `pool_decay` None only, split as `with_decision_chunk` splits them (no sinks, the
+    window the ring: `window = C`)."""
     dms_temperature: float = 0.1
     """DMS only: temperature of the Gumbel-sigmoid relaxation of the eviction gates in training. > 0."""
     dms_target_retention: float | None = None
@@ -219,9 +220,12 @@ class KVpopConfig:
                "must be an integer >= 1 (1: decide after every token)")
         chunkable = (self.policy == "tova" and self.tova_head_average) or (
             self.tova_pool > 0 and self.tova_head_average and self.pool_decay is None)
-        _check(self.decision_chunk == 1 or (chunkable and self.sink == 0 and self.window == 1), "decision_chunk",
-               self.decision_chunk, "applies to TOVA with tova_head_average and to the layer-wide KVpop-cascade "
-               "(tova_pool > 0, tova_head_average, pool_decay None), at TOVA's split (sink 0, window 1)")
+        _check(self.decision_chunk == 1 or chunkable, "decision_chunk", self.decision_chunk,
+               "applies to TOVA with tova_head_average and to the layer-wide KVpop-cascade (tova_pool > 0, "
+               "tova_head_average, pool_decay None)")
+        _check(self.decision_chunk == 1 or (self.sink == 0 and self.window == self.decision_chunk), "decision_chunk",
+               self.decision_chunk, f"needs no sinks and the window as its ring (window = decision_chunk), got sink "
+               f"{self.sink}, window {self.window}: KVpopConfig.with_decision_chunk splits a budget so")
         _check(self.policy not in RECENCY_POLICIES or self.topk == 0, "topk", self.topk,
                f"must be 0 for policy {self.policy!r}, which keeps only sinks and the window "
                f"(use window = budget - sink; KVpopConfig.for_budget does it)")
@@ -338,6 +342,16 @@ class KVpopConfig:
                "the layer-wide cascade takes TOVA's split of one budget; drop the per-layer budgets")
         return dataclasses.replace(self, sink=0, window=1, topk=self.budget - 1, tova_pool=pool, tova_head_average=True,
                                    pool_decay=decay)
+
+    def with_decision_chunk(self, chunk: int) -> KVpopConfig:
+        """This TOVA or layer-wide cascade config deciding once every `chunk` steps, in the same memory: the window
+        becomes the ring of `chunk` slots and the long-range slots `budget - chunk`; a cascade's pool keeps its share
+        of them. `chunk = 1`: the per-token rule at TOVA's split (window 1)."""
+        _check(_is_int(chunk) and 1 <= chunk < self.budget, "decision_chunk", chunk,
+               f"must be an integer in [1, budget - 1 = {self.budget - 1}] (room for one long-range slot)")
+        topk = self.budget - chunk
+        pool = self.tova_pool * topk // self.topk if self.tova_pool else 0
+        return dataclasses.replace(self, sink=0, window=chunk, topk=topk, tova_pool=pool, decision_chunk=chunk)
 
     def at_budget(self, budget: int) -> KVpopConfig:
         """This KVpop-mlp config's scorer at another budget, split as `for_budget` splits it (4 sinks, a window of a

@@ -79,7 +79,7 @@ def policy_config(name: str, budget: int, pool: int | None = None) -> KVpopConfi
     if sep:
         if not chunk.isdigit() or int(chunk) < 2 or base not in ("tova", RECOMMENDED):
             raise ValueError(f"policy {name!r}: the chunked rule is tova+chunkC or {RECOMMENDED}+chunkC with C >= 2")
-        return dataclasses.replace(policy_config(base, budget, pool), decision_chunk=int(chunk))
+        return policy_config(base, budget, pool).with_decision_chunk(int(chunk))
     if name == RECOMMENDED:
         return recommended_config(KVpopConfig.for_budget(budget), pool)
     return KVpopConfig.for_budget(budget, policy=name)

@@ -20,8 +20,6 @@ Because the training mask equals the decoding cache, these are the numbers a use
 
 from __future__ import annotations
 
-import dataclasses
-
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -171,9 +169,9 @@ def with_tova_pool(entry: Entry, pool: int, layer: bool = False, decay: float | 
 
 def with_decision_chunk(entry: Entry, chunk: int) -> Entry:
     """`entry` (TOVA's paper rule or a layer-wide KVpop-cascade) deciding once every `chunk` steps, `NAME+chunkC`
-    (`KVpopConfig.decision_chunk`): the same budget and weights, evaluated teacher-forced."""
+    (`KVpopConfig.with_decision_chunk`): the same memory (the ring counts in the budget) and weights."""
     try:
-        cfg = dataclasses.replace(entry.cfg, decision_chunk=chunk)
+        cfg = entry.cfg.with_decision_chunk(chunk)
     except ValueError as err:
         raise ValueError(f"{entry.name}: {err}") from None
     return Entry(f"{entry.name}+chunk{chunk}", entry.budget, cfg, trained=entry.trained)
