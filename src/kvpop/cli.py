@@ -173,6 +173,10 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
         help="with --tova-pool-layer: rank the pool by the head-averaged attention accumulated over the steps, each "
              "step D x the last plus the latest (1: H2O's accumulated attention) (default: TOVA's latest attention, "
              "as the recommended policy ranks)"),
+    arg("--decision-chunk", type=int, default=None, metavar="C",
+        help="a trained directory's recommended policy deciding once every C steps from the chunk's C queries, in "
+             "the same memory (the window a ring of C slots): a long prompt prefills in rounds of C tokens instead "
+             "of a token-by-token walk; it decodes eagerly (no --compile) (default: after every token)"),
     SCORERS,
     BASE,
     DEVICE,
@@ -204,6 +208,19 @@ def generate(args: argparse.Namespace) -> int:
     _shipped_scorers(args)
     cfg = None if is_kvpop_dir(args.model) else _rule(args)  # bad flags fail before the model loads
     trained = _trained_config(args)
+    if args.decision_chunk is not None:
+        if args.compile:
+            raise ValueError("--decision-chunk decodes eagerly (the chunked rule counts its steps on the host): drop "
+                             "--compile")
+        if trained is None or not trained.tova_pool:
+            raise ValueError(f"--decision-chunk applies to the recommended policy of a trained KVpop-mlp directory "
+                             f"(or --tova-pool-layer N); --model {args.model} runs "
+                             f"{'no trained scorers' if trained is None else trained.describe()}")
+        try:
+            trained = trained.with_decision_chunk(args.decision_chunk)
+        except ValueError as err:
+            raise ValueError(f"--decision-chunk {args.decision_chunk}: {err}") from None
+        _note(args, f"{args.model} runs {trained.describe()}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=_device(args.device), config=trained,
                                   base=args.base)
     if cfg is None:

@@ -404,6 +404,8 @@ class KVpopConfig:
     def describe(self) -> str:
         """What this config's rule does, in one line (the CLI says it when a trained directory loads)."""
         split = f"{self.sink} sinks, window {self.window}"
+        if self.decision_chunk > 1:
+            split = f"no sinks, a ring of {self.window} slots; one decision every {self.decision_chunk} steps"
         if self.policy != "kvpop":
             return f"policy {self.policy} at budget {self.budget} ({split}, {self.topk} long-range slots)"
         if self.tova_pool and self.tova_head_average:
