@@ -568,11 +568,15 @@ class ChunkedLayerCache(KVpopLayerCache):
             self.pos[:, :, ring] = torch.where(valid[:, seg], position[:, seg], -1)[:, None].expand(B, H, n)
             self.prior[:, :, ring] = priority[:, :, seg].float()
             self.queries[:, :, self.filled : self.filled + n] = query[:, :, seg]
-            # the segment's queries over the occupied slots, causally by position (the ring's later tokens too)
-            occupied = self.pos >= 0
-            never = torch.full_like(self.pos, NEVER)
-            out, _ = sparse_attention(query[:, :, seg], self.keys, self.values, position[:, seg], valid[:, seg],
-                                      self.pos, occupied, never, 0, 1, scale, topk=self.slots - 1, softcap=softcap)
+            if n == 1:
+                # one query: every occupied slot (the ring's later slots are still empty), the decode attention
+                out = decode_attention(query[:, :, seg], self.keys, self.values, self.pos, scale, softcap)
+            else:
+                # the segment's queries over the occupied slots, causally by position (the ring's later tokens too)
+                never = torch.full_like(self.pos, NEVER)
+                out, _ = sparse_attention(query[:, :, seg], self.keys, self.values, position[:, seg], valid[:, seg],
+                                          self.pos, self.pos >= 0, never, 0, 1, scale, topk=self.slots - 1,
+                                          softcap=softcap)
             outs.append(out)
             self.filled += n
             i += n
