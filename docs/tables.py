@@ -345,6 +345,27 @@ def long_generation() -> str:
     return table(head, out) + "\n\n" + source(cmd, d["device"], d["commit"], d["date"]) + f"; `docs/data/{_Q_GENERATION}.json`"
 
 
+@register("chunked-rule-cpu")
+def chunked_rule_cpu() -> str:
+    """The chunked rule against the per-token rule of the same kind, teacher-forced at S = 2048, in the same memory."""
+    d = data("chunked_rule_cpu_2026-12-07")
+    out = []
+    for run in d["runs"]:
+        rows = run["rows"]
+        budget = rows[0]["budget"]
+        for base, label in (("ship", "recommended policy (the shipped scorer)"), ("tova", "TOVA (paper)")):
+            ref = _q_row(rows, base)
+            chunks = sorted(int(r["policy"].split("+chunk")[1]) for r in rows if r["policy"].startswith(base + "+chunk"))
+            for c in [1, *chunks]:
+                r = ref if c == 1 else _q_row(rows, f"{base}+chunk{c}")
+                out.append([f"{budget} ({r['cr']:.0%})", label, "every token" if c == 1 else f"every {c} steps",
+                            f(r["kl"], 4), f(r["top1_agreement"], 3),
+                            "" if c == 1 else _q_diff(r["kl_per_sequence"], ref["kl_per_sequence"])])
+    head = ["budget (CR), S = 2048", "rule", "decides", "KL", "top-1", "KL − the per-token rule's, paired"]
+    lines = [source(run["command"], d["device"], d["commit"], d["date"]) for run in d["runs"]]
+    return table(head, out, "lllrrr") + "\n\n" + "  \n".join(lines)
+
+
 @register("policy-choice")
 def policy_choice() -> str:
     """README's "which policy": each policy's teacher-forced KL as a ratio to TOVA's KL in the same run."""
