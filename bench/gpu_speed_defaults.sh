@@ -13,8 +13,9 @@
 #   bash bench/gpu_speed_defaults.sh generate1-cached OUT  # the same from inductor's cache (about 3 min)
 #   bash bench/gpu_speed_defaults.sh generate4 OUT      # batch 4 (about 5 min)
 #   bash bench/gpu_speed_defaults.sh prefill OUT        # one 8192-token prompt at B = 2048: the dense forward, the
-#                                                        # static rule, H2O, TOVA and the recommended policy's walk at
-#                                                        # the Qwen3-8B shape and SmolLM2's (about 2 min)
+#                                                        # static rule, H2O, TOVA and the recommended policy's walk,
+#                                                        # and the recommended policy deciding every 64 and 256 steps,
+#                                                        # at the Qwen3-8B shape and SmolLM2's (about 3 min)
 #   bash bench/gpu_speed_defaults.sh distill OUT        # a distillation step, SmolLM2's shape at 8k (auto, gather)
 #                                                        # and the Qwen3-4B shape at 16k, 4 layers (auto, flex)
 #                                                        # (about 8 min)
@@ -66,6 +67,7 @@ if [ "$tiny" = 1 ]; then
   d4b=(--model smollm2-135m-shape --num-layers 1 --dtype float32 --seq-len 256 --budget 64 --window 16 --warmup 1
        --steps 1)
   pre8b=(--model tiny-qwen3-shape --dtype float32 --context 128 --budget 32 --repeats 2)
+  chunked=cascade+chunk8,cascade+chunk16
   presm=(--model smollm2-135m-shape --num-layers 2 --dtype float32 --context 128 --budget 32 --repeats 2)
   tests=(tests/test_attention.py -k auto_backend)
   gpu_tests=(tests/test_decode.py -m gpu)
@@ -76,6 +78,7 @@ else
   dsm=(--model smollm2-135m-shape --dtype float32 --seq-len 8192 --budget 1024 --window 256 --warmup 3 --steps 8)
   d4b=(--model qwen3-4b-shape --num-layers 4 --seq-len 16384 --budget 2048 --window 512 --warmup 2 --steps 5)
   pre8b=(--model qwen3-8b-shape --context 8192 --budget 2048 --repeats 2)
+  chunked=cascade+chunk64,cascade+chunk256  # the recommended policy deciding every 64 and 256 steps
   presm=(--model smollm2-135m-shape --dtype bfloat16 --context 8192 --budget 2048 --repeats 3)
   tests=(tests/test_slots.py tests/test_decode_kernel.py tests/test_attention.py::test_decode_attention_matches_reference
          tests/test_attention.py::test_auto_backend_on_cuda_picks_by_shape_and_budget
@@ -116,9 +119,9 @@ run_phase() {
     prefill)
       # the first repeat of each row is cold (compiles, Triton's first launches); the targets compare the last one
       step prefill_8b 200 python bench/bench_prefill.py "${pre8b[@]}" --device "$device" \
-        --policies tova,h2o,kvpop,cascade --no-replay --json-out "$out/prefill_8b.json"
+        --policies "tova,h2o,kvpop,cascade,$chunked" --no-replay --json-out "$out/prefill_8b.json"
       step prefill_smollm2 120 python bench/bench_prefill.py "${presm[@]}" --device "$device" \
-        --policies tova,h2o,kvpop,cascade --no-replay --json-out "$out/prefill_smollm2.json" ;;
+        --policies "tova,h2o,kvpop,cascade,$chunked" --no-replay --json-out "$out/prefill_smollm2.json" ;;
     distill)
       # SmolLM2's shape: auto keeps FlexAttention (its step is bound by launches), the gathered tiles beside it;
       # the 4B shape at 16k: auto takes the gathered tiles, FlexAttention over the sequence beside it

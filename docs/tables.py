@@ -645,6 +645,21 @@ def cpu_generate_recommended() -> str:
     return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
 
 
+@register("cpu-generate-chunked")
+def cpu_generate_chunked() -> str:
+    """`generate` on the CPU after a 2048-token prompt: the recommended policy per token and in chunks."""
+    d = data("cpu_generate_chunked_2026-12-07")
+    r = {x["cache"]: x for x in d["rows"]}
+    names = {"dense": "dense (`DynamicCache`)", "kvpop": "static rule", "cascade": "recommended policy",
+             "cascade+chunk16": "recommended policy, deciding every 16 steps",
+             "cascade+chunk64": "recommended policy, deciding every 64 steps"}
+    rows = [[names[c], f(r[c]["cpu_ms_per_token"], 1), f(r[c]["cpu_vs_dense"], 2), f(r[c]["cpu_prefill_s"], 2),
+             f(r[c]["cpu_decode_ms"], 1)] for c in names]
+    head = ["SmolLM2-135M, 2048-token prompt + 64 tokens, B = 512, one thread", "CPU ms/token (prefill incl.)",
+            "vs dense (paired)", "prefill s", "decode ms/token"]
+    return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
+
+
 @register("prefill-cpu")
 def prefill_cpu() -> str:
     """The prefill of a 2048-token prompt on the CPU: the static rule, the recommended policy's walk, TOVA's walk."""
@@ -652,6 +667,21 @@ def prefill_cpu() -> str:
     names = {"dense": "dense forward", "kvpop": "static rule (one pass)", "cascade": "recommended policy (walk)",
              "tova": "TOVA (walk)"}
     rows = [[names.get(r["policy"], r["policy"]), f(r["cpu_s"], 1), f"{r['cpu_vs_dense']:.1f}×"] for r in d["rows"]]
+    return "\n".join([table(["SmolLM2-135M, 2048 tokens, B = 512, one thread", "CPU s", "vs dense"], rows), "",
+                      source(d["command"], d["device"], d["commit"], d["date"])])
+
+
+@register("prefill-cpu-chunked")
+def prefill_cpu_chunked() -> str:
+    """The prefill of a 2048-token prompt on the CPU: the per-token walks against the chunked rule's rounds."""
+    d = data("prefill_cpu_chunked_2026-12-07")
+
+    def name(policy: str) -> str:
+        base, _, c = policy.partition("+chunk")
+        rule = {"dense": "dense forward", "cascade": "recommended policy", "tova": "TOVA"}[base]
+        return rule if base == "dense" else f"{rule}, deciding every {c} steps" if c else f"{rule} (walk)"
+
+    rows = [[name(r["policy"]), f(r["cpu_s"], 1), f"{r['cpu_vs_dense']:.2f}×"] for r in d["rows"]]
     return "\n".join([table(["SmolLM2-135M, 2048 tokens, B = 512, one thread", "CPU s", "vs dense"], rows), "",
                       source(d["command"], d["device"], d["commit"], d["date"])])
 

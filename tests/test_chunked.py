@@ -208,6 +208,13 @@ def test_the_model_teacher_forced_equals_its_prefill_and_decode(policy):
                 gen = model.generate(ids[:, :40], max_new_tokens=6, do_sample=False, pad_token_id=0,
                                      **cache_kwargs(model, kvpop.KVpopCache(model)))
                 assert gen.shape == (2, 46)
+                from kvpop.decode import Decoder
+
+                with pytest.raises(ValueError, match="decodes eagerly"):
+                    Decoder(model, kvpop.KVpopCache(model), compile=True, backend="aot_eager")
+                eager = Decoder(model, kvpop.KVpopCache(model), compile=False)
+                toks = eager.generate(ids[:, :40], 6, chunk=40)
+                assert torch.equal(toks, gen[:, 40:])
         kvpop.detach(model)
     # before the first decision (the budget, then a chunk) the two rules see the same tokens
     assert torch.allclose(outs[1][:, :24], outs[8][:, :24], atol=1e-5)

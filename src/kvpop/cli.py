@@ -876,7 +876,7 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
     arg("--decision-chunk", default=None, metavar="C[,C]",
         help="also run each TOVA row and each layer-wide KVpop-cascade row deciding once every C steps from the "
              "chunk's C queries instead of after every token (rows NAME+chunkC: the chunked rule in the same "
-             "memory, the window a ring of C slots and budget - C long-range slots; the teacher-forced table)"),
+             "memory, the window a ring of C slots and budget - C long-range slots; they decode eagerly)"),
     arg("--layer-budgets", action="append", default=[], metavar="FILE",
         help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
              "(the same total memory as the uniform row); repeatable"),
@@ -1115,8 +1115,6 @@ def _decision_chunk_entries(args: argparse.Namespace, entries: list) -> list:
     if not chunks or any(c < 2 for c in chunks):
         raise ValueError(f"--decision-chunk={args.decision_chunk!r} must be comma-separated integers >= 2 (1 is the "
                          "per-token rule every row already runs)")
-    if args.suite or args.generate:
-        raise ValueError("--decision-chunk rows are evaluated teacher-forced only: drop --suite / --generate")
     base = [e for e in entries if e.cfg.tova_head_average and e.cfg.pool_decay is None
             and (e.cfg.policy == "tova" or e.cfg.tova_pool > 0) and e.cfg.decision_chunk == 1]
     if not base:

@@ -126,6 +126,11 @@ class Decoder:
 
     def __init__(self, model, cache, *, compile: bool = True, backend: str | None = None, mode: str | None = None,
                  fuse: bool | None = None, options: dict | None = None):
+        if compile and isinstance(cache, KVpopCache) and not cache.is_compileable:
+            # a captured or compiled step would replay one step's work: the chunked rule's decisions, counted on the
+            # host, would never run
+            raise ValueError("this KVpopCache decodes eagerly (the chunked rule counts its steps on the host): pass "
+                             "compile=False")
         self.model, self.cache = model, cache
         self.kw = cache_kwargs(model, cache)
         # transformers 5.17 still takes `cache_position` (and `StaticCache` writes where it says); 5.24 dropped it
