@@ -175,7 +175,8 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
              "as the recommended policy ranks)"),
     arg("--decision-chunk", type=int, default=None, metavar="C",
         help="a trained directory's recommended policy deciding once every C steps from the chunk's C queries, in "
-             "the same memory (the window a ring of C slots): a long prompt prefills in rounds of C tokens instead "
+             "the same key/value memory (the window a ring of C slots; the chunk's queries are kept too): a long "
+             "prompt prefills in rounds of C tokens instead "
              "of a token-by-token walk; it decodes eagerly (no --compile) (default: after every token)"),
     SCORERS,
     BASE,

@@ -139,7 +139,8 @@ class KVpopConfig:
     of `C` slots that a chunk's tokens fill, nothing is evicted while it fills, then one decision from the chunk's
     `C` queries (each candidate's attention averaged over the layer's query heads and the queries that see it) keeps
     the best `topk` of the held tokens and the chunk's and empties the ring. The cache holds at most
-    `topk + C = budget` tokens, and a prefill takes `S / C` rounds instead of `S`. TOVA with `tova_head_average` and
+    `topk + C = budget` tokens (and the chunk's queries, `C` per query head, for the decision), and a prefill takes
+    `S / C` rounds instead of `S`. TOVA with `tova_head_average` and
     the layer-wide cascade with `pool_decay` None only, split as `with_decision_chunk` splits them (no sinks, the
     window the ring: `window = C`)."""
     dms_temperature: float = 0.1
