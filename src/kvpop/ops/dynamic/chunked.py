@@ -21,8 +21,9 @@ prefill of `S` tokens takes `S / C` sequential rounds instead of `S`.
 
 Chunks are counted in steps of the batch (padding steps count): every row decides after the same step.
 `chunked_eviction_positions` is the teacher-forced execution (the eviction position of every token of a sequence,
-for `ops.attention.sparse_attention`); `chunk_decision_reference` is the rule stated slot by slot in Python, the
-reference the tests compare with.
+for `ops.attention.sparse_attention`), `cache.ChunkedLayerCache` the prefill and decode one (the same decision on the
+same tensors); `chunk_decision_reference` is the rule stated slot by slot in Python, the reference the tests compare
+with. In a `KVpopConfig` the chunk's ring is the window (`with_decision_chunk`: `window = C`, `topk = budget - C`).
 """
 
 from __future__ import annotations
