@@ -37,7 +37,7 @@ from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import decode_attention, decode_attention_scored, sparse_attention
 from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
-from kvpop.ops.dynamic.chunked import chunk_decision, chunk_scores
+from kvpop.ops.dynamic.chunked import chunk_round
 from kvpop.ops.dynamic.reference import write_slot
 from kvpop.ops.slots import step_slots, write_slots
 from kvpop.ops.topk import NEVER, eviction_positions
@@ -532,6 +532,8 @@ class ChunkedLayerCache(KVpopLayerCache):
 
     def _views(self) -> None:
         self.keys, self.values, self.pos, self.prior = self.buffers
+        # no score buffer: the decision scores from the kept queries. `pri` names the prior for what reads it
+        # (`reset`, which fills both with -inf)
         self.pri = self.prior
 
     def reset(self) -> None:
@@ -589,11 +591,8 @@ class ChunkedLayerCache(KVpopLayerCache):
     def _decide(self, policy, scale: float, softcap: float | None) -> None:
         """The decision after the chunk's last step: `topk` of the slots and the ring stay, the ring empties."""
         K = self.topk
-        held = self.pos[:, :, :K] >= 0
-        ring_valid = self.pos[:, 0, K:] >= 0
-        score = chunk_scores(self.queries, self.keys, held, ring_valid, scale, softcap)
         pool = K if self.pool_size is None else self.pool_size
-        keep, _ = chunk_decision(score, self.pos, self.prior, K, pool)
+        keep, _ = chunk_round(self.queries, self.keys, self.pos, self.prior, K, pool, scale, softcap)
         D, Dv = self.keys.shape[-1], self.values.shape[-1]
         self.keys[:, :, :K] = self.keys.gather(2, keep[..., None].expand(-1, -1, -1, D))
         self.values[:, :, :K] = self.values.gather(2, keep[..., None].expand(-1, -1, -1, Dv))

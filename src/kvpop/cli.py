@@ -1116,8 +1116,7 @@ def _decision_chunk_entries(args: argparse.Namespace, entries: list) -> list:
     if not chunks or any(c < 2 for c in chunks):
         raise ValueError(f"--decision-chunk={args.decision_chunk!r} must be comma-separated integers >= 2 (1 is the "
                          "per-token rule every row already runs)")
-    base = [e for e in entries if e.cfg.tova_head_average and e.cfg.pool_decay is None
-            and (e.cfg.policy == "tova" or e.cfg.tova_pool > 0) and e.cfg.decision_chunk == 1]
+    base = [e for e in entries if e.cfg.chunkable and e.cfg.decision_chunk == 1]
     if not base:
         raise ValueError("--decision-chunk needs a row it applies to: --policies tova (TOVA's paper rule) or a "
                          "--trained KVpop-mlp directory run as the layer-wide cascade")

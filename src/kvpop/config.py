@@ -219,9 +219,7 @@ class KVpopConfig:
                "applies to the layer-wide KVpop-cascade only (tova_pool > 0 with tova_head_average=True)")
         _check(_is_int(self.decision_chunk) and self.decision_chunk >= 1, "decision_chunk", self.decision_chunk,
                "must be an integer >= 1 (1: decide after every token)")
-        chunkable = (self.policy == "tova" and self.tova_head_average) or (
-            self.tova_pool > 0 and self.tova_head_average and self.pool_decay is None)
-        _check(self.decision_chunk == 1 or chunkable, "decision_chunk", self.decision_chunk,
+        _check(self.decision_chunk == 1 or self.chunkable, "decision_chunk", self.decision_chunk,
                "applies to TOVA with tova_head_average and to the layer-wide KVpop-cascade (tova_pool > 0, "
                "tova_head_average, pool_decay None)")
         _check(self.decision_chunk == 1 or (self.sink == 0 and self.window == self.decision_chunk), "decision_chunk",
@@ -320,6 +318,12 @@ class KVpopConfig:
         _check(all(_is_int(b) and b >= low for b in budgets), "layer_topk", budgets,
                f"per-layer budgets must be integers >= sink + window = {low}")
         return dataclasses.replace(self, layer_topk=tuple(b - low for b in budgets))
+
+    @property
+    def chunkable(self) -> bool:
+        """Whether the chunked rule applies (`decision_chunk`): TOVA's head-averaged rule, or the layer-wide
+        KVpop-cascade ranking its pool by TOVA's latest attention."""
+        return self.tova_head_average and self.pool_decay is None and (self.policy == "tova" or self.tova_pool > 0)
 
     @property
     def static_mlp(self) -> bool:

@@ -114,6 +114,24 @@ def chunk_decision(
     return keep, s_order[..., S:]
 
 
+def chunk_round(
+    query: Tensor,  # [B, Hq, L, D], the chunk's queries
+    cand_keys: Tensor,  # [B, H, K + L, D], the long-range slots, then the chunk's tokens
+    cand_pos: Tensor,  # [B, H, K + L], -1: no token
+    cand_prior: Tensor,  # [B, H, K + L]
+    topk: int,
+    pool: int,
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One decision after a chunk (`chunk_scores`, then `chunk_decision`): what every execution calls, so that they
+    hand the same tensors to the same floats. Returns `chunk_decision`'s (keep, evicted)."""
+    held = cand_pos[:, :, :topk] >= 0
+    chunk_valid = cand_pos[:, 0, topk:] >= 0  # the chunk's tokens are the same in every head
+    score = chunk_scores(query, cand_keys, held, chunk_valid, scale, softcap)
+    return chunk_decision(score, cand_pos, cand_prior, topk, pool)
+
+
 def chunked_eviction_positions(
     query: Tensor,  # [B, Hq, S, D]
     key: Tensor,  # [B, H, S, D]
@@ -164,8 +182,7 @@ def chunked_eviction_positions(
         cand_col = torch.cat([slot_col, torch.where(cv, cols, -1)[:, None].expand(B, H, chunk)], dim=2)
         cand_pos = torch.cat([slot_pos, torch.where(cv, position[:, c0:c1], -1)[:, None].expand(B, H, chunk)], dim=2)
         cand_prior = torch.cat([slot_prior, prior[:, :, c0:c1].float()], dim=2)
-        score = chunk_scores(query[:, :, c0:c1], cand_keys, slot_pos >= 0, cv, scale, softcap)
-        keep, out = chunk_decision(score, cand_pos, cand_prior, topk, pool)
+        keep, out = chunk_round(query[:, :, c0:c1], cand_keys, cand_pos, cand_prior, topk, pool, scale, softcap)
         # the evicted tokens: invisible from the first real query after this chunk
         out_col = cand_col.gather(-1, out)
         when = next_pos[:, c1][:, None, None].expand_as(out_col)
