@@ -300,6 +300,8 @@ def test_generate_runs_the_recommended_policy_chunked(capsys, tmp_path):
         assert rc == 1 and expected in err and "Traceback" not in err, err
     rc, _, err = run(capsys, "generate", "--model", "tiny-random-qwen3", "--prompt", "x", "--decision-chunk", "4")
     assert rc == 1 and "no trained scorers" in err
+    rc, _, err = run(capsys, "generate", "--model", str(tmp_path / "missing"), "--prompt", "x", "--decision-chunk", "4")
+    assert rc == 1 and "no such file or directory" in err
 
 
 @pytest.mark.parametrize("argv,expected", [

@@ -213,6 +213,10 @@ def generate(args: argparse.Namespace) -> int:
         if args.compile:
             raise ValueError("--decision-chunk decodes eagerly (the chunked rule counts its steps on the host): drop "
                              "--compile")
+        from kvpop.models import PRESETS
+
+        if trained is None and args.model not in PRESETS and not Path(args.model).exists():
+            raise ValueError(f"--model {args.model}: no such file or directory, and not a preset ({', '.join(PRESETS)})")
         if trained is None or not trained.tova_pool:
             raise ValueError(f"--decision-chunk applies to the recommended policy of a trained KVpop-mlp directory "
                              f"(or --tova-pool-layer N); --model {args.model} runs "
