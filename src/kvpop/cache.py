@@ -37,7 +37,7 @@ from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import decode_attention, decode_attention_scored, sparse_attention
 from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
-from kvpop.ops.dynamic.chunked import chunk_round
+from kvpop.ops.dynamic.chunked import chunk_attention, chunk_decision, chunk_probs, chunk_round, scores_from_probs
 from kvpop.ops.dynamic.reference import write_slot
 from kvpop.ops.slots import step_slots, write_slots
 from kvpop.ops.topk import NEVER, eviction_positions
@@ -570,6 +570,12 @@ class ChunkedLayerCache(KVpopLayerCache):
             self.pos[:, :, ring] = torch.where(valid[:, seg], position[:, seg], -1)[:, None].expand(B, H, n)
             self.prior[:, :, ring] = priority[:, :, seg].float()
             self.queries[:, :, self.filled : self.filled + n] = query[:, :, seg]
+            if n == self.chunk:
+                # a whole chunk at once: its queries see exactly what its decision reads, so one set of weights
+                # gives both the output and the decision
+                outs.append(self._whole_chunk(policy, scale, softcap))
+                i += n
+                continue
             if n == 1:
                 # one query: every occupied slot (the ring's later slots are still empty), the decode attention
                 out = decode_attention(query[:, :, seg], self.keys, self.values, self.pos, scale, softcap)
@@ -588,11 +594,25 @@ class ChunkedLayerCache(KVpopLayerCache):
         self.fresh = False
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-    def _decide(self, policy, scale: float, softcap: float | None) -> None:
-        """The decision after the chunk's last step: `topk` of the slots and the ring stay, the ring empties."""
+    def _whole_chunk(self, policy, scale: float, softcap: float | None) -> Tensor:
+        """A chunk that arrived whole (written into the ring, its queries kept): its output, then its decision, from
+        one `chunk_probs` (the same floats as `chunk_round` on the same tensors)."""
+        K = self.topk
+        held, chunk_valid = self.pos[:, :, :K] >= 0, self.pos[:, 0, K:] >= 0
+        probs = chunk_probs(self.queries, self.keys, held, chunk_valid, scale, softcap)
+        out = chunk_attention(probs, self.values)
+        self._decide(policy, scale, softcap, score=scores_from_probs(probs, chunk_valid))
+        return out
+
+    def _decide(self, policy, scale: float, softcap: float | None, score: Tensor | None = None) -> None:
+        """The decision after the chunk's last step: `topk` of the slots and the ring stay, the ring empties.
+        `score`: the chunk's scores if already computed (`_whole_chunk`)."""
         K = self.topk
         pool = K if self.pool_size is None else self.pool_size
-        keep, _ = chunk_round(self.queries, self.keys, self.pos, self.prior, K, pool, scale, softcap)
+        if score is None:
+            keep, _ = chunk_round(self.queries, self.keys, self.pos, self.prior, K, pool, scale, softcap)
+        else:
+            keep, _ = chunk_decision(score, self.pos, self.prior, K, pool)
         D, Dv = self.keys.shape[-1], self.values.shape[-1]
         self.keys[:, :, :K] = self.keys.gather(2, keep[..., None].expand(-1, -1, -1, D))
         self.values[:, :, :K] = self.values.gather(2, keep[..., None].expand(-1, -1, -1, Dv))

@@ -34,7 +34,7 @@ from torch import Tensor
 from kvpop.ops.topk import NEVER
 
 
-def chunk_scores(
+def chunk_probs(
     query: Tensor,  # [B, Hq, L, D]
     cand_keys: Tensor,  # [B, H, M, D], the held slots (K) then the chunk's tokens (L)
     held: Tensor,  # [B, H, K] bool: the slot holds a token
@@ -42,11 +42,11 @@ def chunk_scores(
     scale: float,
     softcap: float | None = None,
 ) -> Tensor:
-    """Each candidate's chunk score: its probability averaged over the layer's query heads and the valid queries
-    of the chunk that see it. float32 [B, M]; 0 where no valid query sees it.
+    """Each chunk query's attention probabilities over the candidates it sees: float32 [B, H, G, L, M] (query head
+    `h * G + g` reads KV head `h`); a padding query's row is 0.
 
     Every query is normalised over what it sees: the held slots of its KV head and the chunk's valid tokens up to
-    itself. The floats are the same in every execution (the teacher-forced walk here and the reference)."""
+    itself. These are the chunk's attention weights as well as the decision's evidence (`chunk_scores`)."""
     B, Hq, L, D = query.shape
     H, M = cand_keys.shape[1], cand_keys.shape[2]
     K = M - L
@@ -62,7 +62,14 @@ def chunk_scores(
     logits = logits.masked_fill(~sees[:, :, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     # a padding query sees its own column only through the mask above if it is valid: drop its row whatever it holds
-    probs = probs.masked_fill(~chunk_valid[:, None, None, :, None], 0.0).nan_to_num(0.0)
+    return probs.masked_fill(~chunk_valid[:, None, None, :, None], 0.0).nan_to_num(0.0)
+
+
+def scores_from_probs(probs: Tensor, chunk_valid: Tensor) -> Tensor:
+    """`chunk_scores` from `chunk_probs`' weights: each candidate's probability averaged over the query heads and
+    the valid queries that see it. float32 [B, M]."""
+    B, H, G, L, M = probs.shape
+    K = M - L
     # the sum over heads and queries, the heads innermost (the same order for every column)
     total = probs.permute(0, 4, 3, 1, 2).reshape(B, M, L, H * G).sum(-1).sum(-1)  # [B, M]
     q_valid = chunk_valid.sum(-1, keepdim=True)  # [B, 1]
@@ -70,6 +77,31 @@ def chunk_scores(
     after = torch.flip(torch.cumsum(torch.flip(chunk_valid.long(), [-1]), -1), [-1])  # [B, L]
     count = torch.cat([q_valid.expand(B, K), torch.where(chunk_valid, after, 0)], dim=-1).float()
     return torch.where(count > 0, total / (H * G * count.clamp(min=1)), 0.0)
+
+
+def chunk_scores(
+    query: Tensor,  # [B, Hq, L, D]
+    cand_keys: Tensor,  # [B, H, M, D], the held slots (K) then the chunk's tokens (L)
+    held: Tensor,  # [B, H, K] bool: the slot holds a token
+    chunk_valid: Tensor,  # [B, L] bool
+    scale: float,
+    softcap: float | None = None,
+) -> Tensor:
+    """Each candidate's chunk score: its probability averaged over the layer's query heads and the valid queries
+    of the chunk that see it. float32 [B, M]; 0 where no valid query sees it.
+
+    The floats are the same in every execution (the teacher-forced walk, the cache and the reference): each calls
+    `chunk_probs` and `scores_from_probs` on the same tensors."""
+    return scores_from_probs(chunk_probs(query, cand_keys, held, chunk_valid, scale, softcap), chunk_valid)
+
+
+def chunk_attention(probs: Tensor, cand_values: Tensor) -> Tensor:
+    """The chunk's attention output from `chunk_probs`' weights: [B, Hq, L, Dv] in the values' dtype. A whole chunk's
+    prefill computes its weights once for its output and its decision (`cache.ChunkedLayerCache`); the reference is
+    `ops.attention.sparse_attention` over the same visible set."""
+    B, H, G, L, M = probs.shape
+    out = torch.matmul(probs.reshape(B, H, G * L, M), cand_values.float())  # [B, H, G * L, Dv]
+    return out.view(B, H * G, L, -1).to(cand_values.dtype)
 
 
 def _order(rank: Tensor, pos: Tensor) -> Tensor:
