@@ -55,14 +55,17 @@ def chunk_probs(
     logits = logits.view(B, H, G, L, M)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    # what each query sees as an additive mask (0 or -inf), built from its small factors: the held slots of its KV
+    # head, the chunk's valid tokens up to itself, nothing for a padding query (its row is 0 after the softmax's
+    # NaN). Adding it is bit for bit a masked fill, and far faster on the CPU than filling through a broadcast mask
     i = torch.arange(L, device=query.device)
     causal = i[None, :] <= i[:, None]  # [L (query), L (token)]
-    sees = torch.cat([held[:, :, None, :].expand(B, H, L, K),
-                      (causal[None] & chunk_valid[:, None, :])[:, None].expand(B, H, L, L)], dim=-1)  # [B, H, L, M]
-    logits = logits.masked_fill(~sees[:, :, None], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    # a padding query sees its own column only through the mask above if it is valid: drop its row whatever it holds
-    return probs.masked_fill(~chunk_valid[:, None, None, :, None], 0.0).nan_to_num(0.0)
+    row = torch.log(chunk_valid.float())  # [B, L]: 0, or -inf for a padding query
+    held_bias = torch.log(held.float())[:, :, None, :] + row[:, None, :, None]  # [B, H, L, K]
+    chunk_bias = torch.log((causal[None] & chunk_valid[:, None, :]).float()) + row[:, :, None]  # [B, L, L]
+    bias = torch.cat([held_bias, chunk_bias[:, None].expand(B, H, L, L)], dim=-1)  # [B, H, L, M]
+    probs = torch.softmax(logits.add_(bias[:, :, None]), dim=-1)
+    return probs.nan_to_num_(0.0)
 
 
 def scores_from_probs(probs: Tensor, chunk_valid: Tensor) -> Tensor:
@@ -70,8 +73,9 @@ def scores_from_probs(probs: Tensor, chunk_valid: Tensor) -> Tensor:
     the valid queries that see it. float32 [B, M]."""
     B, H, G, L, M = probs.shape
     K = M - L
-    # the sum over heads and queries, the heads innermost (the same order for every column)
-    total = probs.permute(0, 4, 3, 1, 2).reshape(B, M, L, H * G).sum(-1).sum(-1)  # [B, M]
+    # the sum over the queries, then over the heads in one order for every column (with one query, the per-token
+    # rules' head average to the bit)
+    total = probs.sum(3).permute(0, 3, 1, 2).reshape(B, M, H * G).sum(-1)  # [B, M]
     q_valid = chunk_valid.sum(-1, keepdim=True)  # [B, 1]
     # a chunk token t is seen by the valid queries from t on
     after = torch.flip(torch.cumsum(torch.flip(chunk_valid.long(), [-1]), -1), [-1])  # [B, L]
