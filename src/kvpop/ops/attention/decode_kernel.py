@@ -301,6 +301,10 @@ def _split_pass(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, sca
     # tl.dot needs at least 16 rows and 16 columns
     BG = max(16, triton.next_power_of_2(G))
     BD, BDV = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(Dv))
+    # wide heads (Gemma's 256) with 64-slot blocks in three pipeline stages need more shared memory than a Hopper
+    # SM has: half the block and two stages there
+    wide = max(BD, BDV) > 128
+    block, stages = (BLOCK_N // 2, 2) if wide else (BLOCK_N, None)
     m = torch.empty(B * Hkv, n_splits, BG, dtype=torch.float32, device=query.device)
     l_sum = torch.empty_like(m)
     acc = torch.empty(B * Hkv, n_splits, BG, BDV, dtype=torch.float32, device=query.device)
@@ -309,10 +313,11 @@ def _split_pass(query: Tensor, key: Tensor, value: Tensor, occupied: Tensor, sca
         q.stride(0), q.stride(1), q.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), occ.stride(0), occ.stride(1),
         Hkv, G, N, D, Dv, n_splits, scale,
-        SPLIT_N=split, BLOCK=BLOCK_N, BG=BG, BD=BD, BDV=BDV, F32=not query.is_cuda,
+        SPLIT_N=split, BLOCK=block, BG=BG, BD=BD, BDV=BDV, F32=not query.is_cuda,
         FROM_POS=occ.dtype == torch.int64, WRITE_S=logits is not None,
         # float32 products stay float32 (not TF32's 10-bit mantissa): a float32 model decodes as SDPA does
-        PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32", num_warps=4)
+        PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32", num_warps=4,
+        **({} if stages is None else {"num_stages": stages}))
     return (m, l_sum, acc), (n_splits, BG, BDV)
 
 
