@@ -23,9 +23,9 @@ CHECK = textwrap.dedent(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     # (B, Hq, Hkv, N, D, split): SmolLM2's 9 / 3 heads of 64, Qwen3's 32 / 8 of 128, N off the splits and blocks,
-    # one split, several, a last split that is mostly past N
+    # one split, several, a last split that is mostly past N; Gemma 3's 4 / 1 heads of 256 (half-size blocks)
     for B, Hq, Hkv, N, D, split in [(2, 9, 3, 200, 64, 128), (1, 32, 8, 257, 128, 128), (3, 4, 4, 64, 16, 64),
-                                    (2, 6, 2, 1, 32, 64), (1, 8, 2, 130, 64, 64)]:
+                                    (2, 6, 2, 1, 32, 64), (1, 8, 2, 130, 64, 64), (2, 4, 1, 150, 256, 64)]:
         for dtype in (torch.float32, torch.bfloat16):
             q = torch.randn(B, Hq, 1, D, generator=g)
             # the cache's layout: slot buffers with a scratch slot last, attended without it (a strided view)
@@ -73,8 +73,9 @@ SCORED = textwrap.dedent(
     g = torch.Generator().manual_seed(1)
     PRI_TOL = 2e-5
     # (B, Hq, Hkv, N, D, split): SmolLM2's and Qwen3's heads, N off the splits and the update's blocks, one split
-    # and several, a padding row
-    for B, Hq, Hkv, N, D, split in [(2, 9, 3, 200, 64, 128), (1, 32, 8, 257, 128, 64), (3, 4, 4, 64, 16, 64)]:
+    # and several, a padding row; Gemma 3's heads of 256
+    for B, Hq, Hkv, N, D, split in [(2, 9, 3, 200, 64, 128), (1, 32, 8, 257, 128, 64), (3, 4, 4, 64, 16, 64),
+                                    (1, 4, 1, 100, 256, 64)]:
         # every score in float32 and bfloat16 across the shapes
         for i, score in enumerate(sorted(SCORE_FORMS)):
             dtype = (torch.float32, torch.bfloat16)[(i + N) % 2]
