@@ -345,6 +345,65 @@ def long_generation() -> str:
     return table(head, out) + "\n\n" + source(cmd, d["device"], d["commit"], d["date"]) + f"; `docs/data/{_Q_GENERATION}.json`"
 
 
+_GEMMA_NAMES = {"oracle": "oracle (future attention)", "tova": "TOVA (paper)", "h2o": "H2O (paper)",
+                 "streaming_llm": "StreamingLLM"}
+
+
+@register("gemma3-champ")
+def gemma3_champ() -> str:
+    """Gemma 3 270M teacher-forced at 8k and 16k tokens: the baselines and the oracle at 1/8 to 1/32 of the length."""
+    d = data("gemma3_champ_2026-12-07")
+    rows = []
+    for run in d["runs"].values():
+        for p in _GEMMA_NAMES:
+            r = _q_row(run["rows"], p, run["budget"])
+            rows.append([str(run["seq_len"]), str(run["budget"]), f"{100 * r['cr']:.1f} %", _GEMMA_NAMES[p],
+                         f"{r['kl']:.4f} ± {r['kl_se']:.4f}", f(r["top1_agreement"]), f(r["rel_accuracy"]),
+                         f(r["ppl_ratio"])])
+    head = ["tokens", "B", "CR (full layers)", "policy", "KL ± SE", "top-1", "rel. acc", "ppl ratio"]
+    first = next(iter(d["runs"].values()))
+    cmd = first["command"] + " (one run per budget and length)"
+    return table(head, rows, "rrrlrrrr") + "\n\n" + source(cmd, d["device"], d["commit"], d["date"]) + \
+        " — `docs/data/gemma3_champ_2026-12-07.json`"
+
+
+@register("gemma3-suite-8k")
+def gemma3_suite_8k() -> str:
+    """The task suite on Gemma 3 270M at 8192 tokens: the dense row first, then each baseline at three budgets."""
+    d = data("gemma3_suite_8k_2026-12-07")
+    tasks = list(d["runs"])
+    cells = _q_suite([c for run in d["runs"].values() for c in run["cells"]])
+    order = [("dense", None)] + [(p, b) for b in (1024, 512, 256) for p in ("tova", "h2o", "streaming_llm")]
+    names = {"dense": "dense", **_GEMMA_NAMES}
+    rows = []
+    for p, b in order:
+        got = cells[p, b]
+        total = [sum(got[t][0] for t in tasks), sum(got[t][1] for t in tasks)]
+        rows.append([names[p], "–" if b is None else str(b)] + [f"{got[t][0]}/{got[t][1]}" for t in tasks]
+                    + [f"**{total[0]}**/{total[1]}"])
+    labels = {"passkey": "passkey", "multikey": "multi-key", "multivalue": "multi-value", "vt": "var. tracking",
+              "cwe": "common words", "qa": "QA"}
+    head = ["policy", "B"] + [labels[t] for t in tasks] + ["all"]
+    cmd = d["runs"][tasks[0]]["command"] + " (one run per task)"
+    return table(head, rows, "lr" + "r" * (len(tasks) + 1)) + "\n\n" + source(cmd, d["device"], d["commit"], d["date"]) + \
+        " — `docs/data/gemma3_suite_8k_2026-12-07.json`"
+
+
+@register("gemma3-memory")
+def gemma3_memory() -> str:
+    """Gemma 3 270M's whole KV cache on one GPU, dense against the static rule at B = 2048, 8k to 32k tokens."""
+    d = data("gemma3_memory_2026-12-07")
+    by = {(r["cache"], r["context"]): r for r in d["rows"]}
+    rows = []
+    for n in sorted({r["context"] for r in d["rows"]}):
+        dense, kv = by["dense", n], by["kvpop", n]
+        rows.append([str(n), f(dense["cache_mb"], 1), f(kv["cache_mb"], 1), f"{100 * kv['cache_mb'] / dense['cache_mb']:.0f} %",
+                     f(dense["peak_mb"], 0), f(kv["peak_mb"], 0)])
+    head = ["prompt tokens", "dense KV MB", "retrofitted KV MB", "of dense", "dense peak MB", "retrofitted peak MB"]
+    return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"]) + \
+        " — `docs/data/gemma3_memory_2026-12-07.json`"
+
+
 @register("chunked-rule-cpu")
 def chunked_rule_cpu() -> str:
     """The chunked rule against the per-token rule of the same kind, teacher-forced at S = 2048, in the same memory."""
@@ -524,6 +583,22 @@ def prefill_gpu() -> str:
              f(small[p] / small["dense"], 1) + "×"] for p in ("dense", "kvpop", "h2o", "tova", "cascade")]
     head = ["8192-token prompt, B = 2048, batch 1, bf16", "Qwen3-8B shape s", "vs dense", "SmolLM2 shape s", "vs dense"]
     cmd = d["runs"][0]["command"] + " (and --model smollm2-135m-shape --dtype bfloat16 --repeats 3)"
+    return table(head, rows) + "\n\n" + source(cmd, d["device"], d["commit"], d["date"])
+
+
+@register("prefill-gpu-chunked")
+def prefill_gpu_chunked() -> str:
+    """One 8192-token prompt at B = 2048 at two shapes: the per-token walks beside the chunked rule, one run."""
+    d = data("prefill_gpu_chunked_2026-12-07")
+    names = {"dense": "dense forward", "kvpop": "static rule (one pass)", "h2o": "H2O (walk)", "tova": "TOVA (walk)",
+             "cascade": "recommended policy (walk)", "cascade+chunk64": "recommended policy, chunks of 64",
+             "cascade+chunk256": "recommended policy, chunks of 256"}
+    runs = {k: {r["policy"]: r["wall_all"][-1] for r in run["rows"]} for k, run in d["runs"].items()}
+    big, small = runs["8b"], runs["smollm2"]
+    rows = [[names[p], f(big[p], 2), f(big[p] / big["dense"], 1) + "×", f(small[p], 3),
+             f(small[p] / small["dense"], 1) + "×"] for p in names]
+    head = ["8192-token prompt, B = 2048, batch 1, bf16", "Qwen3-8B shape s", "vs dense", "SmolLM2 shape s", "vs dense"]
+    cmd = d["command"] + " (" + "; ".join(run["command"] for run in d["runs"].values()) + ")"
     return table(head, rows) + "\n\n" + source(cmd, d["device"], d["commit"], d["date"])
 
 
