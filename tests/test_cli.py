@@ -479,3 +479,14 @@ def test_info_names_the_rule_of_a_kvpop_directory(capsys, tmp_path):
     line = next(x for x in out.splitlines() if x.startswith("retrofitted with"))
     assert rc == 0 and "sink=0 window=1 topk=31" in line
     assert "KVpop-cascade with 24 TOVA slots (layer-wide: TOVA's head average, fed first)" in line
+
+
+def test_demo_runs_the_model_it_is_given(capsys, monkeypatch, tmp_path):
+    """`kvpop demo --model` hands the model to the whole job (SmolLM2-135M by default)."""
+    from kvpop.eval import demo
+
+    asked = []
+    monkeypatch.setattr(demo, "run_demo", lambda out, **kw: asked.append(kw["model_name"]) or {})
+    assert run(capsys, "demo", "--model", "tiny-random-gemma3", "--out", str(tmp_path / "d"))[0] == 0
+    assert run(capsys, "demo", "--out", str(tmp_path / "d"))[0] == 0
+    assert asked == ["tiny-random-gemma3", "smollm2-135m"]

@@ -69,6 +69,25 @@ def test_shipped_entries(shipped_dir, monkeypatch):
     assert demo.shipped_entries("tiny-random-qwen3", (64,)) == []  # a package without the function
 
 
+def test_demo_on_a_hybrid_model(tmp_path, monkeypatch, capsys):
+    """The whole job on a sliding-window hybrid (Gemma 3's layout, random weights): every row at both budgets, the
+    tasks and the generation rows, each bounded row within its budget in the full-attention layers."""
+    small = demo.DemoPlan(seq_len=256, budgets=(64, 32), train_steps=2, eval_sequences=1, sample_tokens=8,
+                          bench_contexts=(64, 128), suite_lengths=(700,), suite_depths=(0.0,), suite_samples=1,
+                          task_budgets=(32,), fidelity_tokens=48, fidelity_problems=1,
+                          baselines=("streaming_llm", "tova", "h2o", "oracle"))
+    monkeypatch.setattr(demo.DemoPlan, "for_machine", classmethod(lambda cls, quick, cuda: small))
+    result = demo.run_demo(tmp_path / "demo", quick=True, model_name="tiny-random-gemma3")
+    assert {(r["policy"], r["budget"]) for r in result["rows"]} == {
+        (p, b) for p in ("kvpop", "kvpop-static", "streaming_llm", "tova", "h2o", "oracle") for b in (64, 32)}
+    assert all(torch.isfinite(torch.tensor(r["kl"])) for r in result["rows"])
+    records = result["tasks"]["records"]
+    assert {(r["policy"].split("[")[0], r["budget"]) for r in records} == {
+        ("dense", None), ("kvpop", 32), ("streaming_llm", 32), ("tova", 32), ("h2o", 32)}
+    assert {(r["policy"], r["budget"]) for r in result["fidelity"]} == {
+        ("dense", 32), ("kvpop", 32), ("streaming_llm", 32), ("tova", 32), ("h2o", 32)}
+
+
 def test_demo_end_to_end_with_a_small_plan(tmp_path, monkeypatch, capsys, shipped_dir):
     small = demo.DemoPlan(seq_len=256, budgets=(64, 32), train_steps=2, eval_sequences=1, sample_tokens=8,
                           bench_contexts=(64, 128), suite_lengths=(700,), suite_depths=(0.0, 1.0), suite_samples=1,

@@ -1364,6 +1364,8 @@ def viz(args: argparse.Namespace) -> int:
 
 
 @command("demo", "the main job: train KVpop on SmolLM2-135M + champ math, compare with the baselines, plot", [
+    arg("--model", default="smollm2-135m", metavar="PATH_OR_PRESET",
+        help=f"the model of the whole job (default smollm2-135m; gemma3-270m, a hybrid, wants a GPU): {model_help()}"),
     arg("--quick", action="store_true", help="a shorter run (about 11 minutes on a 2-core CPU)"),
     arg("--out", default="runs/demo", help="output directory (default runs/demo)"),
     arg("--device", default=None, help="cpu, cuda, ... (default: cuda if available, else cpu)"),
@@ -1372,7 +1374,8 @@ def viz(args: argparse.Namespace) -> int:
 def demo(args: argparse.Namespace) -> int:
     from kvpop.eval.demo import run_demo
 
-    run_demo(args.out, quick=args.quick, device=args.device, seed=args.seed, command=args.command_line)
+    run_demo(args.out, quick=args.quick, device=args.device, seed=args.seed, model_name=args.model,
+             command=args.command_line)
     return 0
 
 
