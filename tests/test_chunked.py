@@ -301,3 +301,34 @@ def test_with_decision_chunk_keeps_the_memory_and_the_pool_share():
     assert (tova.window, tova.topk, tova.tova_pool) == (16, 240, 0)
     with pytest.raises(ValueError, match="budget - 1"):
         cascade.with_decision_chunk(1024)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_captured_round_is_the_eager_round(dtype):
+    """On CUDA a whole chunk's round replays one captured graph: the same outputs and slots, bit for bit, as the
+    rounds run eagerly, over many rounds, a left-padded row and a prompt that ends inside a chunk; the graphs of
+    two layers share one memory pool."""
+    from kvpop.cache import ChunkedLayerCache
+
+    S, K, P, C = 203, 24, 17, 16
+    q, k, _, valid, prior = _inputs(2, 2, 3, S, 32, seed=5)
+    v = torch.randn(2, 2, S, 32, generator=torch.Generator().manual_seed(6))
+    valid[0, :5] = False
+    q, k, v, valid, prior = (t.cuda() for t in (q, k, v, valid, prior))
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    got = {}
+    pool: list = []
+    for graphs in (False, True, True):
+        cache = ChunkedLayerCache(K, C, P)
+        cache.use_graphs, cache.graph_pool = graphs, pool
+        policy = _Policy(C, prior)
+        with torch.no_grad():
+            out = torch.cat([cache.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], valid[:, a:b], policy, 0.3)
+                             for a, b in ((0, 150), (150, S))], dim=2)
+        assert bool(cache.graph) == graphs
+        got.setdefault(graphs, []).append((out, cache.keys, cache.values, cache.pos, cache.prior))
+    assert len(pool) == 1  # one handle for both captures
+    for captured in got[True]:
+        for a, b in zip(captured, got[False][0]):
+            assert torch.equal(a, b)

@@ -27,6 +27,7 @@ The evidence scorer keeps its per-window-slot sums in `state` too (`cache_eviden
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -512,6 +513,12 @@ class ChunkedLayerCache(KVpopLayerCache):
         self.chunk, self.pool_size = chunk, pool
         self.filled = 0  # steps of the current chunk so far
         self.queries: Tensor | None = None
+        # a whole chunk's round as a captured CUDA graph (`_whole_chunk`): None until the first one, False where
+        # capture failed; `use_graphs = False` runs every round eagerly (the reference the CUDA tests compare with)
+        self.graph = None
+        self.use_graphs = True
+        # the memory pool the graphs of one cache's layers share: a list holding its handle once made
+        self.graph_pool: list | None = None
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor, with_prior: bool = False) -> None:
         B, H, _, D = key_states.shape
@@ -525,6 +532,7 @@ class ChunkedLayerCache(KVpopLayerCache):
         )
         self.slots = n
         self._views()
+        self.graph = None
         self.seen = torch.zeros(B, dtype=torch.long, **kw)
         self._length(key_states.device)
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -544,6 +552,7 @@ class ChunkedLayerCache(KVpopLayerCache):
         super()._map_rows(fn)
         if self.queries is not None:
             self.queries = fn(self.queries)
+        self.graph = None  # new buffers: a captured round would read the old ones
 
     def static_tensors(self) -> list[Tensor]:
         if not self.is_initialized:
@@ -573,7 +582,7 @@ class ChunkedLayerCache(KVpopLayerCache):
             if n == self.chunk:
                 # a whole chunk at once: its queries see exactly what its decision reads, so one set of weights
                 # gives both the output and the decision
-                outs.append(self._whole_chunk(policy, scale, softcap))
+                outs.append(self._whole_chunk(scale, softcap))
                 i += n
                 continue
             if n == 1:
@@ -589,22 +598,75 @@ class ChunkedLayerCache(KVpopLayerCache):
             self.filled += n
             i += n
             if self.filled == self.chunk:
-                self._decide(policy, scale, softcap)
+                self._decide(scale, softcap)
         self.seen.add_(valid.sum(-1))
         self.fresh = False
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
-    def _whole_chunk(self, policy, scale: float, softcap: float | None) -> Tensor:
-        """A chunk that arrived whole (written into the ring, its queries kept): its output, then its decision, from
-        one `chunk_probs` (the same floats as `chunk_round` on the same tensors)."""
+    def _whole_chunk(self, scale: float, softcap: float | None) -> Tensor:
+        """A chunk that arrived whole (written into the ring, its queries kept): its round (`_round`), on CUDA as one
+        captured graph. A round is about a hundred small kernels on tensors of fixed shapes and addresses (the
+        cache's own buffers), so their launches from the host, not their work, would set a GPU prefill's time."""
+        if self._graphs_apply():
+            if self.graph is None or self.graph[2] != (scale, softcap):
+                self.graph = self._capture(scale, softcap)
+            if self.graph:
+                self.graph[0].replay()
+                return self.graph[1].clone()  # the graph's output buffer is rewritten by its next replay
+        return self._round(scale, softcap)
+
+    def _graphs_apply(self) -> bool:
+        return (self.use_graphs and self.graph is not False and self.keys.is_cuda and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
+
+    def _round(self, scale: float, softcap: float | None) -> Tensor:
+        """A whole chunk's output, then its decision, from one `chunk_probs` (the same floats as `chunk_round` on the
+        same tensors)."""
         K = self.topk
         held, chunk_valid = self.pos[:, :, :K] >= 0, self.pos[:, 0, K:] >= 0
         probs = chunk_probs(self.queries, self.keys, held, chunk_valid, scale, softcap)
         out = chunk_attention(probs, self.values)
-        self._decide(policy, scale, softcap, score=scores_from_probs(probs, chunk_valid))
+        self._decide(scale, softcap, score=scores_from_probs(probs, chunk_valid))
         return out
 
-    def _decide(self, policy, scale: float, softcap: float | None, score: Tensor | None = None) -> None:
+    def _capture(self, scale: float, softcap: float | None):
+        """`_round` captured as a CUDA graph: (graph, its output buffer, the constants it was captured with), or
+        False where capture fails (the rounds then run eagerly, the same kernels). Capturing runs nothing: the
+        caller replays it for this round. The graphs of a cache's layers share one memory pool (they never run
+        at once), so the round's intermediates are held once, not once per layer."""
+        dev = self.keys.device
+        try:
+            # warm-up outside the capture, on a side stream, the cache untouched: the libraries' handles and
+            # workspaces are made here, not inside the graph
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                K = self.topk
+                held, chunk_valid = self.pos[:, :, :K] >= 0, self.pos[:, 0, K:] >= 0
+                probs = chunk_probs(self.queries, self.keys, held, chunk_valid, scale, softcap)
+                chunk_attention(probs, self.values)
+                chunk_decision(scores_from_probs(probs, chunk_valid), self.pos, self.prior, K,
+                               K if self.pool_size is None else self.pool_size)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            if self.graph_pool is not None and not self.graph_pool:
+                self.graph_pool.append(torch.cuda.graph_pool_handle())
+            graph = torch.cuda.CUDAGraph()
+            # capture on the side stream directly: `torch.cuda.graph` would also synchronise, collect garbage and
+            # empty the allocator's cache, tens of milliseconds per layer and prompt
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self.graph_pool[0] if self.graph_pool else None)
+                try:
+                    out = self._round(scale, softcap)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(dev).wait_stream(side)
+            return graph, out, (scale, softcap)
+        except RuntimeError as err:
+            warnings.warn(f"kvpop: the chunked rule's round could not be captured as a CUDA graph ({err}); "
+                          "its rounds run eagerly", RuntimeWarning, stacklevel=2)
+            return False
+
+    def _decide(self, scale: float, softcap: float | None, score: Tensor | None = None) -> None:
         """The decision after the chunk's last step: `topk` of the slots and the ring stay, the ring empties.
         `score`: the chunk's scores if already computed (`_whole_chunk`)."""
         K = self.topk
@@ -652,6 +714,10 @@ class KVpopCache(Cache):
         super().__init__(layers=[
             ChunkedLayerCache(c.topk, c.decision_chunk, c.tova_pool or None) if c.decision_chunk > 1
             else KVpopLayerCache(c.sink, c.window, c.topk, dynamic_prefill) for c in layers])
+        pool: list = []  # the chunked layers' graphs share one memory pool (`ChunkedLayerCache._capture`)
+        for layer in self.layers:
+            if isinstance(layer, ChunkedLayerCache):
+                layer.graph_pool = pool
 
     @property
     def is_compileable(self) -> bool:
