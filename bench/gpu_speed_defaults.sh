@@ -82,7 +82,8 @@ else
   presm=(--model smollm2-135m-shape --dtype bfloat16 --context 8192 --budget 2048 --repeats 3)
   tests=(tests/test_slots.py tests/test_decode_kernel.py tests/test_attention.py::test_decode_attention_matches_reference
          tests/test_attention.py::test_auto_backend_on_cuda_picks_by_shape_and_budget
-         tests/test_attention.py::test_auto_backend_threshold_and_the_other_devices)
+         tests/test_attention.py::test_auto_backend_threshold_and_the_other_devices
+         tests/test_chunked.py::test_a_captured_round_is_the_eager_round)
   gpu_tests=(tests/test_decode.py tests/test_cascade.py tests/test_generation.py -m gpu)
 fi
 bench=(python -m kvpop.eval.bench "${m8b[@]}" --device "$device" --budget "$b8" --window "$win8" --fill random
