@@ -447,6 +447,32 @@ def chunked_rule_seeds() -> str:
     return table(head, out) + "\n\n" + spread + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
 
 
+@register("chunked-rule-generation")
+def chunked_rule_generation() -> str:
+    """The chunked rule in long generation: each rule's own greedy text scored by the dense model, paired per
+    problem against the per-token rule of the same scorer, beside the spread between two seeds' scorers."""
+    d = data("chunked_rule_generation_cpu_2026-12-07")
+    rows, per = {r["policy"]: r for r in d["rows"]}, d["per_problem"]
+    names = {"dense": "dense", "s0": "recommended policy, seed 0", "s1": "recommended policy, seed 1",
+             "tova": "TOVA (paper)"}
+    out = []
+    for p in [p for p in ("dense", "s0", "s1", "tova") if p in rows]:
+        for c in ("", "+chunk64"):
+            if p + c not in rows:
+                continue
+            r = rows[p + c]
+            paired = _q_diff(per[p + c], per[p]) if c else ""
+            decides = "–" if p == "dense" else "every 64 steps" if c else "every token"
+            out.append([names[p], decides, f(r["nll_past_budget"], 4), paired,
+                        f(r["agreement"], 4), f(r["repetition"], 3)])
+    budget = d["rows"][0]["budget"]
+    head = [f"B = {budget}, {d['tokens']} tokens × {d['problems']} problems", "decides", "NLL past the budget",
+            "− every token's, paired", "agreement", "rep4"]
+    spread = ("Seed 1 − seed 0, deciding every token: " + _q_diff(per["s1"], per["s0"]) + ".") if "s1" in per else ""
+    return table(head, out, "llrrrr") + "\n\n" + spread + "\n\n" + source(d["command"], d["device"], d["commit"],
+                                                                         d["date"])
+
+
 @register("policy-choice")
 def policy_choice() -> str:
     """README's "which policy": each policy's teacher-forced KL as a ratio to TOVA's KL in the same run."""
