@@ -425,26 +425,32 @@ def chunked_rule_cpu() -> str:
     return table(head, out, "lllrrr") + "\n\n" + "  \n".join(lines)
 
 
-@register("chunked-rule-seeds")
-def chunked_rule_seeds() -> str:
-    """The chunked rule's cost beside the spread between two seeds' scorers, teacher-forced at S = 2048."""
-    d = data("chunked_rule_seeds_cpu_2026-12-07")
+def _chunked_seeds(name: str, chunks: tuple[int, ...], text: str) -> str:
+    """The chunked rule's KL beside the per-token rule's, per seed and for TOVA, and the seeds' own spread."""
+    d = data(name)
     rows = d["rows"]
     out = []
     for base, label in (("s0", "recommended policy, seed 0"), ("s1", "recommended policy, seed 1"),
                         ("tova", "TOVA (paper)")):
         ref = _q_row(rows, base)
         cells = [label, f(ref["kl"], 4)]
-        for c in (16, 64):
+        for c in chunks:
             r = _q_row(rows, f"{base}+chunk{c}")
             cells += [f(r["kl"], 4), _q_diff(r["kl_per_sequence"], ref["kl_per_sequence"])]
         out.append(cells)
     s0, s1 = _q_row(rows, "s0"), _q_row(rows, "s1")
-    head = [f"B = {rows[0]['budget']} (CR {rows[0]['cr']:.0%}), S = 2048", "KL, every token", "every 16 steps",
-            "− every token's, paired", "every 64 steps", "− every token's, paired"]
+    head = [f"{text}, B = {rows[0]['budget']} (CR {rows[0]['cr']:.0%}), S = 2048", "KL, every token"]
+    for c in chunks:
+        head += [f"every {c} steps", "− every token's, paired"]
     spread = ("Seed 1 − seed 0, deciding every token: "
               + _q_diff(s1["kl_per_sequence"], s0["kl_per_sequence"]) + ".")
     return table(head, out) + "\n\n" + spread + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
+
+
+@register("chunked-rule-seeds")
+def chunked_rule_seeds() -> str:
+    """The chunked rule's cost beside the spread between two seeds' scorers, teacher-forced at S = 2048."""
+    return _chunked_seeds("chunked_rule_seeds_cpu_2026-12-07", (16, 64), "champ")
 
 
 @register("chunked-rule-generation")
