@@ -453,6 +453,12 @@ def chunked_rule_seeds() -> str:
     return _chunked_seeds("chunked_rule_seeds_cpu_2026-12-07", (16, 64), "champ")
 
 
+@register("chunked-rule-pystdlib")
+def chunked_rule_pystdlib() -> str:
+    """The chunked rule out of domain (held-out Python files) beside the seeds' spread, teacher-forced at S = 2048."""
+    return _chunked_seeds("chunked_rule_pystdlib_cpu_2026-12-07", (64,), "pystdlib")
+
+
 @register("chunked-rule-generation")
 def chunked_rule_generation() -> str:
     """The chunked rule in long generation: each rule's own greedy text scored by the dense model, paired per
