@@ -459,6 +459,12 @@ def chunked_rule_pystdlib() -> str:
     return _chunked_seeds("chunked_rule_pystdlib_cpu_2026-12-07", (64,), "pystdlib")
 
 
+@register("chunked-rule-pydoc")
+def chunked_rule_pydoc() -> str:
+    """The chunked rule out of domain (Python's help topics) beside the seeds' spread, teacher-forced at S = 2048."""
+    return _chunked_seeds("chunked_rule_pydoc_cpu_2026-12-07", (64,), "pydoc")
+
+
 @register("chunked-rule-generation")
 def chunked_rule_generation() -> str:
     """The chunked rule in long generation: each rule's own greedy text scored by the dense model, paired per
