@@ -619,14 +619,20 @@ class ChunkedLayerCache(KVpopLayerCache):
         return (self.use_graphs and self.graph is not False and self.keys.is_cuda and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
 
-    def _round(self, scale: float, softcap: float | None) -> Tensor:
-        """A whole chunk's output, then its decision, from one `chunk_probs` (the same floats as `chunk_round` on the
-        same tensors)."""
+    def _round_decision(self, scale: float, softcap: float | None) -> tuple[Tensor, Tensor]:
+        """A whole chunk's output and the candidates its decision keeps, from one `chunk_probs` (the same floats as
+        `chunk_round` on the same tensors); the cache untouched."""
         K = self.topk
         held, chunk_valid = self.pos[:, :, :K] >= 0, self.pos[:, 0, K:] >= 0
         probs = chunk_probs(self.queries, self.keys, held, chunk_valid, scale, softcap)
         out = chunk_attention(probs, self.values)
-        self._decide(scale, softcap, score=scores_from_probs(probs, chunk_valid))
+        keep, _ = chunk_decision(scores_from_probs(probs, chunk_valid), self.pos, self.prior, K, self._pool)
+        return out, keep
+
+    def _round(self, scale: float, softcap: float | None) -> Tensor:
+        """A whole chunk's round: its output, then its decision applied."""
+        out, keep = self._round_decision(scale, softcap)
+        self._keep(keep)
         return out
 
     def _capture(self, scale: float, softcap: float | None):
@@ -641,12 +647,7 @@ class ChunkedLayerCache(KVpopLayerCache):
             side = torch.cuda.Stream(dev)
             side.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(side):
-                K = self.topk
-                held, chunk_valid = self.pos[:, :, :K] >= 0, self.pos[:, 0, K:] >= 0
-                probs = chunk_probs(self.queries, self.keys, held, chunk_valid, scale, softcap)
-                chunk_attention(probs, self.values)
-                chunk_decision(scores_from_probs(probs, chunk_valid), self.pos, self.prior, K,
-                               K if self.pool_size is None else self.pool_size)
+                self._round_decision(scale, softcap)
             torch.cuda.current_stream(dev).wait_stream(side)
             if self.graph_pool is not None and not self.graph_pool:
                 self.graph_pool.append(torch.cuda.graph_pool_handle())
@@ -666,15 +667,18 @@ class ChunkedLayerCache(KVpopLayerCache):
                           "its rounds run eagerly", RuntimeWarning, stacklevel=2)
             return False
 
-    def _decide(self, scale: float, softcap: float | None, score: Tensor | None = None) -> None:
-        """The decision after the chunk's last step: `topk` of the slots and the ring stay, the ring empties.
-        `score`: the chunk's scores if already computed (`_whole_chunk`)."""
+    @property
+    def _pool(self) -> int:
+        return self.topk if self.pool_size is None else self.pool_size
+
+    def _decide(self, scale: float, softcap: float | None) -> None:
+        """The decision after a chunk that arrived in pieces, from its kept queries (`chunk_round`)."""
+        keep, _ = chunk_round(self.queries, self.keys, self.pos, self.prior, self.topk, self._pool, scale, softcap)
+        self._keep(keep)
+
+    def _keep(self, keep: Tensor) -> None:
+        """Apply a decision: `topk` of the slots and the ring stay, the ring empties."""
         K = self.topk
-        pool = K if self.pool_size is None else self.pool_size
-        if score is None:
-            keep, _ = chunk_round(self.queries, self.keys, self.pos, self.prior, K, pool, scale, softcap)
-        else:
-            keep, _ = chunk_decision(score, self.pos, self.prior, K, pool)
         D, Dv = self.keys.shape[-1], self.values.shape[-1]
         self.keys[:, :, :K] = self.keys.gather(2, keep[..., None].expand(-1, -1, -1, D))
         self.values[:, :, :K] = self.values.gather(2, keep[..., None].expand(-1, -1, -1, Dv))
