@@ -144,13 +144,13 @@ def run_demo(out: str | Path, quick: bool = False, device: str | None = None, se
 
     start = time.perf_counter()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     plan = DemoPlan.for_machine(quick, cuda)
     _log(f"{model_name} on {device}; plan {plan}")
     torch.manual_seed(seed)
     base, tokenizer = load_model(model_name, device=device)
+    out.mkdir(parents=True, exist_ok=True)  # after the model loads: a wrong --model leaves no empty folder
 
     # 1. train KVpop-mlp for each budget
     trained = {}
