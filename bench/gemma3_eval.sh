@@ -23,16 +23,19 @@
 #                                             # vocabulary take 69 GB: an H200
 #   bash bench/gemma3_eval.sh generate OUT    # long generation (GEN_N tokens) scored by the dense model; a rerun goes
 #                                             # on from the finished generations
-#   bash bench/gemma3_eval.sh train OUT       # KVpop-mlp scorers (base frozen) at TRAIN_LEN, one run per seed; a rerun
-#                                             # resumes from the checkpoints
-#   bash bench/gemma3_eval.sh trained OUT 8k  # the trained runs in the table and the suite beside the baselines
+#   bash bench/gemma3_eval.sh train OUT       # KVpop-mlp and KVpop-mLSTM scorers and DMS gates (base frozen) at
+#                                             # TRAIN_LEN and 1/8 of it, one run per kind and seed (seed 0 of every
+#                                             # kind first); a rerun resumes from the checkpoints
+#   bash bench/gemma3_eval.sh trained OUT 8k  # the trained runs in the table and the suite beside the baselines: each
+#                                             # KVpop-mlp under the paper's static rule and as the recommended policy
 #
 # A deadline ends a phase's work cleanly: the suite keeps the tasks done, the table the budgets done, generation its
 # finished generations, training its checkpoints (SIGTERM); the next run of the phase goes on where it can.
 # Knobs: MODEL (gemma3-270m), SUITE_TASKS (passkey,multikey,multivalue,vt,cwe,qa), SUITE_SAMPLES (1), SUITE_DEPTHS
 # (0,0.5,1), POLICIES (streaming_llm,tova,h2o), TABLE_SEQ (4 sequences), GEN_N (8192), GEN_P (4 problems), GEN_BATCH
-# (4), GEN_BUDGETS (1/8 and 1/32 of GEN_N), TRAIN_LEN (8192), TRAIN_STEPS (300), SEEDS ("0 1"), PHASE_S (seconds a
-# phase may run, 540).
+# (4), GEN_BUDGETS (1/8 and 1/32 of GEN_N), TRAIN_LEN (8192), TRAIN_STEPS (300), TRAIN_KINDS ("mlp mlstm dms"), SEEDS
+# ("0 1"), STAGE_CHECKS (1: stage5 also runs `kvpop info`, greedy text and the memory step; 0 stages only), PHASE_S
+# (seconds a phase may run, 540).
 # QUICK=1 runs every phase on the CPU at 3/32 of the lengths on tiny-random-gemma3 (a smoke test, minutes a phase).
 set -uo pipefail
 usage="usage: bench/gemma3_eval.sh pack | stage1..stage5 OUT | suite|table|trained OUT 8k|16k|32k | generate|train OUT"
@@ -132,6 +135,7 @@ stage5)
       step convert 300 python bench/convert_gguf.py gemma3-270m "$gguf" --tokenizer "$stage/tokenizer"
     fi
   fi
+  [ "${STAGE_CHECKS:-1}" = 1 ] || exit 0
   for l in 8k 16k 32k; do
     step "info_$l" 300 "${kvpop[@]}" info --model "$model" --length "$(tokens $l)" --budget "$(( $(tokens $l) / 8 ))"
   done
@@ -168,24 +172,35 @@ train)
   steps=${TRAIN_STEPS:-300}
   [ "$quick" = 1 ] && steps=${TRAIN_STEPS:-2}
   for seed in ${SEEDS:-0 1}; do
-    run=$runs/mlp_b${train_budget}_s$seed
-    [ -d "$run/final" ] && continue
-    resume=(); [ -d "$run/checkpoints" ] && resume=(--resume)
-    [ "$(left)" -gt 60 ] || { echo "no time left for seed $seed"; break; }
-    # the seeds share the phase: a run stopped at its deadline writes a checkpoint that the next train phase resumes
-    STEP_SIGNAL=TERM step "train_s$seed" "$(left)" "${kvpop[@]}" train --model "$model" --device "$device" --data champ \
-      --seq-len "$train_len" --budget "$train_budget" --scorer mlp --freeze-base --steps "$steps" --save-every 50 \
-      --seed "$seed" --no-progress --out "$run" "${resume[@]}"
-    cp "$run/train_log.jsonl" "$work/train_log_s$seed.jsonl" 2>/dev/null
+    for kind in ${TRAIN_KINDS:-mlp mlstm dms}; do
+      case $kind in
+        mlp|mlstm) what=(--scorer "$kind") ;;
+        dms) what=(--policy dms) ;;
+        *) echo "TRAIN_KINDS: unknown kind $kind (mlp, mlstm or dms)"; exit 2 ;;
+      esac
+      run=$runs/${kind}_b${train_budget}_s$seed
+      [ -d "$run/final" ] && continue
+      resume=(); [ -d "$run/checkpoints" ] && resume=(--resume)
+      [ "$(left)" -gt 60 ] || { echo "no time left for $kind, seed $seed"; break 2; }
+      # the runs share the phase: a run stopped at its deadline writes a checkpoint that the next train phase resumes
+      STEP_SIGNAL=TERM step "train_${kind}_s$seed" "$(left)" "${kvpop[@]}" train --model "$model" --device "$device" \
+        --data champ --seq-len "$train_len" --budget "$train_budget" "${what[@]}" --freeze-base --steps "$steps" \
+        --save-every 50 --seed "$seed" --no-progress --out "$run" "${resume[@]}"
+      cp "$run/train_log.jsonl" "$work/train_log_${kind}_s$seed.jsonl" 2>/dev/null
+    done
   done
   ;;
 trained)
   need_len
   trained=()
-  for d in "$runs"/mlp_b"${train_budget}"_s*/final; do
+  for d in "$runs"/*_b"${train_budget}"_s*/final; do
     [ -d "$d" ] && trained+=(--trained "$(basename "$(dirname "$d")")=$d")
   done
   [ ${#trained[@]} -gt 0 ] || { echo "no trained run in $runs at budget $train_budget: run the train phase first"; exit 1; }
+  # each KVpop-mlp twice from the same weights: the paper's static rule (NAME) and the recommended policy, the
+  # layer-wide cascade with (B - 1) * 3 / 4 pool slots (NAME+lpoolN)
+  ls -d "$runs"/mlp_b"${train_budget}"_s*/final > /dev/null 2>&1 &&
+    trained+=(--rule static --tova-pool-layer $(( (train_budget - 1) * 3 / 4 )))
   # the table in the first half of the phase, the suite in the rest
   full=$limit; limit=$(( full / 2 ))
   table_by_budget "$train_budget" "${trained[@]}"
