@@ -389,6 +389,87 @@ def gemma3_suite_8k() -> str:
         " — `docs/data/gemma3_suite_8k_2026-12-07.json`"
 
 
+_GEMMA_TRAINED = "gemma3_trained_8k_2026-12-07"
+_GEMMA_TRAINED_ROWS = [
+    ("oracle", "oracle (future attention)"),
+    ("mlp_b1024_s0+lpool767", "**recommended policy** (KVpop-mlp, layer-wide cascade), seed 0"),
+    ("mlp_b1024_s1+lpool767", "**recommended policy**, seed 1"),
+    ("tova", "TOVA (paper)"),
+    ("mlp_b1024_s0", "KVpop-mlp, static rule, seed 0"),
+    ("mlp_b1024_s1", "KVpop-mlp, static rule, seed 1"),
+    ("mlstm_b1024_s0", "KVpop-mLSTM, seed 0"),
+    ("h2o", "H2O (paper)"),
+    ("dms_b1024_s1", "DMS, seed 1"),
+    ("mlstm_b1024_s1", "KVpop-mLSTM, seed 1"),
+    ("streaming_llm", "StreamingLLM"),
+    ("dms_b1024_s0", "DMS, seed 0"),
+]
+
+
+@register("gemma3-trained-8k")
+def gemma3_trained_8k() -> str:
+    """Gemma 3 270M at 8192 tokens and B = 1024: the trained scorers (two seeds each) beside the baselines and the
+    oracle on the same 4 rows, with each row's KL paired against TOVA's."""
+    d = data(_GEMMA_TRAINED)
+    t = d["table"]
+    rows = []
+    tova = _q_row(t["rows"], "tova")["kl_per_sequence"]
+    for policy, name in _GEMMA_TRAINED_ROWS:
+        r = _q_row(t["rows"], policy)
+        diff = "" if policy == "tova" else _q_diff(r["kl_per_sequence"], tova, counts="split")
+        used = r.get("avg_cache_fraction")
+        rows.append([name, f"{r['kl']:.4f} ± {r['kl_se']:.4f}", diff, f(r["top1_agreement"]), f(r["rel_accuracy"]),
+                     f(r["ppl_ratio"]), f(r.get("recall")), "100 %" if used is None else f"{100 * used:.0f} %"])
+    head = ["S = 8192, B = 1024 (CR 87.5 %)", "KL ± SE", "− TOVA's KL, paired (lower / higher)", "top-1", "rel. acc",
+            "ppl ratio", "recall vs oracle", "cache used"]
+    cmd = t["command"] + f" (trained: {d['command']})"
+    return table(head, rows) + "\n\n" + source(cmd, d["device"], d["commit"], d["date"]) + \
+        f" — `docs/data/{_GEMMA_TRAINED}.json`"
+
+
+@register("gemma3-trained-runs")
+def gemma3_trained_runs() -> str:
+    """The six training runs behind the Gemma 3 trained rows: steps, step time and the last losses."""
+    d = data(_GEMMA_TRAINED)
+    names = {"mlp": "KVpop-mlp", "mlstm": "KVpop-mLSTM", "dms": "DMS"}
+    rows = []
+    for r in d["train"].values():
+        rows.append([names[r["kind"]], str(r["seed"]), str(r["steps"]), f(1000 * r["step_time_median_s"], 0),
+                     f(r["loss_first"]), f(r["loss_last10"]),
+                     f(r["accuracy_last10"]) if r["accuracy_last10"] is not None else f"retention {r['retention_last']:.3f}"])
+    head = ["scorer-only training, S = 8192, B = 1024", "seed", "steps", "ms per step", "loss, step 1",
+            "loss, last 10", "boundary accuracy, last 10"]
+    first = next(iter(d["train"].values()))
+    return table(head, rows, "lrrrrrr") + "\n\n" + source(first["command"] + " (--scorer mlstm; --policy dms; --seed 1)",
+                                                        d["device"], d["commit"], d["date"])
+
+
+@register("gemma3-trained-suite-8k")
+def gemma3_trained_suite_8k() -> str:
+    """The task suite at 8192 tokens with the trained rows at B = 1024, the dense row first."""
+    d = data(_GEMMA_TRAINED)
+    suite = d["suite"]
+    cells = _q_suite([c for task in suite.values() for c in task.get("cells", [])])
+    tasks = list(suite)
+    rows = []
+    for policy, name in [("dense", "dense")] + _GEMMA_TRAINED_ROWS:
+        if policy == "oracle":
+            continue  # the oracle reads the future: teacher-forced only
+        got = []
+        for t in tasks:
+            if "totals" in suite[t]:
+                got.append(suite[t]["totals"][policy])
+            else:
+                got.append(cells[policy, None if policy == "dense" else 1024][t])
+        rows.append([name] + [f"{c}/{n}" for c, n in got] + [f"**{sum(c for c, _ in got)}**/{sum(n for _, n in got)}"])
+    labels = {"passkey": "passkey", "multikey": "multi-key", "multivalue": "multi-value", "qa": "QA"}
+    head = ["8192 tokens, B = 1024"] + [labels[t] for t in tasks] + ["all"]
+    cmd = suite["passkey"]["command"].split(" --trained")[0] + " --trained ... --rule static --tova-pool-layer 767 " \
+        "(one run per task)"
+    return table(head, rows) + "\n\n" + source(cmd, d["device"], d["commit"], d["date"]) + \
+        f" — `docs/data/{_GEMMA_TRAINED}.json`"
+
+
 @register("gemma3-memory")
 def gemma3_memory() -> str:
     """Gemma 3 270M's whole KV cache on one GPU, dense against the static rule at B = 2048, 8k to 32k tokens."""
@@ -644,6 +725,20 @@ def prefill_gpu_chunked() -> str:
     head = ["8192-token prompt, B = 2048, batch 1, bf16", "Qwen3-8B shape s", "vs dense", "SmolLM2 shape s", "vs dense"]
     cmd = d["command"] + " (" + "; ".join(run["command"] for run in d["runs"].values()) + ")"
     return table(head, rows) + "\n\n" + source(cmd, d["device"], d["commit"], d["date"])
+
+
+@register("prefill-gpu-chunked-graphs")
+def prefill_gpu_chunked_graphs() -> str:
+    """The chunked rule's prefill with each whole chunk's round replayed as one captured CUDA graph per layer."""
+    d = data("prefill_gpu_chunked_graphs_2026-12-07")
+    names = {"dense": "dense forward", "cascade+chunk64": "recommended policy, chunks of 64, captured rounds",
+             "cascade+chunk256": "recommended policy, chunks of 256, captured rounds"}
+    runs = {k: {r["policy"]: r["wall_all"][-1] for r in run["rows"]} for k, run in d["runs"].items()}
+    big, small = runs["8b"], runs["smollm2"]
+    rows = [[names[p], f(big[p], 2), f(big[p] / big["dense"], 1) + "×", f(small[p], 3),
+             f(small[p] / small["dense"], 1) + "×"] for p in names]
+    head = ["8192-token prompt, B = 2048, batch 1, bf16", "Qwen3-8B shape s", "vs dense", "SmolLM2 shape s", "vs dense"]
+    return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
 
 
 @register("prefill-profile-smollm2")

@@ -517,7 +517,8 @@ class ChunkedLayerCache(KVpopLayerCache):
         # capture failed; `use_graphs = False` runs every round eagerly (the reference the CUDA tests compare with)
         self.graph = None
         self.use_graphs = True
-        # the memory pool the graphs of one cache's layers share: a list holding its handle once made
+        # the memory pool the graphs of one cache's layers share: a list holding its handle and the first graph
+        # captured into it (`_capture`), once made
         self.graph_pool: list | None = None
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor, with_prior: bool = False) -> None:
@@ -651,16 +652,22 @@ class ChunkedLayerCache(KVpopLayerCache):
             torch.cuda.current_stream(dev).wait_stream(side)
             if self.graph_pool is not None and not self.graph_pool:
                 self.graph_pool.append(torch.cuda.graph_pool_handle())
+            shared = self.graph_pool[0] if self.graph_pool else None
             graph = torch.cuda.CUDAGraph()
             # capture on the side stream directly: `torch.cuda.graph` would also synchronise, collect garbage and
             # empty the allocator's cache, tens of milliseconds per layer and prompt
             with torch.cuda.stream(side):
-                graph.capture_begin(pool=self.graph_pool[0] if self.graph_pool else None)
+                graph.capture_begin(pool=shared)
                 try:
                     out = self._round(scale, softcap)
                 finally:
                     graph.capture_end()
             torch.cuda.current_stream(dev).wait_stream(side)
+            if self.graph_pool is not None and len(self.graph_pool) == 1:
+                # the allocator frees a pool with the last graph captured into it, and a later capture into the
+                # same handle then fails: the first graph stays with the handle, so the pool lives as long as the
+                # cache does, whichever layer drops its own graph (a reordered batch, a reset)
+                self.graph_pool.append(graph)
             return graph, out, (scale, softcap)
         except RuntimeError as err:
             warnings.warn(f"kvpop: the chunked rule's round could not be captured as a CUDA graph ({err}); "
