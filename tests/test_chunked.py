@@ -1,4 +1,5 @@
-"""The chunked rule (`ops/dynamic/chunked.py`): one decision per chunk of steps, TOVA's and the layer-wide cascade's.
+"""The chunked rule (`ops/dynamic/chunked.py`): one decision per chunk of steps, TOVA's, the layer-wide cascade's and
+H2O's.
 
 The claims: the vectorised decision equals the rule stated slot by slot (ties of score, of static priority, empty
 slots, padding); with chunks of one token it makes exactly the per-token rules' decisions (the walk of
@@ -138,6 +139,94 @@ def test_teacher_forced_evictions_match_an_independent_walk(K, P, C):
     assert torch.equal(got, want)
 
 
+def _h2o_walk_float64(q, k, pos, valid, K, C, protect, scale):
+    """H2O's chunked rule over Python sets with float64 probabilities: per KV head, each token's attention summed over
+    the queries that saw it; at each decision the `protect` newest stay and the best of the rest fill `K` slots."""
+    B, Hq, S, D = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    evict = torch.full((B, H, S), NEVER, dtype=torch.long)
+    for b in range(B):
+        held: list[list[int]] = [[] for _ in range(H)]
+        acc: list[dict[int, float]] = [{} for _ in range(H)]
+        for c0 in range(0, S - C, C):
+            if c0 + C >= S:
+                break
+            chunk = [t for t in range(c0, c0 + C) if valid[b, t]]
+            when = next(int(pos[b, t]) for t in range(c0 + C, S) if valid[b, t])
+            for h in range(H):
+                for t in chunk:
+                    acc[h][t] = 0.0
+                for qi in chunk:
+                    vis = held[h] + [t for t in chunk if t <= qi]
+                    for g in range(G):
+                        lg = torch.tensor([float((q[b, h * G + g, qi].double() @ k[b, h, t].double()) * scale)
+                                           for t in vis], dtype=torch.float64)
+                        for t, p in zip(vis, torch.softmax(lg, 0).tolist()):
+                            acc[h][t] += p
+                cands = held[h] + chunk
+                if not cands:  # a chunk of padding before the row's first token
+                    continue
+                newest = max(int(pos[b, t]) for t in cands)
+                kept = [t for t in cands if int(pos[b, t]) > newest - protect]
+                rest = sorted((t for t in cands if t not in kept), key=lambda t: (acc[h][t], int(pos[b, t])),
+                              reverse=True)
+                held[h] = kept + rest[: K - len(kept)]
+                for t in rest[K - len(kept):]:
+                    evict[b, h, t] = when
+    return evict
+
+
+@pytest.mark.parametrize("W,Kh", [(4, 3), (1, 5), (6, 1), (9, 9)])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("case", ["random", "ties", "padding"])
+def test_h2o_chunks_of_one_token_are_the_per_token_rule(W, Kh, seed, case):
+    """With C = 1 H2O's chunked rule (protect = window - 1, window - 1 + topk slots) evicts what the per-token walk
+    of H2O's paper split evicts, at the same steps: duplicated keys (equal scores) and left padding included."""
+    q, k, pos, valid, prior = _inputs(2, 2, 3, 41, 8, seed, dup=case == "ties")
+    if case == "padding":
+        valid[1, :6] = False
+        pos = torch.cumsum(valid.long(), -1) - 1
+    zero = torch.zeros_like(prior)  # H2O's starting score
+    want = dynamic_eviction_positions(q, k, pos, valid, zero, 0, W, Kh, 0.35, "sum", backend="torch")
+    got = chunked_eviction_positions(q, k, pos, valid, zero, W - 1 + Kh, 0, 1, 0.35, protect=W - 1)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("K,C,protect", [(6, 4, 2), (8, 3, 0), (5, 7, 4), (9, 2, 5), (3, 16, 1)])
+@pytest.mark.parametrize("pad", [0, 5])
+def test_h2o_teacher_forced_evictions_match_an_independent_walk(K, C, protect, pad):
+    q, k, pos, valid, prior = _inputs(2, 2, 2, 30, 8, seed=K * C + protect)
+    if pad:
+        valid[1, :pad] = False
+        pos = torch.cumsum(valid.long(), -1) - 1
+    got = chunked_eviction_positions(q, k, pos, valid, torch.zeros_like(prior), K, 0, C, 0.4, protect=protect)
+    assert torch.equal(got, _h2o_walk_float64(q, k, pos, valid, K, C, protect, 0.4))
+    if pad:
+        assert (got[1, :, :pad] == NEVER).all()
+
+
+def test_h2o_refuses_a_protected_window_without_room():
+    q, k, pos, valid, prior = _inputs(1, 1, 1, 12, 4, seed=0)
+    with pytest.raises(ValueError, match="protect=4"):
+        chunked_eviction_positions(q, k, pos, valid, prior, 4, 0, 2, 0.4, protect=4)
+    with pytest.raises(ValueError, match="pool 0"):
+        chunked_eviction_positions(q, k, pos, valid, prior, 4, 2, 2, 0.4, protect=1)
+
+
+def test_h2o_with_decision_chunk_keeps_its_split():
+    h2o = kvpop.KVpopConfig.for_budget(256, policy="h2o")
+    chunked = h2o.with_decision_chunk(64)
+    assert (chunked.sink, chunked.window, chunked.topk, chunked.budget) == (0, 128, 128, 256)
+    assert chunked.chunk_layout == (192, 0, 64)  # 192 long-range slots + a ring of 64 = the budget
+    assert h2o.with_decision_chunk(1).chunk_layout == (255, 0, 127)
+    with pytest.raises(ValueError, match="window = 128"):
+        h2o.with_decision_chunk(129)
+    with pytest.raises(ValueError, match="sink"):
+        kvpop.KVpopConfig.for_budget(256, policy="h2o", windowed=True).with_decision_chunk(16)
+    assert "its newest 64 a ring" in chunked.describe()
+
+
 @pytest.mark.parametrize("C", [1, 3, 8])
 def test_no_query_sees_more_than_topk_plus_chunk(C):
     K, P, S = 6, 4, 40
@@ -177,7 +266,7 @@ def test_scores_average_over_the_queries_that_see_a_token():
     assert torch.allclose(s, want, atol=1e-6)
 
 
-@pytest.mark.parametrize("policy", ["tova", "cascade"])
+@pytest.mark.parametrize("policy", ["tova", "cascade", "h2o"])
 def test_the_model_teacher_forced_equals_its_prefill_and_decode(policy):
     """Train == prefill == decode on a model: the teacher-forced logits, a prompt through a `KVpopCache` and the rest
     one token per step agree; `generate` runs it eagerly."""
@@ -185,7 +274,7 @@ def test_the_model_teacher_forced_equals_its_prefill_and_decode(policy):
     from kvpop.models import load_model
 
     model, _ = load_model("tiny-random-llama", dtype="float32")
-    cfg = kvpop.KVpopConfig.for_budget(24, policy="tova")
+    cfg = kvpop.KVpopConfig.for_budget(24, policy="h2o" if policy == "h2o" else "tova")
     if policy == "cascade":
         cfg = kvpop.KVpopConfig.for_budget(24).with_tova_pool(17, layer=True)
     ids = torch.randint(3, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -204,7 +293,7 @@ def test_the_model_teacher_forced_equals_its_prefill_and_decode(policy):
                     steps.append(model(ids[:, t : t + 1], use_cache=True, **cache_kwargs(model, cache)).logits)
                 assert torch.allclose(torch.cat(steps, dim=1), outs[chunk], atol=1e-4)
                 held = max(int(n.max()) for n in cache.slots_used())
-                assert held <= 24  # the budget: 16 long-range slots and a ring of 8
+                assert held <= 24  # the budget: 16 long-range slots and a ring of 8 (H2O: 4 of them its window's)
                 gen = model.generate(ids[:, :40], max_new_tokens=6, do_sample=False, pad_token_id=0,
                                      **cache_kwargs(model, kvpop.KVpopCache(model)))
                 assert gen.shape == (2, 46)
@@ -224,7 +313,8 @@ def test_the_model_teacher_forced_equals_its_prefill_and_decode(policy):
 @pytest.mark.parametrize("kwargs,msg", [
     (dict(policy="tova", decision_chunk=0), "integer >= 1"),
     (dict(policy="tova", decision_chunk=8), "TOVA with tova_head_average"),
-    (dict(policy="h2o", decision_chunk=8), "applies to TOVA"),
+    (dict(policy="h2o", decision_chunk=8, sink=4, window=12), "H2O without sinks"),
+    (dict(policy="h2o", decision_chunk=20), "at most window = 16"),
     (dict(policy="tova", decision_chunk=8, window=1), "window as its ring"),
 ])
 def test_config_refuses_what_the_chunked_rule_does_not_apply_to(kwargs, msg):
@@ -263,19 +353,23 @@ class _Policy:
         return out
 
 
-@pytest.mark.parametrize("K,P,C", [(6, 4, 4), (6, 6, 5), (8, 2, 3), (5, 0, 7)])
+@pytest.mark.parametrize("K,P,C,protect", [(6, 4, 4, None), (6, 6, 5, None), (8, 2, 3, None), (5, 0, 7, None),
+                                            (8, 0, 3, 4), (7, 0, 4, 0), (9, 0, 2, 5)])
 @pytest.mark.parametrize("split", ["prompt", "tokens", "pieces"])
-def test_the_cache_makes_the_teacher_forced_decisions(K, P, C, split):
+def test_the_cache_makes_the_teacher_forced_decisions(K, P, C, protect, split):
     """Prefill at once, one token per step, or in uneven pieces: the cache's slots after every piece are the tokens
-    the teacher-forced evictions keep visible to the next query, and its outputs are the teacher-forced ones."""
+    the teacher-forced evictions keep visible to the next query, and its outputs are the teacher-forced ones (H2O's
+    rule with `protect`, its scores carried in the slots)."""
     from kvpop.cache import ChunkedLayerCache
 
     S = 31
     q, k, pos, valid, prior = _inputs(2, 2, 2, S, 8, seed=K + P + C)
+    if protect is not None:
+        prior = torch.zeros_like(prior)  # H2O's starting score
     v = torch.randn(2, 2, S, 8, generator=torch.Generator().manual_seed(1))
-    evict = chunked_eviction_positions(q, k, pos, valid, prior, K, P, C, 0.4)
+    evict = chunked_eviction_positions(q, k, pos, valid, prior, K, P, C, 0.4, protect=protect)
     want, _ = sparse_attention(q, k, v, pos, valid, pos, valid, evict, 0, 1, 0.4, backend="reference")
-    cache = ChunkedLayerCache(K, C, None if P == K else P)
+    cache = ChunkedLayerCache(K, C, None if P == K else P, protect)
     policy = _Policy(C, prior)
     cuts = {"prompt": [0, S], "tokens": list(range(S + 1)), "pieces": [0, 3, 4, 11, 12, 20, 29, S]}[split]
     outs = []

@@ -171,12 +171,12 @@ def kvpop_attention(
         with timed("kvpop.dynamic_walk"):
             if policy.chunk > 1:
                 # the chunked rule: one decision per chunk of steps; a query sees up to topk + chunk tokens
-                evict = chunked_eviction_positions(query, key, position, valid, priority, cfg.topk,
-                                                   cfg.topk if policy.pool is None else policy.pool, policy.chunk,
-                                                   scale, softcap)
+                slots, pool, protect = cfg.chunk_layout
+                evict = chunked_eviction_positions(query, key, position, valid, priority, slots, pool, policy.chunk,
+                                                   scale, softcap, protect)
                 # its evictions say everything: no window beyond the query's own token (the ring's tokens go at
                 # the decision like any other)
-                window, topk = 1, cfg.topk + policy.chunk - 1
+                sink, window, topk = 0, 1, slots + policy.chunk - 1
             else:
                 evict = dynamic_eviction_positions(query, key, position, valid, priority, cfg.sink, cfg.window, cfg.topk,
                                                    scale, policy.score, pool=policy.pool, decay=policy.decay,

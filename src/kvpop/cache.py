@@ -38,7 +38,7 @@ from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import decode_attention, decode_attention_scored, sparse_attention
 from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
-from kvpop.ops.dynamic.chunked import chunk_attention, chunk_decision, chunk_probs, chunk_round, scores_from_probs
+from kvpop.ops.dynamic.chunked import chunk_attention, chunk_probs, chunk_round, decide_from_probs
 from kvpop.ops.dynamic.reference import write_slot
 from kvpop.ops.slots import step_slots, write_slots
 from kvpop.ops.topk import NEVER, eviction_positions
@@ -498,8 +498,9 @@ class ChunkedLayerCache(KVpopLayerCache):
     `topk` long-range slots, then a ring of `chunk` slots that the chunk's tokens take in step order (padding steps
     included, as empty slots), and the chunk's queries: the cache holds at most `topk + chunk` tokens. While a chunk
     is read nothing is evicted, and each query attends the occupied slots up to itself; after the chunk's last
-    step the decision (`chunk_scores`, `chunk_decision`) keeps `topk` of the long-range slots and the ring's tokens
-    and empties the ring. The decision reads the same tensors in the same order as the teacher-forced execution
+    step the decision (`decide_from_probs`) keeps `topk` of the long-range slots and the ring's tokens and empties the
+    ring. H2O's chunked rule (`protect`) carries each slot's accumulated score where the others carry its static
+    prior, and adds the chunk's attention to it at each decision. The decision reads the same tensors in the same order as the teacher-forced execution
     (`chunked_eviction_positions`: the slots, then the chunk), so both make the same decisions bit for bit, however
     the tokens arrive (a prompt at once, in pieces, or one per step).
 
@@ -508,9 +509,9 @@ class ChunkedLayerCache(KVpopLayerCache):
 
     is_compileable = False
 
-    def __init__(self, topk: int, chunk: int, pool: int | None):
+    def __init__(self, topk: int, chunk: int, pool: int | None, protect: int | None = None):
         super().__init__(0, 1, topk)
-        self.chunk, self.pool_size = chunk, pool
+        self.chunk, self.pool_size, self.protect = chunk, pool, protect
         self.filled = 0  # steps of the current chunk so far
         self.queries: Tensor | None = None
         # a whole chunk's round as a captured CUDA graph (`_whole_chunk`): None until the first one, False where
@@ -529,7 +530,8 @@ class ChunkedLayerCache(KVpopLayerCache):
             torch.zeros(B, H, n, D, dtype=key_states.dtype, **kw),
             torch.zeros(B, H, n, value_states.shape[-1], dtype=value_states.dtype, **kw),
             torch.full((B, H, n), -1, dtype=torch.long, **kw),
-            torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),  # the static prior of each slot
+            # the static prior of each slot (H2O's chunked rule: its accumulated score)
+            torch.full((B, H, n), float("-inf"), dtype=torch.float32, **kw),
         )
         self.slots = n
         self._views()
@@ -620,20 +622,20 @@ class ChunkedLayerCache(KVpopLayerCache):
         return (self.use_graphs and self.graph is not False and self.keys.is_cuda and not torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
 
-    def _round_decision(self, scale: float, softcap: float | None) -> tuple[Tensor, Tensor]:
-        """A whole chunk's output and the candidates its decision keeps, from one `chunk_probs` (the same floats as
-        `chunk_round` on the same tensors); the cache untouched."""
+    def _round_decision(self, scale: float, softcap: float | None) -> tuple[Tensor, Tensor, Tensor]:
+        """A whole chunk's output, the candidates its decision keeps and their carried values, from one `chunk_probs`
+        (the same floats as `chunk_round` on the same tensors); the cache untouched."""
         K = self.topk
         held, chunk_valid = self.pos[:, :, :K] >= 0, self.pos[:, 0, K:] >= 0
         probs = chunk_probs(self.queries, self.keys, held, chunk_valid, scale, softcap)
         out = chunk_attention(probs, self.values)
-        keep, _ = chunk_decision(scores_from_probs(probs, chunk_valid), self.pos, self.prior, K, self._pool)
-        return out, keep
+        keep, _, carried = decide_from_probs(probs, self.pos, self.prior, K, self._pool, self.protect)
+        return out, keep, carried
 
     def _round(self, scale: float, softcap: float | None) -> Tensor:
         """A whole chunk's round: its output, then its decision applied."""
-        out, keep = self._round_decision(scale, softcap)
-        self._keep(keep)
+        out, keep, carried = self._round_decision(scale, softcap)
+        self._keep(keep, carried)
         return out
 
     def _capture(self, scale: float, softcap: float | None):
@@ -680,17 +682,18 @@ class ChunkedLayerCache(KVpopLayerCache):
 
     def _decide(self, scale: float, softcap: float | None) -> None:
         """The decision after a chunk that arrived in pieces, from its kept queries (`chunk_round`)."""
-        keep, _ = chunk_round(self.queries, self.keys, self.pos, self.prior, self.topk, self._pool, scale, softcap)
-        self._keep(keep)
+        keep, _, carried = chunk_round(self.queries, self.keys, self.pos, self.prior, self.topk, self._pool, scale,
+                                       softcap, self.protect)
+        self._keep(keep, carried)
 
-    def _keep(self, keep: Tensor) -> None:
-        """Apply a decision: `topk` of the slots and the ring stay, the ring empties."""
+    def _keep(self, keep: Tensor, carried: Tensor) -> None:
+        """Apply a decision: `topk` of the slots and the ring stay, with their carried values; the ring empties."""
         K = self.topk
         D, Dv = self.keys.shape[-1], self.values.shape[-1]
         self.keys[:, :, :K] = self.keys.gather(2, keep[..., None].expand(-1, -1, -1, D))
         self.values[:, :, :K] = self.values.gather(2, keep[..., None].expand(-1, -1, -1, Dv))
         self.pos[:, :, :K] = self.pos.gather(2, keep)
-        self.prior[:, :, :K] = self.prior.gather(2, keep)
+        self.prior[:, :, :K] = carried.gather(2, keep)
         self.pos[:, :, K:] = -1
         self.prior[:, :, K:] = float("-inf")
         self.filled = 0
@@ -723,7 +726,7 @@ class KVpopCache(Cache):
             # a hybrid model's sliding-window layers keep their window (`KVpopModules.layer_configs`)
             layers = kvpop_modules(model).layer_configs(config)
         super().__init__(layers=[
-            ChunkedLayerCache(c.topk, c.decision_chunk, c.tova_pool or None) if c.decision_chunk > 1
+            ChunkedLayerCache(c.chunk_layout[0], c.decision_chunk, *c.chunk_layout[1:]) if c.decision_chunk > 1
             else KVpopLayerCache(c.sink, c.window, c.topk, dynamic_prefill) for c in layers])
         pool: list = []  # the chunked layers' graphs share one memory pool (`ChunkedLayerCache._capture`)
         for layer in self.layers:

@@ -142,7 +142,10 @@ class KVpopConfig:
     `topk + C = budget` tokens (and the chunk's queries, `C` per query head, for the decision), and a prefill takes
     `S / C` rounds instead of `S`. TOVA with `tova_head_average` and
     the layer-wide cascade with `pool_decay` None only, split as `with_decision_chunk` splits them (no sinks, the
-    window the ring: `window = C`)."""
+    window the ring: `window = C`). H2O with no sinks (its paper's split) too, its split unchanged (`C <= window`):
+    the window's newest `C` slots are the ring, its other `window - C` tokens stay at every decision, and each KV
+    head keeps the `topk` best of the rest by the attention accumulated over the steps, the chunk's added at each
+    decision."""
     dms_temperature: float = 0.1
     """DMS only: temperature of the Gumbel-sigmoid relaxation of the eviction gates in training. > 0."""
     dms_target_retention: float | None = None
@@ -220,11 +223,16 @@ class KVpopConfig:
         _check(_is_int(self.decision_chunk) and self.decision_chunk >= 1, "decision_chunk", self.decision_chunk,
                "must be an integer >= 1 (1: decide after every token)")
         _check(self.decision_chunk == 1 or self.chunkable, "decision_chunk", self.decision_chunk,
-               "applies to TOVA with tova_head_average and to the layer-wide KVpop-cascade (tova_pool > 0, "
-               "tova_head_average, pool_decay None)")
-        _check(self.decision_chunk == 1 or (self.sink == 0 and self.window == self.decision_chunk), "decision_chunk",
-               self.decision_chunk, f"needs no sinks and the window as its ring (window = decision_chunk), got sink "
-               f"{self.sink}, window {self.window}: KVpopConfig.with_decision_chunk splits a budget so")
+               "applies to TOVA with tova_head_average, to the layer-wide KVpop-cascade (tova_pool > 0, "
+               "tova_head_average, pool_decay None) and to H2O without sinks")
+        if self.policy == "h2o":
+            _check(self.decision_chunk <= self.window, "decision_chunk", self.decision_chunk,
+                   f"is H2O's ring, the newest part of its window: at most window = {self.window}")
+        else:
+            _check(self.decision_chunk == 1 or (self.sink == 0 and self.window == self.decision_chunk),
+                   "decision_chunk", self.decision_chunk, f"needs no sinks and the window as its ring (window = "
+                   f"decision_chunk), got sink {self.sink}, window {self.window}: KVpopConfig.with_decision_chunk "
+                   "splits a budget so")
         _check(self.policy not in RECENCY_POLICIES or self.topk == 0, "topk", self.topk,
                f"must be 0 for policy {self.policy!r}, which keeps only sinks and the window "
                f"(use window = budget - sink; KVpopConfig.for_budget does it)")
@@ -321,9 +329,22 @@ class KVpopConfig:
 
     @property
     def chunkable(self) -> bool:
-        """Whether the chunked rule applies (`decision_chunk`): TOVA's head-averaged rule, or the layer-wide
-        KVpop-cascade ranking its pool by TOVA's latest attention."""
+        """Whether the chunked rule applies (`decision_chunk`): TOVA's head-averaged rule, the layer-wide
+        KVpop-cascade ranking its pool by TOVA's latest attention, or H2O without sinks."""
+        if self.policy == "h2o":
+            return self.sink == 0
         return self.tova_head_average and self.pool_decay is None and (self.policy == "tova" or self.tova_pool > 0)
+
+    @property
+    def chunk_layout(self) -> tuple[int, int, int | None]:
+        """The chunked rule's slots besides its ring of `decision_chunk` (`ops.dynamic.chunked`): (the long-range slots
+        a decision keeps, how many of them form the pool ranked by the chunk's score, how many newest tokens stay
+        whatever they scored). TOVA and the layer-wide cascade: (topk, tova_pool or all of topk, None). H2O:
+        (window - C + topk, 0, window - C), the older part of its window held among the long-range slots."""
+        C = self.decision_chunk
+        if self.policy == "h2o":
+            return self.window - C + self.topk, 0, self.window - C
+        return self.topk, self.tova_pool or self.topk, None
 
     @property
     def static_mlp(self) -> bool:
@@ -351,7 +372,13 @@ class KVpopConfig:
     def with_decision_chunk(self, chunk: int) -> KVpopConfig:
         """This TOVA or layer-wide cascade config deciding once every `chunk` steps, in the same memory: the window
         becomes the ring of `chunk` slots and the long-range slots `budget - chunk`; a cascade's pool keeps its share
-        of them. `chunk = 1`: the per-token rule at TOVA's split (window 1)."""
+        of them. `chunk = 1`: the per-token rule at TOVA's split (window 1). H2O keeps its split: the ring is the
+        newest `chunk` of its window (`chunk <= window`; `chunk = 1` is the per-token rule)."""
+        if self.policy == "h2o":
+            _check(self.sink == 0, "sink", self.sink, "must be 0 for H2O's chunked rule (the paper's split)")
+            _check(_is_int(chunk) and 1 <= chunk <= self.window, "decision_chunk", chunk,
+                   f"must be an integer in [1, window = {self.window}]: H2O's ring is the newest part of its window")
+            return dataclasses.replace(self, decision_chunk=chunk)
         _check(_is_int(chunk) and 1 <= chunk < self.budget, "decision_chunk", chunk,
                f"must be an integer in [1, budget - 1 = {self.budget - 1}] (room for one long-range slot)")
         topk = self.budget - chunk
@@ -409,7 +436,10 @@ class KVpopConfig:
     def describe(self) -> str:
         """What this config's rule does, in one line (the CLI says it when a trained directory loads)."""
         split = f"{self.sink} sinks, window {self.window}"
-        if self.decision_chunk > 1:
+        if self.decision_chunk > 1 and self.policy == "h2o":
+            split = (f"no sinks, window {self.window} (its newest {self.decision_chunk} a ring); one decision every "
+                     f"{self.decision_chunk} steps")
+        elif self.decision_chunk > 1:
             split = f"no sinks, a ring of {self.window} slots; one decision every {self.decision_chunk} steps"
         if self.policy != "kvpop":
             return f"policy {self.policy} at budget {self.budget} ({split}, {self.topk} long-range slots)"

@@ -14,8 +14,13 @@ walk over the prompt (`README.md` beside this file). The chunked rule decides af
 - each KV head's static pool (the first `K - pool` slots) keeps the `K - pool` best of its own tokens and the pool's
   losers by (static priority, position); the rest are evicted, invisible from the next chunk's first query on.
 
-With `pool = K` it is TOVA's rule (head average, no sinks), chunked; with `C = 1` both make the per-token rules'
-decisions exactly (the leaving token meets the pool first, whichever loses meets the static pool). The
+H2O's chunked rule (`protect`) ranks by accumulated attention instead: each candidate carries its score (the
+static priority's place, `cand_prior`), to which a chunk adds its probability summed over the chunk's queries and
+the query heads of its KV head; the `protect` newest tokens (H2O's window less the ring) stay, and each KV head keeps
+the best of the others by (score, position) in the remaining slots (no pool: H2O ranks per head).
+
+With `pool = K` it is TOVA's rule (head average, no sinks), chunked; with `C = 1` each makes the per-token rule's
+decisions exactly (H2O's with `protect = window - 1`) (the leaving token meets the pool first, whichever loses meets the static pool). The
 decisions of a chunk are parallel: one GEMM of its queries against its candidates, a softmax and two sorts, so a
 prefill of `S` tokens takes `S / C` sequential rounds instead of `S`.
 
@@ -99,6 +104,44 @@ def chunk_scores(
     return scores_from_probs(chunk_probs(query, cand_keys, held, chunk_valid, scale, softcap), chunk_valid)
 
 
+def accumulated_from_probs(probs: Tensor) -> Tensor:
+    """H2O's evidence from a chunk: each candidate's probability summed over the chunk's queries and over the query
+    heads of its KV head, float32 [B, H, M] (`chunk_probs`' weights; a padding query adds 0). The heads are summed as
+    the per-token rule sums them (`ops.dynamic.score.score_update`, score "sum"), so one query adds the same floats."""
+    return probs.sum(3).transpose(2, 3).contiguous().sum(-1)
+
+
+def protected_rank(score: Tensor, cand_pos: Tensor, protect: int) -> Tensor:
+    """H2O's rank of the candidates [B, H, M]: `+inf` for the `protect` newest tokens (its window, kept whatever they
+    scored), the accumulated score for the others. Positions count real tokens, so the newest are those within
+    `protect` of the newest candidate (the same tokens in every head: the chunk's, and the newest held ones)."""
+    newest = cand_pos.amax(-1, keepdim=True)
+    recent = (cand_pos >= 0) & (cand_pos > newest - protect)
+    return torch.where(recent, float("inf"), score)
+
+
+def decide_from_probs(
+    probs: Tensor,  # [B, H, G, L, M], `chunk_probs`
+    cand_pos: Tensor,  # [B, H, K + L], -1: no token
+    cand_prior: Tensor,  # [B, H, K + L]
+    topk: int,
+    pool: int,
+    protect: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One decision from the chunk's weights: (keep, evicted) as `chunk_decision` gives them, and each candidate's
+    carried value after the chunk: its static priority unchanged (TOVA's and the cascade's rules), or with `protect`
+    (H2O's) its accumulated score with the chunk's attention added. Every execution decides through this."""
+    if protect is None:
+        chunk_valid = cand_pos[:, 0, topk:] >= 0  # the chunk's tokens are the same in every head
+        keep, evicted = chunk_decision(scores_from_probs(probs, chunk_valid), cand_pos, cand_prior, topk, pool)
+        return keep, evicted, cand_prior
+    score = cand_prior + accumulated_from_probs(probs)
+    rank = protected_rank(score, cand_pos, protect)
+    # no pool: every KV head ranks its own candidates (the pool's score argument goes unread with pool 0)
+    keep, evicted = chunk_decision(score[:, 0], cand_pos, rank, topk, 0)
+    return keep, evicted, score
+
+
 def chunk_attention(probs: Tensor, cand_values: Tensor) -> Tensor:
     """The chunk's attention output from `chunk_probs`' weights: [B, Hq, L, Dv] in the values' dtype. A whole chunk's
     prefill computes its weights once for its output and its decision (`cache.ChunkedLayerCache`); the reference is
@@ -159,13 +202,14 @@ def chunk_round(
     pool: int,
     scale: float,
     softcap: float | None = None,
-) -> tuple[Tensor, Tensor]:
-    """One decision after a chunk (`chunk_scores`, then `chunk_decision`): what every execution calls, so that they
-    hand the same tensors to the same floats. Returns `chunk_decision`'s (keep, evicted)."""
+    protect: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One decision after a chunk (`chunk_probs`, then `decide_from_probs`): what every execution calls, so that they
+    hand the same tensors to the same floats. Returns (keep, evicted, the candidates' carried values after it)."""
     held = cand_pos[:, :, :topk] >= 0
     chunk_valid = cand_pos[:, 0, topk:] >= 0  # the chunk's tokens are the same in every head
-    score = chunk_scores(query, cand_keys, held, chunk_valid, scale, softcap)
-    return chunk_decision(score, cand_pos, cand_prior, topk, pool)
+    probs = chunk_probs(query, cand_keys, held, chunk_valid, scale, softcap)
+    return decide_from_probs(probs, cand_pos, cand_prior, topk, pool, protect)
 
 
 def chunked_eviction_positions(
@@ -179,6 +223,7 @@ def chunked_eviction_positions(
     chunk: int,
     scale: float,
     softcap: float | None = None,
+    protect: int | None = None,
 ) -> Tensor:
     """Teacher-forced: the eviction position of every token of a sequence under the chunked rule.
 
@@ -189,6 +234,8 @@ def chunked_eviction_positions(
         prior: float32, each token's static priority (the static pool's rank; any values where `pool = topk`).
         topk: `K`, the long-range slots kept after each decision; pool: the slots ranked by the chunk score, in
             [0, topk]; chunk: `C >= 1`.
+        protect: H2O's chunked rule: the newest tokens kept at each decision, in [0, topk); `prior` is then each
+            token's starting score (H2O's: 0) and `pool` must be 0. None: TOVA's and the cascade's rules.
     Returns:
         int64 [B, H, S], `NEVER` for tokens never evicted (and for padding).
     """
@@ -198,6 +245,9 @@ def chunked_eviction_positions(
         raise ValueError(f"chunk={chunk!r} must be an integer >= 1")
     if not (isinstance(topk, int) and topk >= 1 and isinstance(pool, int) and 0 <= pool <= topk):
         raise ValueError(f"topk={topk!r}, pool={pool!r}: need topk >= 1 and 0 <= pool <= topk")
+    if protect is not None and not (isinstance(protect, int) and 0 <= protect < topk and pool == 0):
+        raise ValueError(f"protect={protect!r} (H2O's chunked rule) must be an integer in [0, topk = {topk}) with "
+                         f"pool 0, got pool {pool}")
     dev = key.device
     evict = torch.full((B, H, S_len + 1), NEVER, dtype=torch.long, device=dev)  # a scratch column last
     # the first real position after each step: when a decision after that step takes effect
@@ -218,14 +268,15 @@ def chunked_eviction_positions(
         cand_col = torch.cat([slot_col, torch.where(cv, cols, -1)[:, None].expand(B, H, chunk)], dim=2)
         cand_pos = torch.cat([slot_pos, torch.where(cv, position[:, c0:c1], -1)[:, None].expand(B, H, chunk)], dim=2)
         cand_prior = torch.cat([slot_prior, prior[:, :, c0:c1].float()], dim=2)
-        keep, out = chunk_round(query[:, :, c0:c1], cand_keys, cand_pos, cand_prior, topk, pool, scale, softcap)
+        keep, out, carried = chunk_round(query[:, :, c0:c1], cand_keys, cand_pos, cand_prior, topk, pool, scale,
+                                         softcap, protect)
         # the evicted tokens: invisible from the first real query after this chunk
         out_col = cand_col.gather(-1, out)
         when = next_pos[:, c1][:, None, None].expand_as(out_col)
         # no token (an empty candidate) writes the scratch column
         evict.scatter_(2, torch.where(out_col >= 0, out_col, S_len), when)
         slot_keys = cand_keys.gather(2, keep[..., None].expand(-1, -1, -1, D))
-        slot_col, slot_pos, slot_prior = (t.gather(-1, keep) for t in (cand_col, cand_pos, cand_prior))
+        slot_col, slot_pos, slot_prior = (t.gather(-1, keep) for t in (cand_col, cand_pos, carried))
     return torch.where(valid[:, None], evict[..., :S_len], NEVER)
 
 
