@@ -546,6 +546,47 @@ def chunked_rule_pydoc() -> str:
     return _chunked_seeds("chunked_rule_pydoc_cpu_2026-12-07", (64,), "pydoc")
 
 
+_CHUNKED_H2O = "chunked_h2o_cpu_2026-12-07"
+
+
+@register("chunked-h2o")
+def chunked_h2o() -> str:
+    """H2O's chunked rule against H2O's per-token rule, teacher-forced at S = 2048 on champ (two budgets) and out of
+    domain, each chunked row paired per sequence with the per-token row of its run."""
+    d = data(_CHUNKED_H2O)
+    names = {"champ": "champ (development rows)", "pystdlib": "pystdlib (held-out files)", "pydoc": "pydoc (help topics)"}
+    out, cmds = [], []
+    for run in d["teacher_forced"]:
+        rows = {r["policy"]: r for r in run["rows"]}
+        base = rows["h2o"]
+        for p in sorted(rows, key=lambda p: (p != "h2o", int(p.partition("+chunk")[2] or 0))):
+            r = rows[p]
+            c = p.partition("+chunk")[2]
+            paired = _q_diff(r["kl_per_sequence"], base["kl_per_sequence"]) if c else ""
+            out.append([names[run["data"]], f"{r['budget']} ({100 * r['cr']:.0f}%)", f"every {c} steps" if c else
+                        "every token", f(r["kl"], 4), f(r["top1_agreement"]), paired])
+        cmds.append(source(run["command"], d["device"], d["commit"], d["date"]))
+    head = ["H2O (paper split), S = 2048", "budget (CR)", "decides", "KL", "top-1", "KL − every token's, paired"]
+    return table(head, out, "llrrrr") + "\n\n" + "  \n".join(cmds)
+
+
+@register("chunked-h2o-generation")
+def chunked_h2o_generation() -> str:
+    """H2O's chunked rule in long generation: its own greedy text scored by the dense model, paired per problem."""
+    d = data(_CHUNKED_H2O)["generation"]
+    rows, per = {r["policy"]: r for r in d["rows"]}, d["per_problem"]
+    out = []
+    for p, decides in (("dense", "–"), ("h2o", "every token"), ("h2o+chunk64", "every 64 steps")):
+        r = rows[p]
+        paired = _q_diff(per[p], per["h2o"]) if p == "h2o+chunk64" else ""
+        out.append(["dense" if p == "dense" else "H2O (paper)", decides, f(r["nll_past_budget"], 4), paired,
+                    f(r["agreement"], 4), f(r["repetition"], 3)])
+    head = [f"B = {d['rows'][1]['budget']}, {d['tokens']} tokens × {d['problems']} problems", "decides",
+            "NLL past the budget", "− every token's, paired", "agreement", "rep4"]
+    top = data(_CHUNKED_H2O)
+    return table(head, out, "llrrrr") + "\n\n" + source(d["command"], top["device"], top["commit"], top["date"])
+
+
 @register("chunked-rule-generation")
 def chunked_rule_generation() -> str:
     """The chunked rule in long generation: each rule's own greedy text scored by the dense model, paired per

@@ -879,9 +879,9 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
              "(default: none)"),
     POLICY_RULE,
     arg("--decision-chunk", default=None, metavar="C[,C]",
-        help="also run each TOVA row and each layer-wide KVpop-cascade row deciding once every C steps from the "
-             "chunk's C queries instead of after every token (rows NAME+chunkC: the chunked rule in the same "
-             "memory, the window a ring of C slots and budget - C long-range slots; they decode eagerly)"),
+        help="also run each TOVA, H2O (no sinks) and layer-wide KVpop-cascade row deciding once every C steps from "
+             "the chunk's C queries instead of after every token (rows NAME+chunkC: the chunked rule in the same "
+             "memory, a ring of C slots, for H2O the newest part of its window; they decode eagerly)"),
     arg("--layer-budgets", action="append", default=[], metavar="FILE",
         help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
              "(the same total memory as the uniform row); repeatable"),
@@ -1107,8 +1107,8 @@ def _tova_pool_entries(args: argparse.Namespace, entries: list) -> list:
 
 
 def _decision_chunk_entries(args: argparse.Namespace, entries: list) -> list:
-    """`--decision-chunk C[,C]`: every row of TOVA's paper rule or of a layer-wide KVpop-cascade (TOVA's latest
-    attention) also deciding once every C steps (`NAME+chunkC`)."""
+    """`--decision-chunk C[,C]`: every row of TOVA's or H2O's paper rule or of a layer-wide KVpop-cascade (TOVA's
+    latest attention) also deciding once every C steps (`NAME+chunkC`)."""
     from kvpop.eval.evaluate import with_decision_chunk
 
     if args.decision_chunk is None:
@@ -1122,8 +1122,8 @@ def _decision_chunk_entries(args: argparse.Namespace, entries: list) -> list:
                          "per-token rule every row already runs)")
     base = [e for e in entries if e.cfg.chunkable and e.cfg.decision_chunk == 1]
     if not base:
-        raise ValueError("--decision-chunk needs a row it applies to: --policies tova (TOVA's paper rule) or a "
-                         "--trained KVpop-mlp directory run as the layer-wide cascade")
+        raise ValueError("--decision-chunk needs a row it applies to: --policies tova or h2o (the papers' rules) or "
+                         "a --trained KVpop-mlp directory run as the layer-wide cascade")
     return [with_decision_chunk(e, c) for e in base for c in chunks]
 
 

@@ -73,12 +73,13 @@ def recommended_config(config: KVpopConfig, pool: int | None = None) -> KVpopCon
 def policy_config(name: str, budget: int, pool: int | None = None) -> KVpopConfig:
     """The config a benchmark runs for a policy name at `budget`: `cascade`, the recommended policy (the layer-wide
     KVpop-cascade a trained KVpop-mlp directory runs by default; `pool` its pool, default the recommended one), else
-    `KVpopConfig.for_budget(budget, policy=name)`. `NAME+chunkC` (`tova` or `cascade`): that rule deciding once every
-    `C` steps (`KVpopConfig.decision_chunk`)."""
+    `KVpopConfig.for_budget(budget, policy=name)`. `NAME+chunkC` (`tova`, `h2o` or `cascade`): that rule deciding once
+    every `C` steps (`KVpopConfig.decision_chunk`)."""
     base, sep, chunk = name.partition("+chunk")
     if sep:
-        if not chunk.isdigit() or int(chunk) < 2 or base not in ("tova", RECOMMENDED):
-            raise ValueError(f"policy {name!r}: the chunked rule is tova+chunkC or {RECOMMENDED}+chunkC with C >= 2")
+        if not chunk.isdigit() or int(chunk) < 2 or base not in ("tova", "h2o", RECOMMENDED):
+            raise ValueError(f"policy {name!r}: the chunked rule is tova+chunkC, h2o+chunkC or {RECOMMENDED}+chunkC "
+                             "with C >= 2")
         return policy_config(base, budget, pool).with_decision_chunk(int(chunk))
     if name == RECOMMENDED:
         return recommended_config(KVpopConfig.for_budget(budget), pool)
