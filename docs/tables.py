@@ -768,6 +768,17 @@ def prefill_gpu_chunked() -> str:
     return table(head, rows) + "\n\n" + source(cmd, d["device"], d["commit"], d["date"])
 
 
+@register("prefill-cpu-h2o-chunked")
+def prefill_cpu_h2o_chunked() -> str:
+    """H2O's prefill on one CPU thread: its per-token walk against its chunked rule, beside the dense forward."""
+    d = data("prefill_cpu_h2o_chunked_2026-12-07")
+    names = {"dense": "dense forward", "h2o": "H2O (walk)", "h2o+chunk16": "H2O, deciding every 16 steps",
+             "h2o+chunk64": "H2O, deciding every 64 steps"}
+    rows = [[names[r["policy"]], f(r["cpu_s"], 1), f(r["cpu_vs_dense"], 2) + "×"] for r in d["rows"]]
+    head = ["SmolLM2-135M, 2048 tokens, B = 512, one thread", "CPU s", "vs dense"]
+    return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
+
+
 @register("prefill-gpu-chunked-graphs")
 def prefill_gpu_chunked_graphs() -> str:
     """The chunked rule's prefill with each whole chunk's round replayed as one captured CUDA graph per layer."""
