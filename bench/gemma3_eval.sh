@@ -26,6 +26,8 @@
 #   bash bench/gemma3_eval.sh train OUT       # KVpop-mlp and KVpop-mLSTM scorers and DMS gates (base frozen) at
 #                                             # TRAIN_LEN and 1/8 of it, one run per kind and seed (seed 0 of every
 #                                             # kind first); a rerun resumes from the checkpoints
+#   bash bench/gemma3_eval.sh demo OUT        # `kvpop demo --model gemma3-270m` on the GPU (DEMO_ARGS, e.g. --quick),
+#                                             # its run time in demo_seconds.txt
 #   bash bench/gemma3_eval.sh trained OUT 8k  # the trained runs in the table and the suite beside the baselines: each
 #                                             # KVpop-mlp under the paper's static rule and as the recommended policy
 #
@@ -38,7 +40,7 @@
 # (seconds a phase may run, 540).
 # QUICK=1 runs every phase on the CPU at 3/32 of the lengths on tiny-random-gemma3 (a smoke test, minutes a phase).
 set -uo pipefail
-usage="usage: bench/gemma3_eval.sh pack | stage1..stage5 OUT | suite|table|trained OUT 8k|16k|32k | generate|train OUT"
+usage="usage: bench/gemma3_eval.sh pack | stage1..stage5 OUT | suite|table|trained OUT 8k|16k|32k | generate|train|demo OUT"
 phase=${1:?$usage}
 quick=${QUICK:-0}
 if [ "$quick" = 1 ]; then
@@ -189,6 +191,14 @@ train)
       cp "$run/train_log.jsonl" "$work/train_log_${kind}_s$seed.jsonl" 2>/dev/null
     done
   done
+  ;;
+demo)
+  # the main job on this model, timed whole (loading, training, evaluation, tasks, generation, plots)
+  t0=$SECONDS
+  # shellcheck disable=SC2086  # DEMO_ARGS: extra flags, split on purpose
+  step demo "$limit" "${kvpop[@]}" demo --model "$model" --device "$device" --out "$work/demo_run" ${DEMO_ARGS:-}
+  echo "$(( SECONDS - t0 ))" > "$work/demo_seconds.txt"
+  echo "demo: $(cat "$work/demo_seconds.txt") s"
   ;;
 trained)
   need_len

@@ -322,8 +322,8 @@ def test_skip_sequences_gives_a_disjoint_development_set(text_file, tmp_path, ca
 
 
 def test_eval_decision_chunk_rows_are_the_chunked_configs(text_file, tmp_path, capsys):
-    # --decision-chunk C: every TOVA and layer-wide cascade row again, deciding every C steps in the same memory; the
-    # row must be what a directory saved with that config gives, and bad chunks name the flag and what is allowed
+    # --decision-chunk C: every TOVA, H2O and layer-wide cascade row again, deciding every C steps in the same memory;
+    # the row must be what a directory saved with that config gives, and bad chunks name the flag and what is allowed
     model, tok = load_model("tiny-random-qwen3")
     torch.manual_seed(0)
     mlp = kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(32, scorer_hidden=16))
@@ -336,14 +336,18 @@ def test_eval_decision_chunk_rows_are_the_chunked_configs(text_file, tmp_path, c
     assert main([*base, "--policies", "tova,h2o", "--budgets", "32", "--trained", f"mlp={tmp_path / 'mlp'}",
                  "--decision-chunk", "8,16", "--trained", f"saved={tmp_path / 'chunked'}"]) == 0
     rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
-    assert {"tova+chunk8", "tova+chunk16", "mlp+chunk8", "mlp+chunk16"} <= set(rows) and "h2o+chunk8" not in rows
+    assert {"tova+chunk8", "tova+chunk16", "h2o+chunk8", "h2o+chunk16", "mlp+chunk8", "mlp+chunk16"} <= set(rows)
     for key in ("kl", "top1_agreement"):
         assert rows["mlp+chunk8"][key] == pytest.approx(rows["saved"][key], rel=1e-6)
     assert rows["mlp+chunk8"]["kl"] != pytest.approx(rows["mlp"]["kl"], rel=1e-6)
     assert rows["tova+chunk8"]["kl"] != pytest.approx(rows["tova"]["kl"], rel=1e-6)
+    assert rows["h2o+chunk8"]["kl"] != pytest.approx(rows["h2o"]["kl"], rel=1e-6)
     for chunks, expected in (("1", "integers >= 2"), ("32", "must be an integer in [1, budget - 1 = 31]"),
                              ("x", "comma-separated integers")):
         assert main([*base, "--policies", "tova", "--budgets", "32", "--decision-chunk", chunks]) == 1
         assert expected in capsys.readouterr().err
-    assert main([*base, "--policies", "h2o", "--budgets", "32", "--decision-chunk", "8"]) == 1
+    # H2O's ring is the newest part of its window (16 of the budget's 32)
+    assert main([*base, "--policies", "h2o", "--budgets", "32", "--decision-chunk", "20"]) == 1
+    assert "window = 16" in capsys.readouterr().err
+    assert main([*base, "--policies", "streaming_llm", "--budgets", "32", "--decision-chunk", "8"]) == 1
     assert "needs a row it applies to" in capsys.readouterr().err
