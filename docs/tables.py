@@ -573,7 +573,8 @@ def chunked_h2o() -> str:
 @register("chunked-h2o-generation")
 def chunked_h2o_generation() -> str:
     """H2O's chunked rule in long generation: its own greedy text scored by the dense model, paired per problem."""
-    d = data(_CHUNKED_H2O)["generation"]
+    top = data(_CHUNKED_H2O)
+    d = top["generation"]
     rows, per = {r["policy"]: r for r in d["rows"]}, d["per_problem"]
     out = []
     for p, decides in (("dense", "–"), ("h2o", "every token"), ("h2o+chunk64", "every 64 steps")):
@@ -583,7 +584,6 @@ def chunked_h2o_generation() -> str:
                     f(r["agreement"], 4), f(r["repetition"], 3)])
     head = [f"B = {d['rows'][1]['budget']}, {d['tokens']} tokens × {d['problems']} problems", "decides",
             "NLL past the budget", "− every token's, paired", "agreement", "rep4"]
-    top = data(_CHUNKED_H2O)
     return table(head, out, "llrrrr") + "\n\n" + source(d["command"], top["device"], top["commit"], top["date"])
 
 

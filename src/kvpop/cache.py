@@ -500,9 +500,9 @@ class ChunkedLayerCache(KVpopLayerCache):
     is read nothing is evicted, and each query attends the occupied slots up to itself; after the chunk's last
     step the decision (`decide_from_probs`) keeps `topk` of the long-range slots and the ring's tokens and empties the
     ring. H2O's chunked rule (`protect`) carries each slot's accumulated score where the others carry its static
-    prior, and adds the chunk's attention to it at each decision. The decision reads the same tensors in the same order as the teacher-forced execution
-    (`chunked_eviction_positions`: the slots, then the chunk), so both make the same decisions bit for bit, however
-    the tokens arrive (a prompt at once, in pieces, or one per step).
+    prior, and adds the chunk's attention to it at each decision. The decision reads the same tensors in the same
+    order as the teacher-forced execution (`chunked_eviction_positions`: the slots, then the chunk), so both make the
+    same decisions bit for bit, however the tokens arrive (a prompt at once, in pieces, or one per step).
 
     Steps are counted on the host (`filled`), so this layer decodes eagerly: a compiled step would specialise on the
     count."""
@@ -521,6 +521,12 @@ class ChunkedLayerCache(KVpopLayerCache):
         # the memory pool the graphs of one cache's layers share: a list holding its handle and the first graph
         # captured into it (`_capture`), once made
         self.graph_pool: list | None = None
+
+    @classmethod
+    def for_config(cls, cfg) -> ChunkedLayerCache:
+        """The layer cache of a chunked `KVpopConfig` (`decision_chunk > 1`), laid out by its `chunk_layout`."""
+        slots, pool, protect = cfg.chunk_layout
+        return cls(slots, cfg.decision_chunk, pool, protect)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor, with_prior: bool = False) -> None:
         B, H, _, D = key_states.shape
@@ -726,7 +732,7 @@ class KVpopCache(Cache):
             # a hybrid model's sliding-window layers keep their window (`KVpopModules.layer_configs`)
             layers = kvpop_modules(model).layer_configs(config)
         super().__init__(layers=[
-            ChunkedLayerCache(c.chunk_layout[0], c.decision_chunk, *c.chunk_layout[1:]) if c.decision_chunk > 1
+            ChunkedLayerCache.for_config(c) if c.decision_chunk > 1
             else KVpopLayerCache(c.sink, c.window, c.topk, dynamic_prefill) for c in layers])
         pool: list = []  # the chunked layers' graphs share one memory pool (`ChunkedLayerCache._capture`)
         for layer in self.layers:

@@ -374,10 +374,7 @@ class KVpopConfig:
         becomes the ring of `chunk` slots and the long-range slots `budget - chunk`; a cascade's pool keeps its share
         of them. `chunk = 1`: the per-token rule at TOVA's split (window 1). H2O keeps its split: the ring is the
         newest `chunk` of its window (`chunk <= window`; `chunk = 1` is the per-token rule)."""
-        if self.policy == "h2o":
-            _check(self.sink == 0, "sink", self.sink, "must be 0 for H2O's chunked rule (the paper's split)")
-            _check(_is_int(chunk) and 1 <= chunk <= self.window, "decision_chunk", chunk,
-                   f"must be an integer in [1, window = {self.window}]: H2O's ring is the newest part of its window")
+        if self.policy == "h2o":  # the split stays; the checks (no sinks, chunk <= window) are the config's own
             return dataclasses.replace(self, decision_chunk=chunk)
         _check(_is_int(chunk) and 1 <= chunk < self.budget, "decision_chunk", chunk,
                f"must be an integer in [1, budget - 1 = {self.budget - 1}] (room for one long-range slot)")

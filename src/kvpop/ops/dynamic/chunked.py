@@ -19,9 +19,9 @@ static priority's place, `cand_prior`), to which a chunk adds its probability su
 the query heads of its KV head; the `protect` newest tokens (H2O's window less the ring) stay, and each KV head keeps
 the best of the others by (score, position) in the remaining slots (no pool: H2O ranks per head).
 
-With `pool = K` it is TOVA's rule (head average, no sinks), chunked; with `C = 1` each makes the per-token rule's
-decisions exactly (H2O's with `protect = window - 1`) (the leaving token meets the pool first, whichever loses meets the static pool). The
-decisions of a chunk are parallel: one GEMM of its queries against its candidates, a softmax and two sorts, so a
+With `pool = K` it is TOVA's rule (head average, no sinks), chunked. With `C = 1` each makes its per-token rule's
+decisions exactly: the cascade's (the leaving token meets the pool first, whichever loses meets the static pool) and
+H2O's (with `protect = window - 1`). The decisions of a chunk are parallel: one GEMM of its queries against its candidates, a softmax and two sorts, so a
 prefill of `S` tokens takes `S / C` sequential rounds instead of `S`.
 
 Chunks are counted in steps of the batch (padding steps count): every row decides after the same step.
