@@ -683,9 +683,9 @@ def decode_8b() -> str:
              f(dense[ctx]["ms_per_token"], 2), "1.00", f(dense[ctx]["ms_per_token"] / floor, 2),
              f(dense[ctx]["peak_mb"] / 1024, 2), f(dense[ctx]["compile_s"], 0)]
             for ctx, c in ((4096, "d0f5144"), (131072, dense_run["commit"]))]
-    for cache, label in (("kvpop", "static rule"), ("cascade", "recommended policy")):
+    for kind, label in (("kvpop", "static rule"), ("cascade", "recommended policy")):
         for ctx in (4096, 131072):
-            r = _compiled(d, cache, ctx)
+            r = _compiled(d, kind, ctx)
             rows.append([f"**{label}, B = 2048**", f"{ctx // 1024}k", f"**{f(r['ms_per_token'], 2)}**",
                          f(r["ms_per_token"] / dense[ctx]["ms_per_token"], 2), f(r["ms_per_token"] / floor, 2),
                          f(r["peak_mb"] / 1024, 2),

@@ -54,7 +54,6 @@ def chunk_probs(
     itself. These are the chunk's attention weights as well as the decision's evidence (`chunk_scores`)."""
     B, Hq, L, D = query.shape
     H, M = cand_keys.shape[1], cand_keys.shape[2]
-    K = M - L
     G = Hq // H
     logits = torch.matmul(query.reshape(B, H, G * L, D).float() * scale, cand_keys.float().transpose(-1, -2))
     logits = logits.view(B, H, G, L, M)
