@@ -19,8 +19,8 @@
 #   bash bench/gemma3_eval.sh suite OUT 8k    # the suite at one length (8k, 16k or 32k): one eval per task, each with
 #                                             # the dense row first, then StreamingLLM, TOVA and H2O at the three budgets
 #   bash bench/gemma3_eval.sh table OUT 8k    # the teacher-forced table at one length, one eval per budget (+ the
-#                                             # oracle); at 32k the two float32 logit tensors of a 262,144-token
-#                                             # vocabulary take 69 GB: an H200
+#                                             # oracle); each pass keeps its hidden states, not its logits, so 32k
+#                                             # fits an 80 GB card
 #   bash bench/gemma3_eval.sh generate OUT    # long generation (GEN_N tokens) scored by the dense model; a rerun goes
 #                                             # on from the finished generations
 #   bash bench/gemma3_eval.sh train OUT       # KVpop-mlp and KVpop-mLSTM scorers and DMS gates (base frozen) at
@@ -29,12 +29,13 @@
 #   bash bench/gemma3_eval.sh demo OUT        # `kvpop demo --model gemma3-270m` on the GPU (DEMO_ARGS, e.g. --quick),
 #                                             # its run time in demo_seconds.txt
 #   bash bench/gemma3_eval.sh trained OUT 8k  # the trained runs in the table and the suite beside the baselines: each
-#                                             # KVpop-mlp under the paper's static rule and as the recommended policy
+#                                             # KVpop-mlp under the paper's static rule and as the recommended policy,
+#                                             # at their trained budget (TRAIN_LEN / 8) at any of the three lengths
 #
 # A deadline ends a phase's work cleanly: the suite keeps the tasks done, the table the budgets done, generation its
 # finished generations, training its checkpoints (SIGTERM); the next run of the phase goes on where it can.
 # Knobs: MODEL (gemma3-270m), SUITE_TASKS (passkey,multikey,multivalue,vt,cwe,qa), SUITE_SAMPLES (1), SUITE_DEPTHS
-# (0,0.5,1), POLICIES (streaming_llm,tova,h2o), TABLE_SEQ (4 sequences), GEN_N (8192), GEN_P (4 problems), GEN_BATCH
+# (0,0.5,1), POLICIES (streaming_llm,tova,h2o), TABLE_SEQ (4 sequences), TABLE_BUDGETS (the three of the length), GEN_N (8192), GEN_P (4 problems), GEN_BATCH
 # (4), GEN_BUDGETS (1/8 and 1/32 of GEN_N), TRAIN_LEN (8192), TRAIN_STEPS (300), TRAIN_KINDS ("mlp mlstm dms"), SEEDS
 # ("0 1"), STAGE_CHECKS (1: stage5 also runs `kvpop info`, greedy text and the memory step; 0 stages only), PHASE_S
 # (seconds a phase may run, 540).
@@ -158,7 +159,7 @@ suite)
   ;;
 table)
   need_len
-  table_by_budget "$(budgets "$len")"
+  table_by_budget "${TABLE_BUDGETS:-$(budgets "$len")}"
   ;;
 generate)
   # the finished generations live outside the work folder, so that a rerun goes on from them
@@ -189,6 +190,9 @@ train)
         --data champ --seq-len "$train_len" --budget "$train_budget" "${what[@]}" --freeze-base --steps "$steps" \
         --save-every 50 --seed "$seed" --no-progress --out "$run" "${resume[@]}"
       cp "$run/train_log.jsonl" "$work/train_log_${kind}_s$seed.jsonl" 2>/dev/null
+      # the trained weights come back with the logs (a few MB without the tokenizer, which is the base's)
+      [ -d "$run/final" ] && mkdir -p "$work/final/${kind}_s$seed" &&
+        find "$run/final" -maxdepth 1 -type f ! -name 'tokenizer*' -exec cp {} "$work/final/${kind}_s$seed/" \;
     done
   done
   ;;

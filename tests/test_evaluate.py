@@ -16,6 +16,7 @@ from kvpop.eval.evaluate import (
     mark_stronger_variants,
     training_free,
 )
+from kvpop.eval.metrics import teacher_forced_metrics
 from kvpop.models import load_model
 
 
@@ -351,3 +352,48 @@ def test_eval_decision_chunk_rows_are_the_chunked_configs(text_file, tmp_path, c
     assert "window = 16" in capsys.readouterr().err
     assert main([*base, "--policies", "streaming_llm", "--budgets", "32", "--decision-chunk", "8"]) == 1
     assert "needs a row it applies to" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["tiny-random-llama", "tiny-random-gemma3", "tiny-random-gemma2"])
+@torch.no_grad()
+def test_the_metrics_read_logits_projected_from_the_hidden_states(preset):
+    # a long evaluation holds each pass's final hidden states, not its [B, S, V] logits: the projection (Gemma 2's
+    # soft-capping included) must be the model's own logits, and the metrics the same as from the full tensor
+    from kvpop.eval.evaluate import output_logits
+    from kvpop.eval.metrics import HiddenLogits, logit_positions, logit_rows
+
+    model, _ = load_model(preset)
+    ids = torch.randint(3, 250, (2, 70), generator=torch.Generator().manual_seed(1))
+    tova = kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(32, policy="tova"))
+    full = tova(ids, use_cache=False).logits.float()
+    lazy = output_logits(tova, ids)
+    kvpop.detach(model)
+    assert isinstance(lazy, HiddenLogits) and lazy.shape == full.shape
+    assert torch.allclose(logit_positions(lazy, 0, 70), full, atol=1e-5)
+    assert torch.allclose(logit_positions(logit_rows(lazy, 1, 2), 10, 20), full[1:2, 10:20], atol=1e-5)
+    dense = model(ids, use_cache=False).logits.float()
+    a = teacher_forced_metrics(dense, full, ids, start=32).as_dict()
+    b = teacher_forced_metrics(dense, lazy, ids, start=32).as_dict()
+    assert a["kl"] > 0
+    for key, value in a.items():
+        assert b[key] == pytest.approx(value, rel=1e-5, abs=1e-7, nan_ok=True), key
+
+
+@torch.no_grad()
+def test_a_head_the_projection_does_not_know_gets_the_full_logits(monkeypatch):
+    # a model whose logits are more than its head of the final norm (a scale, say) must not be projected wrongly
+    from kvpop.eval.evaluate import output_logits
+
+    model, _ = load_model("tiny-random-llama")
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(2))
+    plain = model(ids, use_cache=False).logits.float()
+    forward = type(model).forward
+
+    def scaled(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        out.logits = out.logits * 3.0
+        return out
+
+    monkeypatch.setattr(type(model), "forward", scaled)
+    logits = output_logits(model, ids)
+    assert isinstance(logits, torch.Tensor) and torch.allclose(logits, 3.0 * plain, atol=1e-5)

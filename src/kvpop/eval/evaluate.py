@@ -28,7 +28,14 @@ from torch import Tensor, nn
 
 from kvpop.attention import Capture
 from kvpop.config import POLICIES, KVpopConfig
-from kvpop.eval.metrics import RetentionRecall, TeacherForcedStats, priorities_from_records, teacher_forced_metrics
+from kvpop.eval.metrics import (
+    HiddenLogits,
+    RetentionRecall,
+    TeacherForcedStats,
+    logit_rows,
+    priorities_from_records,
+    teacher_forced_metrics,
+)
 from kvpop.retrofit import base_identity, detach, kvpop_modules, load, read_base, read_config, retrofit, same_base
 
 
@@ -177,6 +184,43 @@ def with_decision_chunk(entry: Entry, chunk: int) -> Entry:
     return Entry(f"{entry.name}+chunk{chunk}", entry.budget, cfg, trained=entry.trained)
 
 
+def output_logits(model: nn.Module, ids: Tensor, **kwargs) -> Tensor | HiddenLogits:
+    """One pass's logits [B, S, V] for the teacher-forced metrics, as `HiddenLogits` where the model allows.
+
+    The pass keeps the final norm's output [B, S, D] (a forward hook) and computes only the last position's logits;
+    the model's own output head (with Gemma 2's soft-capping) projects the rest a chunk at a time when the metrics
+    read them. That projection is checked against the model's logits at the last position: a model whose head does
+    more (or that has no final `norm` in its decoder) gets its float32 logits [B, S, V] from a second, plain pass.
+    """
+    head = model.get_output_embeddings()
+    try:
+        norm = getattr(model.get_decoder(), "norm", None)
+    except (AttributeError, NotImplementedError):
+        norm = None
+    if isinstance(norm, nn.Module) and isinstance(head, nn.Linear):
+        seen: list[Tensor] = []
+        hook = norm.register_forward_hook(lambda _module, _inputs, out: seen.append(out))
+        try:
+            last = model(ids, **kwargs, use_cache=False, logits_to_keep=1).logits.float()  # [B, 1, V]
+        finally:
+            hook.remove()
+        hidden = seen[-1] if seen and isinstance(seen[-1], Tensor) else None
+        if hidden is not None and hidden.shape[:2] == ids.shape:
+            cap = getattr(model.config, "final_logit_softcapping", None)
+
+            def project(h: Tensor) -> Tensor:  # as the model's forward computes its logits from the norm's output
+                out = head(h)
+                return (torch.tanh(out / cap) * cap if cap else out).float()
+
+            logits = HiddenLogits(hidden, project, head.out_features)
+            S = ids.shape[1]
+            # the same product on another shape may round differently: a few units of the dtype's precision
+            slack = 64 * torch.finfo(hidden.dtype).eps * (1 + last.abs().max())
+            if (logits.positions(S - 1, S) - last).abs().max() <= slack:
+                return logits
+    return model(ids, **kwargs, use_cache=False).logits.float()
+
+
 def run_as(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
     """Run a loaded directory's weights under another config with the same parameters (another pool, rule or split),
     in place: the policies are rebuilt for `cfg` and take the trained scorers back."""
@@ -236,16 +280,16 @@ class Evaluator:
                 progress.update(1)
 
     @torch.no_grad()
-    def reference(self, ids: Tensor) -> tuple[Tensor, Capture]:
-        """The dense pass every entry is compared with: float32 logits [B, S, V] and its capture."""
+    def reference(self, ids: Tensor) -> tuple[Tensor | HiddenLogits, Capture]:
+        """The dense pass every entry is compared with: its logits [B, S, V] (`output_logits`) and its capture."""
         model = retrofit(self.base, self._reference_cfg)
         reference = Capture()
-        dense = model(ids, kvpop_dense=True, kvpop_capture=reference, use_cache=False).logits.float()
+        dense = output_logits(model, ids, kvpop_dense=True, kvpop_capture=reference)
         detach(model)
         return dense, reference
 
     @torch.no_grad()
-    def add_entry(self, entry: Entry, ids: Tensor, dense: Tensor, reference: Capture) -> None:
+    def add_entry(self, entry: Entry, ids: Tensor, dense: Tensor | HiddenLogits, reference: Capture) -> None:
         """One entry on one batch, against the dense pass of `reference`."""
         model = self._model(entry)
         try:
@@ -257,7 +301,8 @@ class Evaluator:
             entry.per_sequence.append((batch.kl, batch.top1_agreement))
         else:
             for b in range(ids.shape[0]):
-                one = teacher_forced_metrics(dense[b : b + 1], logits[b : b + 1], ids[b : b + 1], start=entry.budget)
+                one = teacher_forced_metrics(logit_rows(dense, b, b + 1), logit_rows(logits, b, b + 1), ids[b : b + 1],
+                                             start=entry.budget)
                 entry.per_sequence.append((one.kl, one.top1_agreement))
         if recall is not None:
             if entry.recall is None:
@@ -265,14 +310,15 @@ class Evaluator:
                 entry.recall = RetentionRecall(c.sink, c.window, list(c.layer_topk) if c.layer_topk else c.topk)
             entry.recall.update(*recall)
 
-    def _run(self, entry: Entry, model: nn.Module, ids: Tensor, reference: Capture) -> tuple[Tensor, tuple | None]:
+    def _run(self, entry: Entry, model: nn.Module, ids: Tensor, reference: Capture
+             ) -> tuple[Tensor | HiddenLogits, tuple | None]:
         cfg = kvpop_modules(model).config
         if cfg.policy == "dms":
             return self._run_dms(entry, model, ids), None
         if model.kvpop.policies[0].dynamic or cfg.topk == 0:
             # TOVA / H2O: the decode step's decisions by the prefill walk (`ops.dynamic`, bit-equal to
             # token-by-token decoding), then one sparse attention: the logits a user's decode would give
-            return model(ids, use_cache=False).logits.float(), None
+            return output_logits(model, ids), None
         # static priorities: the oracle of this very model (dense pass), then its own sparse pass
         if entry.trained is None and cfg.gamma_init == self._reference_cfg.gamma_init:
             dense = reference  # same weights, same decay: the reference pass already has it
@@ -281,19 +327,19 @@ class Evaluator:
             model(ids, kvpop_dense=True, kvpop_capture=dense, use_cache=False, logits_to_keep=1)
         teacher = priorities_from_records(dense, cfg)
         if cfg.policy == "oracle":
-            return model(ids, kvpop_priority=teacher, use_cache=False).logits.float(), (teacher, teacher)
+            return output_logits(model, ids, kvpop_priority=teacher), (teacher, teacher)
         sparse = Capture()
-        logits = model(ids, kvpop_capture=sparse, use_cache=False).logits.float()
+        logits = output_logits(model, ids, kvpop_capture=sparse)
         return logits, (teacher, [r.priority.detach() for r in sparse])
 
-    def _run_dms(self, entry: Entry, model: nn.Module, ids: Tensor) -> Tensor:
+    def _run_dms(self, entry: Entry, model: nn.Module, ids: Tensor) -> Tensor | HiddenLogits:
         """DMS's hard decisions through the shared rule, and the cache sizes they really use."""
         from kvpop.baselines.dms import cache_fraction
         from kvpop.ops.topk import eviction_positions
 
         cfg = kvpop_modules(model).config
         records = Capture()
-        logits = model(ids, kvpop_capture=records, use_cache=False).logits.float()
+        logits = output_logits(model, ids, kvpop_capture=records)
         for rec in records:
             evict = eviction_positions(rec.priority, rec.position[:, None], rec.valid[:, None], cfg.sink, cfg.window,
                                        cfg.topk)

@@ -87,6 +87,41 @@ def counted_positions(
     return counted
 
 
+class HiddenLogits:
+    """A model's logits [B, S, V] held as the hidden states its output head reads, [B, S, D]; a slice of positions
+    is projected only when it is read (`logit_positions`).
+
+    At 32k tokens and Gemma 3's 262,144-token vocabulary, one pass's float32 logits take 34 GB and its hidden
+    states 84 MB: the teacher-forced metrics read the logits a chunk of positions at a time anyway.
+    """
+
+    def __init__(self, hidden: Tensor, head, vocab: int):  # hidden [B, S, D]; head: [B, s, D] -> [B, s, V]
+        self.hidden, self.head, self.vocab = hidden, head, vocab
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.hidden.shape[:2], self.vocab))
+
+    def dim(self) -> int:
+        return 3
+
+    def rows(self, a: int, b: int) -> HiddenLogits:
+        return HiddenLogits(self.hidden[a:b], self.head, self.vocab)
+
+    def positions(self, a: int, b: int) -> Tensor:
+        return self.head(self.hidden[:, a:b])
+
+
+def logit_positions(logits: Tensor | HiddenLogits, a: int, b: int) -> Tensor:
+    """Positions `a:b` of logits [B, S, V], a tensor or `HiddenLogits`: [B, b - a, V]."""
+    return logits.positions(a, b) if isinstance(logits, HiddenLogits) else logits[:, a:b]
+
+
+def logit_rows(logits: Tensor | HiddenLogits, a: int, b: int) -> Tensor | HiddenLogits:
+    """Rows (sequences) `a:b` of logits [B, S, V], a tensor or `HiddenLogits`."""
+    return logits.rows(a, b) if isinstance(logits, HiddenLogits) else logits[a:b]
+
+
 class TeacherForcedStats:
     """Accumulates teacher-forced metrics over batches: sums and counts, never means of means.
 
@@ -106,8 +141,8 @@ class TeacherForcedStats:
     @torch.no_grad()
     def update(
         self,
-        dense_logits: Tensor,  # [B, S, V]
-        logits: Tensor,  # [B, S, V]
+        dense_logits: Tensor | HiddenLogits,  # [B, S, V]
+        logits: Tensor | HiddenLogits,  # [B, S, V]
         input_ids: Tensor,  # [B, S]
         start: int,
         valid: Tensor | None = None,  # [B, S]
@@ -115,8 +150,8 @@ class TeacherForcedStats:
         """Add one batch; returns the batch's own metrics (None if it counted no position).
 
         Args:
-            dense_logits: [B, S, V], the dense teacher's logits (any float dtype).
-            logits: [B, S, V], the model's logits.
+            dense_logits: [B, S, V], the dense teacher's logits (any float dtype, or `HiddenLogits`).
+            logits: [B, S, V], the model's logits (likewise).
             input_ids: int64 [B, S]; the target of position `p` is `input_ids[:, p + 1]`.
             start: first counted position within a sequence, usually the budget `B`.
             valid: optional bool [B, S], False for padding.
@@ -137,8 +172,8 @@ class TeacherForcedStats:
             if not m.any():
                 continue
             target = input_ids[:, a + 1 : b + 1, None]
-            lp_dense = dense_logits[:, a:b].float().log_softmax(-1)
-            lp = logits[:, a:b].float().log_softmax(-1)
+            lp_dense = logit_positions(dense_logits, a, b).float().log_softmax(-1)
+            lp = logit_positions(logits, a, b).float().log_softmax(-1)
             top_dense = lp_dense.argmax(-1)
             top = lp.argmax(-1)
             p_dense = lp_dense.exp()
@@ -183,8 +218,8 @@ def _result(s: dict[str, float], n: int) -> TeacherForcedResult:
 
 
 def teacher_forced_metrics(
-    dense_logits: Tensor,  # [B, S, V]
-    logits: Tensor,  # [B, S, V]
+    dense_logits: Tensor | HiddenLogits,  # [B, S, V]
+    logits: Tensor | HiddenLogits,  # [B, S, V]
     input_ids: Tensor,  # [B, S]
     start: int,
     valid: Tensor | None = None,  # [B, S]
