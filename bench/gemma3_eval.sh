@@ -35,10 +35,11 @@
 # A deadline ends a phase's work cleanly: the suite keeps the tasks done, the table the budgets done, generation its
 # finished generations, training its checkpoints (SIGTERM); the next run of the phase goes on where it can.
 # Knobs: MODEL (gemma3-270m), SUITE_TASKS (passkey,multikey,multivalue,vt,cwe,qa), SUITE_SAMPLES (1), SUITE_DEPTHS
-# (0,0.5,1), POLICIES (streaming_llm,tova,h2o), TABLE_SEQ (4 sequences), TABLE_BUDGETS (the three of the length), GEN_N (8192), GEN_P (4 problems), GEN_BATCH
-# (4), GEN_BUDGETS (1/8 and 1/32 of GEN_N), TRAIN_LEN (8192), TRAIN_STEPS (300), TRAIN_KINDS ("mlp mlstm dms"), SEEDS
-# ("0 1"), STAGE_CHECKS (1: stage5 also runs `kvpop info`, greedy text and the memory step; 0 stages only), PHASE_S
-# (seconds a phase may run, 540).
+# (0,0.5,1), POLICIES (streaming_llm,tova,h2o), TABLE_SEQ (4 sequences), TABLE_BUDGETS (the three of the length),
+# GEN_N (8192), GEN_P (4 problems), GEN_BATCH (4), GEN_BUDGETS (1/8 and 1/32 of GEN_N), TRAIN_LEN (8192), TRAIN_STEPS
+# (300), TRAIN_KINDS ("mlp mlstm dms"), SEEDS ("0 1"), TRAINED_PARTS (table,suite: what the trained phase runs),
+# STAGE_CHECKS (1: stage5 also runs `kvpop info`, greedy text and the memory step; 0 stages only), PHASE_S (seconds a
+# phase may run, 540).
 # QUICK=1 runs every phase on the CPU at 3/32 of the lengths on tiny-random-gemma3 (a smoke test, minutes a phase).
 set -uo pipefail
 usage="usage: bench/gemma3_eval.sh pack | stage1..stage5 OUT | suite|table|trained OUT 8k|16k|32k | generate|train|demo OUT"
@@ -215,11 +216,13 @@ trained)
   # layer-wide cascade with (B - 1) * 3 / 4 pool slots (NAME+lpoolN)
   ls -d "$runs"/mlp_b"${train_budget}"_s*/final > /dev/null 2>&1 &&
     trained+=(--rule static --tova-pool-layer $(( (train_budget - 1) * 3 / 4 )))
-  # the table in the first half of the phase, the suite in the rest
-  full=$limit; limit=$(( full / 2 ))
-  table_by_budget "$train_budget" "${trained[@]}"
+  parts=${TRAINED_PARTS:-table,suite}
+  case $parts in table|suite|table,suite) ;; *) echo "TRAINED_PARTS: table, suite or table,suite, not $parts"; exit 2 ;; esac
+  # both: the table in the first half of the phase, the suite in the rest
+  full=$limit; [ "$parts" = table,suite ] && limit=$(( full / 2 ))
+  [ "$parts" != suite ] && table_by_budget "$train_budget" "${trained[@]}"
   limit=$full
-  suite_by_task "$train_budget" "${trained[@]}"
+  [ "$parts" != table ] && suite_by_task "$train_budget" "${trained[@]}"
   ;;
 *)
   echo "$usage"; exit 2
