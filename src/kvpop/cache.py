@@ -38,7 +38,7 @@ from kvpop import cache_evidence
 from kvpop.modules import kvpop_modules
 from kvpop.ops.attention import decode_attention, decode_attention_scored, sparse_attention
 from kvpop.ops.dynamic import CASCADES, candidate_index, dynamic_walk, eviction_from_steps
-from kvpop.ops.dynamic.chunked import chunk_attention, chunk_probs, chunk_round, decide_from_probs
+from kvpop.ops.dynamic.chunked import chunk_round, decide_from_sums, round_evidence
 from kvpop.ops.dynamic.reference import write_slot
 from kvpop.ops.slots import step_slots, write_slots
 from kvpop.ops.topk import NEVER, eviction_positions
@@ -498,7 +498,7 @@ class ChunkedLayerCache(KVpopLayerCache):
     `topk` long-range slots, then a ring of `chunk` slots that the chunk's tokens take in step order (padding steps
     included, as empty slots), and the chunk's queries: the cache holds at most `topk + chunk` tokens. While a chunk
     is read nothing is evicted, and each query attends the occupied slots up to itself; after the chunk's last
-    step the decision (`decide_from_probs`) keeps `topk` of the long-range slots and the ring's tokens and empties the
+    step the decision (`decide_from_sums`) keeps `topk` of the long-range slots and the ring's tokens and empties the
     ring. H2O's chunked rule (`protect`) carries each slot's accumulated score where the others carry its static
     prior, and adds the chunk's attention to it at each decision. The decision reads the same tensors in the same
     order as the teacher-forced execution (`chunked_eviction_positions`: the slots, then the chunk), so both make the
@@ -629,13 +629,12 @@ class ChunkedLayerCache(KVpopLayerCache):
                 and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing())
 
     def _round_decision(self, scale: float, softcap: float | None) -> tuple[Tensor, Tensor, Tensor]:
-        """A whole chunk's output, the candidates its decision keeps and their carried values, from one `chunk_probs`
-        (the same floats as `chunk_round` on the same tensors); the cache untouched."""
+        """A whole chunk's output, the candidates its decision keeps and their carried values, from one
+        `round_evidence` (the same floats as `chunk_round` on the same tensors); the cache untouched."""
         K = self.topk
         held, chunk_valid = self.pos[:, :, :K] >= 0, self.pos[:, 0, K:] >= 0
-        probs = chunk_probs(self.queries, self.keys, held, chunk_valid, scale, softcap)
-        out = chunk_attention(probs, self.values)
-        keep, _, carried = decide_from_probs(probs, self.pos, self.prior, K, self._pool, self.protect)
+        out, sums = round_evidence(self.queries, self.keys, self.values, held, chunk_valid, scale, softcap)
+        keep, _, carried = decide_from_sums(sums, self.pos, self.prior, K, self._pool, self.protect)
         return out, keep, carried
 
     def _round(self, scale: float, softcap: float | None) -> Tensor:

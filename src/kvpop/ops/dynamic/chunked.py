@@ -33,9 +33,12 @@ with. In a `KVpopConfig` the chunk's ring is the window (`with_decision_chunk`: 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
+from kvpop.ops.dynamic import chunked_kernel as _kernels
 from kvpop.ops.topk import NEVER
 
 
@@ -75,11 +78,17 @@ def chunk_probs(
 def scores_from_probs(probs: Tensor, chunk_valid: Tensor) -> Tensor:
     """`chunk_scores` from `chunk_probs`' weights: each candidate's probability averaged over the query heads and
     the valid queries that see it. float32 [B, M]."""
-    B, H, G, L, M = probs.shape
+    return scores_from_sums(probs.sum(3), chunk_valid)
+
+
+def scores_from_sums(sums: Tensor, chunk_valid: Tensor) -> Tensor:
+    """`chunk_scores` from each candidate's probability summed over the chunk's queries per query head (`sums`,
+    float32 [B, H, G, M]: `chunk_probs(...).sum(3)`, or `round_evidence`'s). float32 [B, M]."""
+    B, H, G, M = sums.shape
+    L = chunk_valid.shape[-1]
     K = M - L
-    # the sum over the queries, then over the heads in one order for every column (with one query, the per-token
-    # rules' head average to the bit)
-    total = probs.sum(3).permute(0, 3, 1, 2).reshape(B, M, H * G).sum(-1)  # [B, M]
+    # over the heads in one order for every column (with one query, the per-token rules' head average to the bit)
+    total = sums.permute(0, 3, 1, 2).reshape(B, M, H * G).sum(-1)  # [B, M]
     q_valid = chunk_valid.sum(-1, keepdim=True)  # [B, 1]
     # a chunk token t is seen by the valid queries from t on
     after = torch.flip(torch.cumsum(torch.flip(chunk_valid.long(), [-1]), -1), [-1])  # [B, L]
@@ -107,7 +116,52 @@ def accumulated_from_probs(probs: Tensor) -> Tensor:
     """H2O's evidence from a chunk: each candidate's probability summed over the chunk's queries and over the query
     heads of its KV head, float32 [B, H, M] (`chunk_probs`' weights; a padding query adds 0). The heads are summed as
     the per-token rule sums them (`ops.dynamic.score.score_update`, score "sum"), so one query adds the same floats."""
-    return probs.sum(3).transpose(2, 3).contiguous().sum(-1)
+    return accumulated_from_sums(probs.sum(3))
+
+
+def accumulated_from_sums(sums: Tensor) -> Tensor:
+    """`accumulated_from_probs` from the sums over the chunk's queries (`sums`, float32 [B, H, G, M])."""
+    return sums.transpose(2, 3).contiguous().sum(-1)
+
+
+FUSED = True
+"""Whether a round runs as the Triton kernels of `chunked_kernel.py` where they can run (CUDA; Triton's interpreter
+on the CPU); False runs the PyTorch form everywhere (the reference the kernels are tested against)."""
+
+
+def _fused(t: Tensor) -> bool:
+    return FUSED and _kernels.available(t)
+
+
+def _without_kernels(err: Exception) -> None:
+    """A kernel that cannot run here (a Triton compile error on a card it was never tried on) turns the fused round
+    off for the process, before any round used it: every execution then decides in PyTorch, the same floats."""
+    global FUSED
+    FUSED = False
+    warnings.warn(f"kvpop: the chunked rule's fused round cannot run here ({err}); its rounds run in PyTorch",
+                  RuntimeWarning, stacklevel=3)
+
+
+def round_evidence(
+    query: Tensor,  # [B, Hq, L, D]
+    cand_keys: Tensor,  # [B, H, M, D]
+    cand_values: Tensor | None,  # [B, H, M, Dv]
+    held: Tensor,  # [B, H, K] bool
+    chunk_valid: Tensor,  # [B, L] bool
+    scale: float,
+    softcap: float | None = None,
+) -> tuple[Tensor | None, Tensor]:
+    """What a round reads from the chunk's attention: its output [B, Hq, L, Dv] (None without values) and each
+    candidate's probability summed over the chunk's queries, float32 [B, H, G, M]. In PyTorch from `chunk_probs`;
+    on CUDA one Triton launch (`chunked_kernel.round_evidence_fused`), its own floats."""
+    if _fused(query):
+        try:
+            return _kernels.round_evidence_fused(query, cand_keys, cand_values, held, chunk_valid, scale, softcap)
+        except Exception as err:  # noqa: BLE001 - any failure to compile or launch: the PyTorch form instead
+            _without_kernels(err)
+    probs = chunk_probs(query, cand_keys, held, chunk_valid, scale, softcap)
+    out = chunk_attention(probs, cand_values) if cand_values is not None else None
+    return out, probs.sum(3)
 
 
 def protected_rank(score: Tensor, cand_pos: Tensor, protect: int) -> Tensor:
@@ -127,17 +181,33 @@ def decide_from_probs(
     pool: int,
     protect: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One decision from the chunk's weights: (keep, evicted) as `chunk_decision` gives them, and each candidate's
-    carried value after the chunk: its static priority unchanged (TOVA's and the cascade's rules), or with `protect`
-    (H2O's) its accumulated score with the chunk's attention added. Every execution decides through this."""
+    """`decide_from_sums` from the chunk's weights."""
+    return decide_from_sums(probs.sum(3), cand_pos, cand_prior, topk, pool, protect)
+
+
+def decide_from_sums(
+    sums: Tensor,  # [B, H, G, M], each candidate's probability summed over the chunk's queries
+    cand_pos: Tensor,  # [B, H, K + L], -1: no token
+    cand_prior: Tensor,  # [B, H, K + L]
+    topk: int,
+    pool: int,
+    protect: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One decision from the chunk's evidence (`round_evidence`): (keep, evicted) as `chunk_decision` gives them,
+    and each candidate's carried value after the chunk: its static priority unchanged (TOVA's and the cascade's
+    rules), or with `protect` (H2O's) its accumulated score with the chunk's attention added. Every execution
+    decides through this."""
+    decision = chunk_decision
+    if _fused(sums):
+        decision = _kernels.chunk_decision_fused
     if protect is None:
         chunk_valid = cand_pos[:, 0, topk:] >= 0  # the chunk's tokens are the same in every head
-        keep, evicted = chunk_decision(scores_from_probs(probs, chunk_valid), cand_pos, cand_prior, topk, pool)
+        keep, evicted = decision(scores_from_sums(sums, chunk_valid), cand_pos, cand_prior, topk, pool)
         return keep, evicted, cand_prior
-    score = cand_prior + accumulated_from_probs(probs)
+    score = cand_prior + accumulated_from_sums(sums)
     rank = protected_rank(score, cand_pos, protect)
     # no pool: every KV head ranks its own candidates (the pool's score argument goes unread with pool 0)
-    keep, evicted = chunk_decision(score[:, 0], cand_pos, rank, topk, 0)
+    keep, evicted = decision(score[:, 0], cand_pos, rank, topk, 0)
     return keep, evicted, score
 
 
@@ -207,8 +277,8 @@ def chunk_round(
     hand the same tensors to the same floats. Returns (keep, evicted, the candidates' carried values after it)."""
     held = cand_pos[:, :, :topk] >= 0
     chunk_valid = cand_pos[:, 0, topk:] >= 0  # the chunk's tokens are the same in every head
-    probs = chunk_probs(query, cand_keys, held, chunk_valid, scale, softcap)
-    return decide_from_probs(probs, cand_pos, cand_prior, topk, pool, protect)
+    _, sums = round_evidence(query, cand_keys, None, held, chunk_valid, scale, softcap)
+    return decide_from_sums(sums, cand_pos, cand_prior, topk, pool, protect)
 
 
 def chunked_eviction_positions(
