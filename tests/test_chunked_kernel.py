@@ -178,3 +178,24 @@ want = chunk_attention(probs, v).float()
 assert torch.allclose(out.float(), want, atol=3e-2, rtol=2e-2), (out.float() - want).abs().max()
 print("ok")
 ''', "evidence kernel, 16 bits")
+
+
+def test_a_device_where_the_kernels_fail_runs_the_pytorch_round(monkeypatch):
+    # a card the kernels cannot compile for: the trial round fails once, with a warning, and every round on that
+    # device (both executions) is the PyTorch one from the first on
+    from kvpop.ops.dynamic import chunked
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this card")
+
+    monkeypatch.setattr(chunked._kernels, "available", lambda t: True)
+    monkeypatch.setattr(chunked._kernels, "round_evidence_fused", broken)
+    monkeypatch.setattr(chunked, "_KERNELS_RUN", {})
+    t = torch.zeros(1)
+    with pytest.warns(RuntimeWarning, match="no kernel for this card"):
+        assert not chunked._fused(t)
+    assert not chunked._fused(t)  # decided once per device
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 7, 8)
+    pos = torch.tensor([[[0, 1, 2, 3, 4, 5, 6]]])
+    keep, evicted, _ = chunked.chunk_round(q, k, pos, torch.randn(1, 1, 7), 4, 2, 0.3)
+    assert keep.shape == (1, 1, 4) and evicted.shape == (1, 1, 3)

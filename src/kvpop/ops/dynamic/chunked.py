@@ -129,17 +129,37 @@ FUSED = True
 on the CPU); False runs the PyTorch form everywhere (the reference the kernels are tested against)."""
 
 
+_KERNELS_RUN: dict[tuple[str, int | None], bool] = {}
+"""Per device: whether the kernels compiled and ran on a small round (`_fused`)."""
+
+
 def _fused(t: Tensor) -> bool:
-    return FUSED and _kernels.available(t)
+    """Whether a round on `t`'s device runs as the Triton kernels. The first time a device asks, a small round
+    tries them: one that cannot compile or launch there (a card they were never tried on) leaves that device's
+    rounds to PyTorch from its first round on, so both executions decide alike."""
+    if not (FUSED and _kernels.available(t)):
+        return False
+    device = (t.device.type, t.device.index)
+    if device not in _KERNELS_RUN:
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            return True  # a user's own capture: no trial inside it (it would be captured too)
+        _KERNELS_RUN[device] = _kernels_run(t.device)
+    return _KERNELS_RUN[device]
 
 
-def _without_kernels(err: Exception) -> None:
-    """A kernel that cannot run here (a Triton compile error on a card it was never tried on) turns the fused round
-    off for the process, before any round used it: every execution then decides in PyTorch, the same floats."""
-    global FUSED
-    FUSED = False
-    warnings.warn(f"kvpop: the chunked rule's fused round cannot run here ({err}); its rounds run in PyTorch",
-                  RuntimeWarning, stacklevel=3)
+def _kernels_run(device: torch.device) -> bool:
+    try:
+        q = torch.ones(1, 1, 2, 16, device=device)
+        keys = torch.ones(1, 1, 4, 16, device=device)
+        held = torch.ones(1, 1, 2, dtype=torch.bool, device=device)
+        _, sums = _kernels.round_evidence_fused(q, keys, keys, held, held[:, 0], 0.25)
+        pos = torch.arange(4, device=device).expand(1, 1, 4).contiguous()
+        _kernels.chunk_decision_fused(sums[:, 0, 0], pos, sums[:, :, 0], 2, 1)
+        return True
+    except Exception as err:  # noqa: BLE001 - whatever stops them here: the PyTorch form instead
+        warnings.warn(f"kvpop: the chunked rule's fused round cannot run on {device} ({err}); its rounds run in "
+                      "PyTorch", RuntimeWarning, stacklevel=4)
+        return False
 
 
 def round_evidence(
@@ -155,10 +175,7 @@ def round_evidence(
     candidate's probability summed over the chunk's queries, float32 [B, H, G, M]. In PyTorch from `chunk_probs`;
     on CUDA one Triton launch (`chunked_kernel.round_evidence_fused`), its own floats."""
     if _fused(query):
-        try:
-            return _kernels.round_evidence_fused(query, cand_keys, cand_values, held, chunk_valid, scale, softcap)
-        except Exception as err:  # noqa: BLE001 - any failure to compile or launch: the PyTorch form instead
-            _without_kernels(err)
+        return _kernels.round_evidence_fused(query, cand_keys, cand_values, held, chunk_valid, scale, softcap)
     probs = chunk_probs(query, cand_keys, held, chunk_valid, scale, softcap)
     out = chunk_attention(probs, cand_values) if cand_values is not None else None
     return out, probs.sum(3)
