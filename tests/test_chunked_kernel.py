@@ -18,6 +18,8 @@ triton = pytest.importorskip("triton")
 _CANDIDATES = '''
 import torch
 
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+
 def candidates(B, H, K, P, L, gen, empty=0, pad=0, ties=False, protect=False):
     S = K - P
     pos = torch.full((B, H, K + L), -1, dtype=torch.long)
@@ -60,7 +62,7 @@ for K, P, L in [(6, 3, 4), (6, 6, 4), (6, 0, 3), (1, 1, 1), (9, 4, 1), (5, 2, 8)
             for protect in (False, True):
                 score, pos, prior = candidates(2, 3, K, P, L, gen, empty, pad, ties, protect)
                 want = chunk_decision(score, pos, prior, K, P)
-                got = chunk_decision_fused(score, pos, prior, K, P)
+                got = [t.cpu() for t in chunk_decision_fused(score.to(dev), pos.to(dev), prior.to(dev), K, P)]
                 assert torch.equal(got[0], want[0]), ("keep", K, P, L, ties, empty, pad, protect)
                 assert torch.equal(got[1], want[1]), ("evicted", K, P, L, ties, empty, pad, protect)
                 cases += 1
@@ -75,6 +77,7 @@ import torch
 from kvpop.ops.dynamic.chunked import chunk_attention, chunk_probs
 from kvpop.ops.dynamic.chunked_kernel import round_evidence_fused
 
+dev = "cuda" if torch.cuda.is_available() else "cpu"
 gen = torch.Generator().manual_seed(1)
 for B, H, G, K, L, D, Dv, softcap in [(2, 2, 2, 12, 5, 24, 16, None), (1, 1, 4, 40, 70, 32, 32, 30.0),
                                        (2, 3, 1, 7, 16, 8, 40, None), (1, 2, 3, 0 + 1, 3, 16, 16, 5.0)]:
@@ -84,6 +87,7 @@ for B, H, G, K, L, D, Dv, softcap in [(2, 2, 2, 12, 5, 24, 16, None), (1, 1, 4, 
     held = torch.rand(B, H, K, generator=gen) > 0.3
     chunk_valid = torch.ones(B, L, dtype=torch.bool)
     chunk_valid[-1, : L // 3] = False  # a left-padded row: its padding queries see nothing
+    q, k, v, held, chunk_valid = (t.to(dev) for t in (q, k, v, held, chunk_valid))
     probs = chunk_probs(q, k, held, chunk_valid, 0.3, softcap)
     out, sums = round_evidence_fused(q, k, v, held, chunk_valid, 0.3, softcap)
     want_out = chunk_attention(probs, v)
@@ -105,7 +109,8 @@ from kvpop.ops.attention import sparse_attention
 from kvpop.ops.dynamic import chunked
 from kvpop.ops.dynamic.chunked import chunked_eviction_positions
 
-assert chunked._fused(torch.zeros(1))  # the kernels run here (the interpreter)
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+assert chunked._fused(torch.zeros(1, device=dev))  # the kernels run here (on CUDA, or the interpreter)
 
 
 class Policy:
@@ -132,6 +137,7 @@ for K, P, C, protect in [(6, 4, 4, None), (8, 8, 5, None), (5, 0, 7, None), (8, 
     prior = torch.zeros(2, 2, S) if protect is not None else torch.randn(2, 2, S, generator=gen)
     pos = torch.arange(S).expand(2, S).contiguous()
     valid = torch.ones(2, S, dtype=torch.bool)
+    q, k, v, prior, pos, valid = (t.to(dev) for t in (q, k, v, prior, pos, valid))
     evict = chunked_eviction_positions(q, k, pos, valid, prior, K, P, C, 0.4, protect=protect)
     want, _ = sparse_attention(q, k, v, pos, valid, pos, valid, evict, 0, 1, 0.4, backend="reference")
     for cuts in ([0, S], [0, 3, 4, 11, 12, 20, S]):
@@ -141,7 +147,7 @@ for K, P, C, protect in [(6, 4, 4, None), (8, 8, 5, None), (5, 0, 7, None), (8, 
         for a, b in zip(cuts, cuts[1:]):
             outs.append(cache.attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], valid[:, a:b], policy, 0.4))
             held = [sorted(int(p) for p in cache.pos[bb, h] if p >= 0) for bb in range(2) for h in range(2)]
-            t = torch.arange(b)
+            t = torch.arange(b, device=dev)
             visible = [sorted(int(x) for x in t[(evict[bb, h, :b] > b - 1) if b == S else (evict[bb, h, :b] > b)])
                        for bb in range(2) for h in range(2)]
             assert held == visible, (K, P, C, protect, a, b)
