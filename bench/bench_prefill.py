@@ -10,7 +10,8 @@ into a `KVpopCache`, once per prefill path: "walk" (TOVA / H2O: `ops.dynamic`, t
 Static policies (kvpop, streaming_llm) have one path ("rule"). `cascade` is the recommended policy, the layer-wide
 KVpop-cascade a trained KVpop-mlp directory runs by default (random scorers here: the time does not depend on them);
 `tova+chunkC` and `cascade+chunkC` the same rules deciding once every C steps (`KVpopConfig.decision_chunk`: path
-"chunks"). Reported per row: the median over
+"chunks": its rounds as Triton kernels where Triton runs; with `--pytorch-rounds` also path "chunks-pytorch", the
+same rounds in PyTorch, `ops.dynamic.chunked.FUSED = False`). Reported per row: the median over
 repeats of the wall time and, on the CPU, of the process's CPU time (unaffected by other processes
 on a shared machine when `--threads 1`), and their ratio to the dense row of the same repeat.
 
@@ -50,13 +51,16 @@ def _time(model, ids: torch.Tensor, cache) -> tuple[float, float]:
 
 
 def bench_prefill(model, ids: torch.Tensor, budget: int, policies: list[str], repeats: int, replay: bool,
-                  seed: int) -> list[dict]:
+                  seed: int, pytorch_rounds: bool = False) -> list[dict]:
     from transformers import DynamicCache
+
+    from kvpop.ops.dynamic import chunked
 
     runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
     rows_order = [("dense", "-")]
     for p in policies:
-        paths = (["walk", "replay"] if replay else ["walk"]) if p in DYNAMIC else ["chunks"] if "+chunk" in p else ["rule"]
+        paths = ((["walk", "replay"] if replay else ["walk"]) if p in DYNAMIC else
+                 (["chunks", "chunks-pytorch"] if pytorch_rounds else ["chunks"]) if "+chunk" in p else ["rule"])
         rows_order += [(p, path) for path in paths]
     for r in range(repeats):
         for policy, path in rows_order:
@@ -66,10 +70,13 @@ def bench_prefill(model, ids: torch.Tensor, budget: int, policies: list[str], re
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(seed)
                     kvpop.retrofit(model, policy_config(policy, budget))
+                fused = chunked.FUSED
+                chunked.FUSED = fused and path != "chunks-pytorch"
                 try:
                     cache = kvpop.KVpopCache(model, dynamic_prefill="replay" if path == "replay" else "walk")
                     t = _time(model, ids, cache)
                 finally:
+                    chunked.FUSED = fused
                     kvpop.detach(model)
             runs.setdefault((policy, path), []).append(t)
             print(f"# repeat {r}: {policy}/{path} wall {t[0]:.2f} s cpu {t[1]:.2f} s", file=sys.stderr, flush=True)
@@ -114,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated policies, split by KVpopConfig.for_budget (TOVA and H2O as their papers define them) (default tova,h2o,kvpop)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the median is reported (default 3)")
     parser.add_argument("--no-replay", action="store_true", help="skip the token-by-token replay rows of TOVA / H2O")
+    parser.add_argument("--pytorch-rounds", action="store_true",
+                        help="also time each chunked policy with its rounds in PyTorch (path chunks-pytorch)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -137,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_prefill: {args.model} ({c.num_hidden_layers} layers, {c.num_attention_heads} query / "
           f"{c.num_key_value_heads} KV heads) on {machine}; batch {args.batch} x {args.context} tokens, budget "
           f"{args.budget}; median of {args.repeats} interleaved repeats; load average before: {load}")
-    rows = bench_prefill(model, ids, args.budget, policies, args.repeats, not args.no_replay, args.seed)
+    rows = bench_prefill(model, ids, args.budget, policies, args.repeats, not args.no_replay, args.seed,
+                         args.pytorch_rounds)
     print(format_table(rows, device.type == "cpu"))
     result = {"rows": rows, "device": machine, "model": args.model, "load_before": load,
               "command": shlex.join(["python", "bench/bench_prefill.py", *argv]),

@@ -100,7 +100,8 @@ if triton is not None:
             m_i = m_new
             m0 += BM
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)  # a padding query sees nothing: its probabilities are 0
+        # a padding query sees nothing: its probabilities are 0
+        inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
         acc = tl.zeros([BL, BDV], tl.float32)
         sums_base = ((bh.to(tl.int64) * G + g) * n_tiles + lt) * M
         # pass 2: the probabilities, their sum over the tile's queries per candidate, and the output
