@@ -14,8 +14,9 @@
 #   bash bench/gpu_speed_defaults.sh generate4 OUT      # batch 4 (about 5 min)
 #   bash bench/gpu_speed_defaults.sh prefill OUT        # one 8192-token prompt at B = 2048: the dense forward, the
 #                                                        # static rule, H2O, TOVA and the recommended policy's walk,
-#                                                        # and the recommended policy deciding every 64 and 256 steps,
-#                                                        # at the Qwen3-8B shape and SmolLM2's (about 3 min)
+#                                                        # and the recommended policy deciding every 64 and 256 steps
+#                                                        # (rounds as kernels and in PyTorch), at the Qwen3-8B shape
+#                                                        # and SmolLM2's (about 4 min)
 #   bash bench/gpu_speed_defaults.sh distill OUT        # a distillation step, SmolLM2's shape at 8k (auto, gather)
 #                                                        # and the Qwen3-4B shape at 16k, 4 layers (auto, flex)
 #                                                        # (about 8 min)
@@ -83,7 +84,7 @@ else
   tests=(tests/test_slots.py tests/test_decode_kernel.py tests/test_attention.py::test_decode_attention_matches_reference
          tests/test_attention.py::test_auto_backend_on_cuda_picks_by_shape_and_budget
          tests/test_attention.py::test_auto_backend_threshold_and_the_other_devices
-         tests/test_chunked.py::test_a_captured_round_is_the_eager_round)
+         tests/test_chunked.py::test_a_captured_round_is_the_eager_round tests/test_chunked_kernel.py)
   gpu_tests=(tests/test_decode.py tests/test_cascade.py tests/test_generation.py -m gpu)
 fi
 bench=(python -m kvpop.eval.bench "${m8b[@]}" --device "$device" --budget "$b8" --window "$win8" --fill random
@@ -119,10 +120,11 @@ run_phase() {
       step generate_b4 560 "${generate[@]}" --batch 4 --json-out "$out/generate_b4.json" ;;
     prefill)
       # the first repeat of each row is cold (compiles, Triton's first launches); the targets compare the last one
-      step prefill_8b 200 python bench/bench_prefill.py "${pre8b[@]}" --device "$device" \
-        --policies "tova,h2o,kvpop,cascade,$chunked" --no-replay --json-out "$out/prefill_8b.json"
-      step prefill_smollm2 120 python bench/bench_prefill.py "${presm[@]}" --device "$device" \
-        --policies "tova,h2o,kvpop,cascade,$chunked" --no-replay --json-out "$out/prefill_smollm2.json" ;;
+      step prefill_8b 300 python bench/bench_prefill.py "${pre8b[@]}" --device "$device" \
+        --policies "tova,h2o,kvpop,cascade,$chunked" --no-replay --pytorch-rounds --json-out "$out/prefill_8b.json"
+      step prefill_smollm2 200 python bench/bench_prefill.py "${presm[@]}" --device "$device" \
+        --policies "tova,h2o,kvpop,cascade,$chunked" --no-replay --pytorch-rounds \
+        --json-out "$out/prefill_smollm2.json" ;;
     distill)
       # SmolLM2's shape: auto keeps FlexAttention (its step is bound by launches), the gathered tiles beside it;
       # the 4B shape at 16k: auto takes the gathered tiles, FlexAttention over the sequence beside it
