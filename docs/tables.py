@@ -470,6 +470,32 @@ def gemma3_trained_suite_8k() -> str:
         f" — `docs/data/{_GEMMA_TRAINED}.json`"
 
 
+_GEMMA_GENERATION = "gemma3_generation_cpu_2026-12-07"
+
+
+@register("gemma3-generation")
+def gemma3_generation() -> str:
+    """Long generation on Gemma 3 270M: 4096 greedy tokens from 4 held-out problems at B = 512, scored by the dense
+    model, each row's NLL past the budget paired per problem against TOVA's."""
+    d = data(_GEMMA_GENERATION)
+    per = d["per_problem"]
+    names = {"dense": "dense", "tova": "TOVA (paper)", "h2o": "H2O (paper)", "streaming_llm": "StreamingLLM"}
+    rows = []
+    for policy in ("dense", "tova", "h2o", "streaming_llm"):
+        r = next((r for r in d["rows"] if r["policy"] == policy), None)
+        if r is None:
+            continue
+        mine = per["nll_past_budget"][policy]
+        rows.append([names[policy], f(r["nll"], 4), f(r["nll_past_budget"], 4),
+                     "" if policy == "tova" else _q_diff(mine, per["nll_past_budget"]["tova"], counts="split"),
+                     f"{len(mine) - per['texts_equal_dense'][policy]} of {len(mine)}", f(r["agreement"], 4),
+                     f(r["repetition"], 3)])
+    head = ["4096 tokens, B = 512", "NLL", "NLL past the budget", "− TOVA's, paired (lower / higher)",
+            "texts that leave the dense text", "agreement", "rep4"]
+    return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"]) + \
+        f" — `docs/data/{_GEMMA_GENERATION}.json`"
+
+
 @register("gemma3-memory")
 def gemma3_memory() -> str:
     """Gemma 3 270M's whole KV cache on one GPU, dense against the static rule at B = 2048, 8k to 32k tokens."""

@@ -391,9 +391,9 @@ def test_a_head_the_projection_does_not_know_gets_the_full_logits(monkeypatch):
 
     def scaled(self, *args, **kwargs):
         out = forward(self, *args, **kwargs)
-        out.logits = out.logits * 3.0
+        out.logits = out.logits * 1.05  # a mild scale: outside any rounding
         return out
 
     monkeypatch.setattr(type(model), "forward", scaled)
     logits = output_logits(model, ids)
-    assert isinstance(logits, torch.Tensor) and torch.allclose(logits, 3.0 * plain, atol=1e-5)
+    assert isinstance(logits, torch.Tensor) and torch.allclose(logits, 1.05 * plain, atol=1e-5)

@@ -214,11 +214,18 @@ def output_logits(model: nn.Module, ids: Tensor, **kwargs) -> Tensor | HiddenLog
 
             logits = HiddenLogits(hidden, project, head.out_features)
             S = ids.shape[1]
-            # the same product on another shape may round differently: a few units of the dtype's precision
-            slack = 64 * torch.finfo(hidden.dtype).eps * (1 + last.abs().max())
-            if (logits.positions(S - 1, S) - last).abs().max() <= slack:
+            if (logits.positions(S - 1, S) - last).abs().le(_rounding_bound(hidden[:, -1:], head.weight, last)).all():
                 return logits
     return model(ids, **kwargs, use_cache=False).logits.float()
+
+
+def _rounding_bound(h: Tensor, weight: Tensor, logits: Tensor) -> Tensor:
+    """How far the same head's product `h @ weight.T` may round apart on two shapes: the output's own rounding (a few
+    units of `h`'s dtype, relative) and float32 sums taken in another order (bounded by the sum of the products'
+    magnitudes). A head that computes anything else, a scale of 1.1 say, lands far outside it."""
+    eps_out, eps_sum = torch.finfo(h.dtype).eps, torch.finfo(torch.float32).eps
+    magnitude = h.abs().float() @ weight.abs().float().T  # [B, 1, V]
+    return 4 * eps_out * logits.abs() + 4 * h.shape[-1] * eps_sum * magnitude + 1e-6
 
 
 def run_as(model: nn.Module, cfg: KVpopConfig) -> nn.Module:
