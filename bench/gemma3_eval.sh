@@ -91,6 +91,9 @@ step() {  # step NAME SECONDS COMMAND...: a time limit, the log and the command 
 need_len() { case $len in 8k|16k|32k) ;; *) echo "$usage"; exit 2 ;; esac; }
 start=$SECONDS
 left() { echo $(( limit - (SECONDS - start) )); }  # seconds of the phase left
+suite_tokens() {  # a suite prompt's length: at 32k, room for the longest answer (48 tokens) within 32,768 positions
+  local n; n=$(tokens "$len"); [ "$len" = 32k ] && n=$(( n - 64 )); echo "$n"
+}
 suite_by_task() {  # suite_by_task BUDGETS ARGS...: one eval per task (dense row first in each), so that a deadline
   # keeps the tasks done; each in $work/suite_<task>/
   local budgets_arg=$1; shift
@@ -98,7 +101,7 @@ suite_by_task() {  # suite_by_task BUDGETS ARGS...: one eval per task (dense row
   for task in $(echo "${SUITE_TASKS:-passkey,multikey,multivalue,vt,cwe,qa}" | tr , ' '); do
     [ "$(left)" -gt 30 ] || { echo "no time left for the task $task"; break; }
     step "suite_$task" "$(left)" "${kvpop[@]}" eval --model "$model" --device "$device" --suite "$task" \
-      --lengths "$(tokens "$len")" --depths "${SUITE_DEPTHS:-0,0.5,1}" --samples "${SUITE_SAMPLES:-1}" \
+      --lengths "$(suite_tokens)" --depths "${SUITE_DEPTHS:-0,0.5,1}" --samples "${SUITE_SAMPLES:-1}" \
       --policies "${POLICIES:-streaming_llm,tova,h2o}" --budgets "$budgets_arg" --prefill-chunk 4096 \
       --no-progress --out "$work/suite_$task" --force "$@"
   done
