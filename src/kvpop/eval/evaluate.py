@@ -184,20 +184,29 @@ def with_decision_chunk(entry: Entry, chunk: int) -> Entry:
     return Entry(f"{entry.name}+chunk{chunk}", entry.budget, cfg, trained=entry.trained)
 
 
-def output_logits(model: nn.Module, ids: Tensor, **kwargs) -> Tensor | HiddenLogits:
-    """One pass's logits [B, S, V] for the teacher-forced metrics, as `HiddenLogits` where the model allows.
+HELD_LOGITS_BYTES = 2 << 30
+"""A pass whose float32 logits take at most this many bytes keeps them (`output_logits`)."""
 
-    The pass keeps the final norm's output [B, S, D] (a forward hook) and computes only the last position's logits;
-    the model's own output head (with Gemma 2's soft-capping) projects the rest a chunk at a time when the metrics
-    read them. That projection is checked against the model's logits at the last position: a model whose head does
-    more (or that has no final `norm` in its decoder) gets its float32 logits [B, S, V] from a second, plain pass.
+
+def output_logits(model: nn.Module, ids: Tensor, held_bytes: int = HELD_LOGITS_BYTES, **kwargs
+                  ) -> Tensor | HiddenLogits:
+    """One pass's logits [B, S, V] for the teacher-forced metrics: float32, or as `HiddenLogits` where they would
+    take more than `held_bytes` (Gemma 3's 262,144-token vocabulary at 8k tokens and more).
+
+    Held logits are projected once, in the forward; `HiddenLogits` are projected again each time the metrics read
+    them (the dense pass's once per row compared with it), so they are for passes too large to hold. The pass then
+    keeps the final norm's output [B, S, D] (a forward hook) and computes only the last position's logits; the
+    model's own output head (with Gemma 2's soft-capping) projects the rest a chunk at a time. That projection is
+    checked against the model's logits at the last position: a model whose head does more (or that has no final
+    `norm` in its decoder) gets its float32 logits [B, S, V] from a second, plain pass.
     """
     head = model.get_output_embeddings()
     try:
         norm = getattr(model.get_decoder(), "norm", None)
     except (AttributeError, NotImplementedError):
         norm = None
-    if isinstance(norm, nn.Module) and isinstance(head, nn.Linear):
+    large = isinstance(head, nn.Linear) and ids.numel() * head.out_features * 4 > held_bytes
+    if large and isinstance(norm, nn.Module):
         seen: list[Tensor] = []
         hook = norm.register_forward_hook(lambda _module, _inputs, out: seen.append(out))
         try:

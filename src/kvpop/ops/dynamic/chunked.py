@@ -112,15 +112,11 @@ def chunk_scores(
     return scores_from_probs(chunk_probs(query, cand_keys, held, chunk_valid, scale, softcap), chunk_valid)
 
 
-def accumulated_from_probs(probs: Tensor) -> Tensor:
-    """H2O's evidence from a chunk: each candidate's probability summed over the chunk's queries and over the query
-    heads of its KV head, float32 [B, H, M] (`chunk_probs`' weights; a padding query adds 0). The heads are summed as
-    the per-token rule sums them (`ops.dynamic.score.score_update`, score "sum"), so one query adds the same floats."""
-    return accumulated_from_sums(probs.sum(3))
-
-
 def accumulated_from_sums(sums: Tensor) -> Tensor:
-    """`accumulated_from_probs` from the sums over the chunk's queries (`sums`, float32 [B, H, G, M])."""
+    """H2O's evidence from a chunk: each candidate's probability summed over the chunk's queries (`sums`, float32
+    [B, H, G, M]; a padding query adds 0) and over the query heads of its KV head, float32 [B, H, M]. The heads are
+    summed as the per-token rule sums them (`ops.dynamic.score.score_update`, score "sum"), so one query adds the
+    same floats."""
     return sums.transpose(2, 3).contiguous().sum(-1)
 
 
@@ -188,18 +184,6 @@ def protected_rank(score: Tensor, cand_pos: Tensor, protect: int) -> Tensor:
     newest = cand_pos.amax(-1, keepdim=True)
     recent = (cand_pos >= 0) & (cand_pos > newest - protect)
     return torch.where(recent, float("inf"), score)
-
-
-def decide_from_probs(
-    probs: Tensor,  # [B, H, G, L, M], `chunk_probs`
-    cand_pos: Tensor,  # [B, H, K + L], -1: no token
-    cand_prior: Tensor,  # [B, H, K + L]
-    topk: int,
-    pool: int,
-    protect: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`decide_from_sums` from the chunk's weights."""
-    return decide_from_sums(probs.sum(3), cand_pos, cand_prior, topk, pool, protect)
 
 
 def decide_from_sums(
@@ -290,7 +274,7 @@ def chunk_round(
     softcap: float | None = None,
     protect: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """One decision after a chunk (`chunk_probs`, then `decide_from_probs`): what every execution calls, so that they
+    """One decision after a chunk (`round_evidence`, then `decide_from_sums`): what every execution calls, so that they
     hand the same tensors to the same floats. Returns (keep, evicted, the candidates' carried values after it)."""
     held = cand_pos[:, :, :topk] >= 0
     chunk_valid = cand_pos[:, 0, topk:] >= 0  # the chunk's tokens are the same in every head

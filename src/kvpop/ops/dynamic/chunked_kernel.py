@@ -55,8 +55,8 @@ if triton is not None:
     @triton.jit
     def _evidence_kernel(q_ptr, k_ptr, v_ptr, held_ptr, cvalid_ptr, out_ptr, sums_ptr,
                          H, G, L, K, M, D, DV, n_tiles, scale, softcap,
-                         HAS_SOFTCAP: tl.constexpr, LOW: tl.constexpr, BL: tl.constexpr, BM: tl.constexpr,
-                         BD: tl.constexpr, BDV: tl.constexpr):
+                         HAS_SOFTCAP: tl.constexpr, LOW: tl.constexpr, HAS_V: tl.constexpr, BL: tl.constexpr,
+                         BM: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
         bh = tl.program_id(0)  # b * H + h
         g = tl.program_id(1)
         lt = tl.program_id(2)
@@ -121,16 +121,18 @@ if triton is not None:
                                          | (tok[None, :] & (cols[None, :] >= K) & (t[None, :] <= rows[:, None])))
             p = tl.where(sees, tl.exp(s - m_safe[:, None]) * inv[:, None], 0.0)
             tl.store(sums_ptr + sums_base + cols, tl.sum(p, axis=0), mask=col_in)
-            v = tl.load(v_ptr + v_base + cols[:, None] * DV + dv[None, :], mask=col_in[:, None] & (dv[None, :] < DV),
-                        other=0.0)
-            if LOW:
-                acc += tl.dot(p.to(v.dtype), v)
-            else:
-                acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            if HAS_V:  # the decision alone (teacher-forced) reads no output
+                v = tl.load(v_ptr + v_base + cols[:, None] * DV + dv[None, :],
+                            mask=col_in[:, None] & (dv[None, :] < DV), other=0.0)
+                if LOW:
+                    acc += tl.dot(p.to(v.dtype), v)
+                else:
+                    acc += tl.dot(p, v.to(tl.float32), input_precision="ieee")
             m0 += BM
-        out_base = (b.to(tl.int64) * H * G + qh) * L * DV
-        tl.store(out_ptr + out_base + rows[:, None] * DV + dv[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=row_in[:, None] & (dv[None, :] < DV))
+        if HAS_V:
+            out_base = (b.to(tl.int64) * H * G + qh) * L * DV
+            tl.store(out_ptr + out_base + rows[:, None] * DV + dv[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=row_in[:, None] & (dv[None, :] < DV))
 
     @triton.jit
     def _ahead(r_e, p_e, c_e, rank_ptr, rank_base, pos_ptr, pos_base, taken_ptr, taken_base, lo, hi,
@@ -235,8 +237,9 @@ def round_evidence_fused(
     B, Hq, L, D = query.shape
     H, M = cand_keys.shape[1], cand_keys.shape[2]
     G, K = Hq // H, held.shape[-1]
-    values = cand_values if cand_values is not None else cand_keys[..., :1]
-    DV = values.shape[-1]
+    has_v = cand_values is not None
+    values = cand_values if has_v else cand_keys  # unread without values (HAS_V): a pointer of the right kind
+    DV = values.shape[-1] if has_v else 1
     BD, BDV = _pow2(D), _pow2(DV)
     # small query tiles: at batch 1 the programs are (KV head, query head, tile), and a chunk of 64 tokens in tiles of
     # 16 gives an 8B-shape layer 128 of them
@@ -245,11 +248,11 @@ def round_evidence_fused(
     low = query.dtype in (torch.bfloat16, torch.float16) and cand_keys.dtype == query.dtype and \
         values.dtype == query.dtype
     n_tiles = triton.cdiv(L, BL)
-    out = torch.empty(B, Hq, L, DV, dtype=values.dtype, device=query.device)
+    out = torch.empty(B, Hq, L, DV, dtype=values.dtype, device=query.device) if has_v else query.new_empty(0)
     sums = torch.empty(B, H, G, n_tiles, M, dtype=torch.float32, device=query.device)
     _evidence_kernel[(B * H, G, n_tiles)](
         query.contiguous(), cand_keys.contiguous(), values.contiguous(), held.to(torch.int8).contiguous(),
         chunk_valid.to(torch.int8).contiguous(), out, sums, H, G, L, K, M, D, DV, n_tiles, float(scale),
-        float(softcap) if softcap is not None else 1.0, HAS_SOFTCAP=softcap is not None, LOW=low, BL=BL, BM=BM,
+        float(softcap) if softcap is not None else 1.0, HAS_SOFTCAP=softcap is not None, LOW=low, HAS_V=has_v, BL=BL, BM=BM,
         BD=BD, BDV=BDV, num_warps=4)
-    return (out if cand_values is not None else None), (sums[:, :, :, 0] if n_tiles == 1 else sums.sum(3))
+    return (out if has_v else None), (sums[:, :, :, 0] if n_tiles == 1 else sums.sum(3))
