@@ -299,11 +299,10 @@ def test_the_model_teacher_forced_equals_its_prefill_and_decode(policy):
                 assert gen.shape == (2, 46)
                 from kvpop.decode import Decoder
 
-                with pytest.raises(ValueError, match="decodes eagerly"):
-                    Decoder(model, kvpop.KVpopCache(model), compile=True, backend="aot_eager")
-                eager = Decoder(model, kvpop.KVpopCache(model), compile=False)
-                toks = eager.generate(ids[:, :40], 6, chunk=40)
-                assert torch.equal(toks, gen[:, 40:])
+                for compiled in (False, True):
+                    decoder = Decoder(model, kvpop.KVpopCache(model), compile=compiled, backend="aot_eager")
+                    toks = decoder.generate(ids[:, :40], 6, chunk=40)
+                    assert torch.equal(toks, gen[:, 40:])
         kvpop.detach(model)
     # before the first decision (the budget, then a chunk) the two rules see the same tokens
     assert torch.allclose(outs[1][:, :24], outs[8][:, :24], atol=1e-5)
@@ -426,3 +425,80 @@ def test_a_captured_round_is_the_eager_round(dtype):
     for captured in got[True]:
         for a, b in zip(captured, got[False][0]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("policy", ["cascade", "h2o"])
+def test_a_compiled_decoder_counts_the_steps_on_the_device(policy):
+    """`Decoder` compiles the chunked rule's step: the ring's slot is a device tensor and the host decides between
+    steps. Over several chunks, from a prompt that ends inside one and a left-padded row, each step's logits equal
+    the model's own eager steps (the host counting, deciding inside the step) bit for bit, the slots too, and the
+    step compiles once."""
+    from kvpop.cache import cache_kwargs
+    from kvpop.decode import Decoder
+    from kvpop.models import load_model
+
+    model, _ = load_model("tiny-random-llama", dtype="float32")
+    C = 8
+    cfg = kvpop.KVpopConfig.for_budget(24, policy="h2o") if policy == "h2o" else \
+        kvpop.KVpopConfig.for_budget(24).with_tova_pool(17, layer=True)
+    torch.manual_seed(0)
+    kvpop.retrofit(model, cfg.with_decision_chunk(C))
+    model.eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # a left-padded row
+    P, steps = 37, 30  # the prompt ends inside a chunk; the steps cross three decisions
+    with torch.no_grad():
+        # the reference: the model's own forward one token per step, the layers counting on the host
+        ref_cache = kvpop.KVpopCache(model)
+        kw = cache_kwargs(model, ref_cache)
+        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        model(ids[:, :P], attention_mask=mask[:, :P], position_ids=position[:, :P], use_cache=True, **kw)
+        want = [model(ids[:, t : t + 1], position_ids=position[:, t : t + 1], use_cache=True, **kw).logits[:, -1]
+                for t in range(P, P + steps)]
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        cache = kvpop.KVpopCache(model)
+        decoder = Decoder(model, cache, compile=True, backend="aot_eager")
+        decoder.prefill(ids[:, :P], attention_mask=mask[:, :P])
+        got = []
+        with decoder.decoding():
+            for t in range(P, P + steps):
+                got.append(decoder.step(ids[:, t : t + 1], position[:, t : t + 1]).clone())
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for mine, ref in zip(cache.layers, ref_cache.layers):
+        assert mine.filled == ref.filled and not mine.on_device
+        for a, b in zip(mine.buffers, ref.buffers):
+            assert torch.equal(a, b)
+    kvpop.detach(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("backend", ["cudagraph", "inductor"])
+def test_a_captured_chunked_decode_step_is_the_eager_step(backend):
+    """On CUDA the chunked rule's decode step is captured (or compiled by inductor with CUDA graphs) once and replayed
+    across its decisions: the same tokens as the eager decoder, and the same slots."""
+    from kvpop.decode import Decoder
+    from kvpop.models import load_model
+
+    model, _ = load_model("tiny-random-llama", dtype="float32", device="cuda")
+    torch.manual_seed(0)
+    kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(24).with_tova_pool(17, layer=True).with_decision_chunk(8))
+    model.eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1)).cuda()
+    caches, toks = [], []
+    for compiled in (False, True):
+        caches.append(kvpop.KVpopCache(model))
+        decoder = Decoder(model, caches[-1], compile=compiled, backend=backend)
+        toks.append(decoder.generate(ids, 30, chunk=37))
+        decoder.close()
+    assert torch.equal(toks[0], toks[1])
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert a.filled == b.filled
+        assert torch.equal(a.pos, b.pos)  # the same decisions
+        if backend == "cudagraph":  # the eager kernels replayed: the same floats too (inductor fuses its own)
+            for x, y in zip(a.buffers, b.buffers):
+                assert torch.equal(x, y)
+    kvpop.detach(model)

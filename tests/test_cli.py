@@ -281,20 +281,23 @@ def test_generate_runs_a_kvpop_mlp_directory_as_the_cascades(capsys, tmp_path):
 
 
 def test_generate_runs_the_recommended_policy_chunked(capsys, tmp_path):
-    # --decision-chunk C: the recommended policy deciding every C steps in the same memory (a ring of C slots), eager
+    # --decision-chunk C: the recommended policy deciding every C steps in the same memory (a ring of C slots)
     from kvpop.models import load_model
 
     model, tok = load_model("tiny-random-qwen3")
     kvpop.save(kvpop.retrofit(model, kvpop.KVpopConfig(sink=1, window=4, topk=11, scorer_hidden=8)), tmp_path,
                tokenizer=tok)
-    rc, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", PROMPT, "--decision-chunk", "4",
-                     "--max-new-tokens", "20")
+    argv = ["generate", "--model", str(tmp_path), "--prompt", PROMPT, "--decision-chunk", "4", "--max-new-tokens", "20"]
+    rc, out, err = run(capsys, *argv)
     assert rc == 0, err
     assert "a ring of 4 slots; one decision every 4 steps" in err
     n_new, used, budget, seen = summary(err)
     assert n_new == 20 and used <= budget == 16 and seen > budget
+    # compiled (the steps counted on the device, the decisions between them): the same text and slots
+    rc, out_c, err_c = run(capsys, *argv, "--compile", "--compile-backend", "aot_eager")
+    assert rc == 0, err_c
+    assert out_c.strip() == out.strip() and summary(err_c) == summary(err)
     for argv, expected in ((["--decision-chunk", "16"], "--decision-chunk 16: KVpopConfig.decision_chunk=16 is invalid"),
-                           (["--decision-chunk", "4", "--compile"], "decodes eagerly"),
                            (["--decision-chunk", "4", "--rule", "static"], "applies to the recommended policy")):
         rc, _, err = run(capsys, "generate", "--model", str(tmp_path), "--prompt", "x", *argv)
         assert rc == 1 and expected in err and "Traceback" not in err, err

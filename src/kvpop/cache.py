@@ -504,8 +504,10 @@ class ChunkedLayerCache(KVpopLayerCache):
     order as the teacher-forced execution (`chunked_eviction_positions`: the slots, then the chunk), so both make the
     same decisions bit for bit, however the tokens arrive (a prompt at once, in pieces, or one per step).
 
-    Steps are counted on the host (`filled`), so this layer decodes eagerly: a compiled step would specialise on the
-    count."""
+    Steps are counted on the host (`filled`): a compiled step would specialise on the count, so `model.generate`
+    decodes this layer eagerly. `kvpop.decode.Decoder` compiles it all the same (`KVpopCache.steps_on_device`): while
+    it decodes, the ring's next slot is a device tensor (`ring_at`) that the step advances in place, and the host,
+    which knows that every step adds one token, runs each decision between two steps (`step_done`)."""
 
     is_compileable = False
 
@@ -521,6 +523,12 @@ class ChunkedLayerCache(KVpopLayerCache):
         # the memory pool the graphs of one cache's layers share: a list holding its handle and the first graph
         # captured into it (`_capture`), once made
         self.graph_pool: list | None = None
+        # steps counted on the device (`count_on_device`): the ring's next slot, int64 [1], which a one-token step
+        # writes and advances in place, so that a compiled step never reads `filled`; the scale and soft-capping of
+        # the layer's attention, kept from its last eager call, for the decisions the host runs between steps
+        self.on_device = False
+        self.ring_at: Tensor | None = None
+        self.attention_args: tuple[float, float | None] | None = None
 
     @classmethod
     def for_config(cls, cfg) -> ChunkedLayerCache:
@@ -543,6 +551,7 @@ class ChunkedLayerCache(KVpopLayerCache):
         self._views()
         self.graph = None
         self.seen = torch.zeros(B, dtype=torch.long, **kw)
+        self.ring_at = torch.full((1,), self.filled, dtype=torch.long, **kw)
         self._length(key_states.device)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
@@ -556,6 +565,8 @@ class ChunkedLayerCache(KVpopLayerCache):
     def reset(self) -> None:
         super().reset()
         self.filled = 0
+        if self.ring_at is not None:
+            self.ring_at.zero_()
 
     def _map_rows(self, fn) -> None:
         super()._map_rows(fn)
@@ -566,7 +577,8 @@ class ChunkedLayerCache(KVpopLayerCache):
     def static_tensors(self) -> list[Tensor]:
         if not self.is_initialized:
             return []
-        return [*self.buffers, self.seen, self.length, *(() if self.queries is None else (self.queries,))]
+        return [*self.buffers, self.seen, self.length, self.ring_at,
+                *(() if self.queries is None else (self.queries,))]
 
     def attend(self, query, key, value, valid, policy, scale, rope=None, softcap=None) -> Tensor:
         if policy.chunk != self.chunk:
@@ -578,6 +590,12 @@ class ChunkedLayerCache(KVpopLayerCache):
             self.queries = query.new_zeros(B, query.shape[1], self.chunk, query.shape[-1])
         position = self.seen[:, None] + torch.cumsum(valid.long(), dim=-1) - 1  # [B, C]
         priority = policy.priority(policy.scorer_key(key, rope), value, position.clamp(min=0)).detach()
+        if self.on_device:
+            if C != 1:
+                raise ValueError(f"while its steps are counted on the device this layer takes one token per call, "
+                                 f"got {C}: prefill before `KVpopCache.steps_on_device`")
+            return self._step_on_device(query, key, value, valid, position, priority, scale, softcap)
+        self.attention_args = (scale, softcap)
         K, outs, i = self.topk, [], 0
         while i < C:
             n = min(self.chunk - self.filled, C - i)
@@ -611,6 +629,41 @@ class ChunkedLayerCache(KVpopLayerCache):
         self.seen.add_(valid.sum(-1))
         self.fresh = False
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _step_on_device(self, query, key, value, valid, position, priority, scale, softcap) -> Tensor:
+        """One token into the ring's slot `ring_at` (what `attend` writes at `filled`), its attention over the occupied
+        slots, `ring_at` advanced: no host value read, so a compiled step serves every step of a chunk. The decision
+        after the chunk's last step is the host's (`step_done`)."""
+        B, H = key.shape[:2]
+        slot = self.ring_at + self.topk
+        self.keys.index_copy_(2, slot, key)
+        self.values.index_copy_(2, slot, value)
+        self.pos.index_copy_(2, slot, torch.where(valid, position, -1)[:, None].expand(B, H, 1))
+        self.prior.index_copy_(2, slot, priority.float())
+        self.queries.index_copy_(2, self.ring_at, query)
+        self.ring_at.add_(1)
+        self.seen.add_(valid.sum(-1))
+        return decode_attention(query, self.keys, self.values, self.pos, scale, softcap)
+
+    def count_on_device(self, on: bool) -> None:
+        """Count this layer's steps on the device (`_step_on_device`, one token per call, each followed by
+        `step_done`) or, `on=False`, on the host again."""
+        if on and self.ring_at is not None:
+            self.ring_at.fill_(self.filled)
+        self.on_device = on
+
+    def step_done(self) -> None:
+        """The host's side of a step counted on the device: the step counted, and after a chunk's last step its
+        decision (`_decide`, from the kept queries), the ring emptied."""
+        if not self.on_device:
+            raise RuntimeError("step_done counts a step taken on the device: call count_on_device(True) first")
+        self.filled += 1
+        if self.filled == self.chunk:
+            if self.attention_args is None:
+                raise RuntimeError("a decision needs the layer's attention scale, kept from an eager call: prefill "
+                                   "the prompt before decoding with steps counted on the device")
+            self._decide(*self.attention_args)
+            self.ring_at.zero_()
 
     def _whole_chunk(self, scale: float, softcap: float | None) -> Tensor:
         """A chunk that arrived whole (written into the ring, its queries kept): its round (`_round`), on CUDA as one
@@ -740,8 +793,33 @@ class KVpopCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        # the chunked rule counts its steps on the host: `generate` then decodes eagerly
+        # the chunked rule counts its steps on the host: `generate` then decodes eagerly (`Decoder` compiles it,
+        # counting them on the device: `steps_on_device`)
         return all(layer.is_compileable for layer in self.layers)
+
+    @property
+    def _chunked(self) -> list[ChunkedLayerCache]:
+        return [layer for layer in self.layers if isinstance(layer, ChunkedLayerCache)]
+
+    @contextlib.contextmanager
+    def steps_on_device(self) -> Iterator[None]:
+        """Decode the chunked rule's layers with their steps counted on the device, one token per call, each call
+        followed by `step_done()`: what lets `kvpop.decode.Decoder` compile or capture their step. The prompt goes
+        in before (its rounds are the host's); a cache without chunked layers is unchanged."""
+        chunked = self._chunked
+        for layer in chunked:
+            layer.count_on_device(True)
+        try:
+            yield
+        finally:
+            for layer in chunked:
+                layer.count_on_device(False)
+
+    def step_done(self) -> None:
+        """After each step inside `steps_on_device`: the chunked layers count it, and decide after a chunk's last."""
+        for layer in self._chunked:
+            if layer.on_device:
+                layer.step_done()
 
     def fuse(self, backend: str | None = "inductor") -> None:
         """Decode every layer with `decode_step` compiled (`fused_decode_step`); `None` goes back to eager.

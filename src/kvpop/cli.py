@@ -177,7 +177,7 @@ def _ignored_rule_flags(args: argparse.Namespace) -> None:
         help="a trained directory's recommended policy deciding once every C steps from the chunk's C queries, in "
              "the same key/value memory (the window a ring of C slots; the chunk's queries are kept too): a long "
              "prompt prefills in rounds of C tokens instead "
-             "of a token-by-token walk; it decodes eagerly (no --compile) (default: after every token)"),
+             "of a token-by-token walk (default: after every token)"),
     SCORERS,
     BASE,
     DEVICE,
@@ -210,9 +210,6 @@ def generate(args: argparse.Namespace) -> int:
     cfg = None if is_kvpop_dir(args.model) else _rule(args)  # bad flags fail before the model loads
     trained = _trained_config(args)
     if args.decision_chunk is not None:
-        if args.compile:
-            raise ValueError("--decision-chunk decodes eagerly (the chunked rule counts its steps on the host): drop "
-                             "--compile")
         from kvpop.models import PRESETS
 
         if trained is None and args.model not in PRESETS and not Path(args.model).exists():
@@ -881,7 +878,7 @@ def _refuse_earlier_results(args: argparse.Namespace) -> None:
     arg("--decision-chunk", default=None, metavar="C[,C]",
         help="also run each TOVA, H2O (no sinks) and layer-wide KVpop-cascade row deciding once every C steps from "
              "the chunk's C queries instead of after every token (rows NAME+chunkC: the chunked rule in the same "
-             "memory, a ring of C slots, for H2O the newest part of its window; they decode eagerly)"),
+             "memory, a ring of C slots, for H2O the newest part of its window)"),
     arg("--layer-budgets", action="append", default=[], metavar="FILE",
         help="per-layer budgets from `kvpop budgets`: adds a `<policy>+layers` row per policy at that file's budget "
              "(the same total memory as the uniform row); repeatable"),

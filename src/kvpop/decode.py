@@ -126,12 +126,10 @@ class Decoder:
 
     def __init__(self, model, cache, *, compile: bool = True, backend: str | None = None, mode: str | None = None,
                  fuse: bool | None = None, options: dict | None = None):
-        if compile and isinstance(cache, KVpopCache) and not cache.is_compileable:
-            # a captured or compiled step would replay one step's work: the chunked rule's decisions, counted on the
-            # host, would never run
-            raise ValueError("this KVpopCache decodes eagerly (the chunked rule counts its steps on the host): pass "
-                             "compile=False")
         self.model, self.cache = model, cache
+        # the chunked rule's layers count their steps on the device while decoding, and the host runs their
+        # decisions between steps (`KVpopCache.steps_on_device`), so a compiled or captured step serves them too
+        self._counts = isinstance(cache, KVpopCache) and not cache.is_compileable
         self.kw = cache_kwargs(model, cache)
         # transformers 5.17 still takes `cache_position` (and `StaticCache` writes where it says); 5.24 dropped it
         self._cache_position = _forward_accepts(model, "cache_position")
@@ -211,8 +209,9 @@ class Decoder:
             if isinstance(self.cache, KVpopCache):
                 self.cache.fuse("inductor")
         frozen = self.cache.static_length() if isinstance(self.cache, KVpopCache) else contextlib.nullcontext()
+        counted = self.cache.steps_on_device() if self._counts else contextlib.nullcontext()
         try:
-            with frozen:
+            with frozen, counted:
                 yield
         finally:
             # the model goes back to its own modules (a captured graph keeps what it recorded)
@@ -262,13 +261,16 @@ class Decoder:
         if self.compiled and self.backend != CUDA_GRAPH:
             args = tuple(_plain_strides(a) for a in args)
         if self.first_step_s is not None:
-            return self.step_fn(*args)
-        # the first step compiles (or captures): timed once, with the one host sync that takes
-        start = time.perf_counter()
-        out = self.step_fn(*args)
-        if input_ids.is_cuda:
-            torch.cuda.synchronize(input_ids.device)
-        self.first_step_s = time.perf_counter() - start
+            out = self.step_fn(*args)
+        else:
+            # the first step compiles (or captures): timed once, with the one host sync that takes
+            start = time.perf_counter()
+            out = self.step_fn(*args)
+            if input_ids.is_cuda:
+                torch.cuda.synchronize(input_ids.device)
+            self.first_step_s = time.perf_counter() - start
+        if self._counts:
+            self.cache.step_done()  # the chunked rule's decision after a chunk's last step
         return out
 
     @torch.no_grad()

@@ -136,8 +136,7 @@ def _fast(model, ids: Tensor, mask: Tensor, max_new_tokens: int, cache, temperat
         # the last generated token is never fed: width + N - 1 slots are written
         cache = static_cache(model, ids.shape[1] + max_new_tokens)
     # a decoder per batch of prompts: the eager step captured (seconds), not an inductor compile per batch
-    # a cache that decodes eagerly (the chunked rule) is not captured
-    decoder = Decoder(model, cache, compile=ids.is_cuda and cache.is_compileable, backend="cudagraph")
+    decoder = Decoder(model, cache, compile=ids.is_cuda, backend="cudagraph")
     try:
         # one prefill forward, as the reference does, so that both round alike
         out = decoder.generate(ids, max_new_tokens, attention_mask=mask, temperature=temperature, seeds=seeds,
