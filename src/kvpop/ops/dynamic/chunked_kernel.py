@@ -48,9 +48,13 @@ if triton is not None:
     def _logits(q, k, scale, LOW: tl.constexpr):
         """The tile's logits in float32: 16-bit queries and keys on the tensor cores (exact products, float32 sums),
         scaled after; float32 ones (scaled before, as `chunk_probs` does) in float32 arithmetic, not TF32."""
+        # one return after a static if/else: Triton's compiler also generates what follows a return inside a static
+        # branch, so an early return would compile the float32 product with 16-bit queries
         if LOW:
-            return tl.dot(q, tl.trans(k)) * scale
-        return tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            s = tl.dot(q, tl.trans(k)) * scale
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        return s
 
     @triton.jit
     def _evidence_kernel(q_ptr, k_ptr, v_ptr, held_ptr, cvalid_ptr, out_ptr, sums_ptr,
