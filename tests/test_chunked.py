@@ -479,7 +479,9 @@ def test_a_compiled_decoder_counts_the_steps_on_the_device(policy):
 @pytest.mark.parametrize("backend", ["cudagraph", "inductor"])
 def test_a_captured_chunked_decode_step_is_the_eager_step(backend):
     """On CUDA the chunked rule's decode step is captured (or compiled by inductor with CUDA graphs) once and replayed
-    across its decisions: the same tokens as the eager decoder, and the same slots."""
+    across its decisions: the same tokens as the eager decoder, the same decisions (the slots' positions), and keys
+    and values within rounding (both backends compile the model's norms and MLPs, so the floats are not the eager
+    kernels')."""
     from kvpop.decode import Decoder
     from kvpop.models import load_model
 
@@ -498,7 +500,6 @@ def test_a_captured_chunked_decode_step_is_the_eager_step(backend):
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert a.filled == b.filled
         assert torch.equal(a.pos, b.pos)  # the same decisions
-        if backend == "cudagraph":  # the eager kernels replayed: the same floats too (inductor fuses its own)
-            for x, y in zip(a.buffers, b.buffers):
-                assert torch.equal(x, y)
+        for x, y in zip(a.buffers, b.buffers):
+            assert torch.allclose(x, y, atol=1e-3, rtol=1e-3)
     kvpop.detach(model)
