@@ -819,6 +819,24 @@ def prefill_gpu_chunked_graphs() -> str:
     return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
 
 
+@register("prefill-gpu-fused-rounds")
+def prefill_gpu_fused_rounds() -> str:
+    """The chunked rule's prefill with each round as three Triton kernels beside the same rounds in PyTorch, both
+    captured, in one run."""
+    d = data("prefill_gpu_fused_rounds_2026-12-08")
+    names = {("dense", "-"): "dense forward",
+             ("cascade+chunk64", "chunks"): "recommended policy, chunks of 64, rounds as Triton kernels",
+             ("cascade+chunk64", "chunks-pytorch"): "recommended policy, chunks of 64, rounds in PyTorch",
+             ("cascade+chunk256", "chunks"): "recommended policy, chunks of 256, rounds as Triton kernels",
+             ("cascade+chunk256", "chunks-pytorch"): "recommended policy, chunks of 256, rounds in PyTorch"}
+    runs = {k: {(r["policy"], r["path"]): r["wall_all"][-1] for r in run["rows"]} for k, run in d["runs"].items()}
+    big, small = runs["8b"], runs["smollm2"]
+    rows = [[names[p], f(big[p], 2), f(big[p] / big["dense", "-"], 1) + "×", f(small[p], 3),
+             f(small[p] / small["dense", "-"], 1) + "×"] for p in names]
+    head = ["8192-token prompt, B = 2048, batch 1, bf16", "Qwen3-8B shape s", "vs dense", "SmolLM2 shape s", "vs dense"]
+    return table(head, rows) + "\n\n" + source(d["command"], d["device"], d["commit"], d["date"])
+
+
 @register("prefill-profile-smollm2")
 def prefill_profile_smollm2() -> str:
     d = data("prefill_profile_smollm2_2026-12-06")
