@@ -17,6 +17,9 @@
 #                                                        # and the recommended policy deciding every 64 and 256 steps
 #                                                        # (rounds as kernels and in PyTorch), at the Qwen3-8B shape
 #                                                        # and SmolLM2's (about 4 min)
+#   bash bench/gpu_speed_defaults.sh prefill-profile OUT  # where the chunked prefill's time goes at SmolLM2's shape
+#                                                        # (8192 tokens, chunks of 256): operators and kernels,
+#                                                        # dense against the recommended policy (about 2 min)
 #   bash bench/gpu_speed_defaults.sh distill OUT        # a distillation step, SmolLM2's shape at 8k (auto, gather)
 #                                                        # and the Qwen3-4B shape at 16k, 4 layers (auto, flex)
 #                                                        # (about 8 min)
@@ -27,7 +30,7 @@
 # prints whether it found the cache empty. Every command has its own time limit and log (OUT/NAME.log); its JSON
 # result is OUT/NAME.json.
 set -uo pipefail
-phase=${1:?usage: bench/gpu_speed_defaults.sh tests|decode|decode-long|generate1|generate1-cached|generate4|prefill|distill|all OUT_DIR}
+phase=${1:?usage: bench/gpu_speed_defaults.sh tests|decode|decode-long|generate1|generate1-cached|generate4|prefill|prefill-profile|distill|all OUT_DIR}
 out=${2:?usage: bench/gpu_speed_defaults.sh PHASE OUT_DIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -125,6 +128,9 @@ run_phase() {
       step prefill_smollm2 200 python bench/bench_prefill.py "${presm[@]}" --device "$device" \
         --policies "tova,h2o,kvpop,cascade,$chunked" --no-replay --pytorch-rounds \
         --json-out "$out/prefill_smollm2.json" ;;
+    prefill-profile)
+      step prefill_profile 200 python bench/profile_prefill.py "${presm[@]:0:${#presm[@]}-2}" --caches "dense,${chunked##*,}" \
+        --warmup 2 --runs 3 --device "$device" --out "$out/prefill_profile" ;;
     distill)
       # SmolLM2's shape: auto keeps FlexAttention (its step is bound by launches), the gathered tiles beside it;
       # the 4B shape at 16k: auto takes the gathered tiles, FlexAttention over the sequence beside it
@@ -136,13 +142,13 @@ run_phase() {
         step distill_4b_flex 130 "${distill[@]}" "${d4b[@]}" --attention flex --json-out "$out/distill_4b_flex.json"
       fi ;;
     *)
-      echo "unknown phase $1: tests, decode, decode-long, generate1, generate1-cached, generate4, prefill, distill or all" >&2
+      echo "unknown phase $1: tests, decode, decode-long, generate1, generate1-cached, generate4, prefill, prefill-profile, distill or all" >&2
       exit 2 ;;
   esac
 }
 
 if [ "$phase" = all ]; then
-  for p in tests decode decode-long generate1 generate1-cached generate4 prefill distill; do run_phase "$p"; done
+  for p in tests decode decode-long generate1 generate1-cached generate4 prefill prefill-profile distill; do run_phase "$p"; done
 else
   run_phase "$phase"
 fi

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--caches", default="dense,kvpop", help="dense and KVpop policies (kvpop, tova, h2o, ...)")
+    p.add_argument("--caches", default="dense,kvpop", help="dense and KVpop policies (kvpop, tova, h2o, cascade, NAME+chunkC, ...)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
     import kvpop
     from kvpop.cache import cache_kwargs
-    from kvpop.eval.bench import load_bench_model, sync
+    from kvpop.eval.bench import load_bench_model, policy_config, sync
 
     os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         if kind != "dense":
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(args.budget, policy=kind))
+                kvpop.retrofit(model, policy_config(kind, args.budget))
         try:
             def forward(kind=kind):
                 kw = {} if kind == "dense" else cache_kwargs(model, kvpop.KVpopCache(model))
