@@ -8,6 +8,9 @@
 #                                                        # and the layer-wide cascade compiled cold (about 6 min)
 #   bash bench/gpu_speed_defaults.sh decode-long OUT    # the same at 4k and 128k from inductor's cache, then
 #                                                        # compiled dense StaticCache at 4k, cold (about 6 min)
+#   bash bench/gpu_speed_defaults.sh decode-chunked OUT  # the recommended policy deciding every 64 steps, its step
+#                                                        # compiled (the decisions between steps), 4k and 128k
+#                                                        # (about 5 min)
 #   bash bench/gpu_speed_defaults.sh generate1 OUT      # model.generate at SmolLM2's shape, 4k prompt, batch 1:
 #                                                        # compiled StaticCache, KVpop, the cascade, cold (about 5 min)
 #   bash bench/gpu_speed_defaults.sh generate1-cached OUT  # the same from inductor's cache (about 3 min)
@@ -30,7 +33,7 @@
 # prints whether it found the cache empty. Every command has its own time limit and log (OUT/NAME.log); its JSON
 # result is OUT/NAME.json.
 set -uo pipefail
-phase=${1:?usage: bench/gpu_speed_defaults.sh tests|decode|decode-long|generate1|generate1-cached|generate4|prefill|prefill-profile|distill|all OUT_DIR}
+phase=${1:?usage: bench/gpu_speed_defaults.sh tests|decode|decode-long|generate1|generate1-cached|generate4|decode-chunked|prefill|prefill-profile|distill|all OUT_DIR}
 out=${2:?usage: bench/gpu_speed_defaults.sh PHASE OUT_DIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -71,7 +74,7 @@ if [ "$tiny" = 1 ]; then
   d4b=(--model smollm2-135m-shape --num-layers 1 --dtype float32 --seq-len 256 --budget 64 --window 16 --warmup 1
        --steps 1)
   pre8b=(--model tiny-qwen3-shape --dtype float32 --context 128 --budget 32 --repeats 2)
-  chunked=cascade+chunk8,cascade+chunk16
+  chunked=cascade+chunk8,cascade+chunk16; dchunked=cascade+chunk8
   presm=(--model smollm2-135m-shape --num-layers 2 --dtype float32 --context 128 --budget 32 --repeats 2)
   tests=(tests/test_attention.py -k auto_backend)
   gpu_tests=(tests/test_decode.py -m gpu)
@@ -83,6 +86,7 @@ else
   d4b=(--model qwen3-4b-shape --num-layers 4 --seq-len 16384 --budget 2048 --window 512 --warmup 2 --steps 5)
   pre8b=(--model qwen3-8b-shape --context 8192 --budget 2048 --repeats 2)
   chunked=cascade+chunk64,cascade+chunk256  # the recommended policy deciding every 64 and 256 steps
+  dchunked=cascade+chunk64  # ... and its compiled decode step
   presm=(--model smollm2-135m-shape --dtype bfloat16 --context 8192 --budget 2048 --repeats 3)
   tests=(tests/test_slots.py tests/test_decode_kernel.py tests/test_attention.py::test_decode_attention_matches_reference
          tests/test_attention.py::test_auto_backend_on_cuda_picks_by_shape_and_budget
@@ -112,6 +116,10 @@ run_phase() {
       step decode_long 330 "${bench[@]}" --caches kvpop,cascade --contexts "${ctx[0]},${ctx[1]}" \
         --json-out "$out/decode_long.json" --force
       step decode_dense 240 "${bench[@]}" --caches dense --contexts "${ctx[0]}" --json-out "$out/decode_dense.json" --force ;;
+    decode-chunked)
+      warm
+      step decode_chunked 400 "${bench[@]}" --caches "$dchunked" --contexts "${ctx[0]},${ctx[1]}" \
+        --json-out "$out/decode_chunked.json" --force ;;
     generate1)
       cold
       step generate_b1 560 "${generate[@]}" --batch 1 --json-out "$out/generate_b1.json" ;;
@@ -142,13 +150,13 @@ run_phase() {
         step distill_4b_flex 130 "${distill[@]}" "${d4b[@]}" --attention flex --json-out "$out/distill_4b_flex.json"
       fi ;;
     *)
-      echo "unknown phase $1: tests, decode, decode-long, generate1, generate1-cached, generate4, prefill, prefill-profile, distill or all" >&2
+      echo "unknown phase $1: tests, decode, decode-long, generate1, generate1-cached, generate4, decode-chunked, prefill, prefill-profile, distill or all" >&2
       exit 2 ;;
   esac
 }
 
 if [ "$phase" = all ]; then
-  for p in tests decode decode-long generate1 generate1-cached generate4 prefill prefill-profile distill; do run_phase "$p"; done
+  for p in tests decode decode-long generate1 generate1-cached generate4 decode-chunked prefill prefill-profile distill; do run_phase "$p"; done
 else
   run_phase "$phase"
 fi

@@ -55,8 +55,9 @@ def targets(folder: Path) -> tuple[list[dict], dict]:
 
     cold, warm = _load(folder, "decode_cold.json"), _load(folder, "decode_long.json")
     dense = _load(folder, "decode_dense.json")
-    rows = _decode_rows(cold, warm)
-    for kind in ("kvpop", "cascade"):
+    chunked = _load(folder, "decode_chunked.json")
+    rows = _decode_rows(cold, warm, chunked)
+    for kind in ("kvpop", "cascade", "cascade+chunk64"):
         for context in (4096, 131072):
             r = rows.get((kind, context))
             if r is not None:

@@ -503,3 +503,38 @@ def test_a_captured_chunked_decode_step_is_the_eager_step(backend):
         for x, y in zip(a.buffers, b.buffers):
             assert torch.allclose(x, y, atol=1e-3, rtol=1e-3)
     kvpop.detach(model)
+
+
+def test_bench_runs_the_chunked_rule_compiled_from_a_random_fill():
+    """`kvpop bench --caches cascade+chunkC,h2o+chunkC --compile --fill random`: a cache filled as just after a
+    decision (`fill_random`: `topk` older tokens, the ring empty) decodes compiled across a decision, the same
+    logits as eagerly from the same fill."""
+    from kvpop.decode import Decoder, fill_random
+    from kvpop.eval.bench import bench_decode, load_bench_model
+
+    model = load_bench_model("tiny-qwen3-shape", "cpu", "float32")
+    cfg = kvpop.KVpopConfig.for_budget(64)
+    rows = bench_decode(model, [256], ["cascade+chunk8", "h2o+chunk8"], new_tokens=10, warmup=1, config=cfg,
+                        compile=True, compile_backend="aot_eager", fill="random")
+    assert [(r["cache"], r["compiled"], r["error"]) for r in rows] == [
+        ("cascade+chunk8", False, None), ("cascade+chunk8", True, None), ("h2o+chunk8", False, None),
+        ("h2o+chunk8", True, None)]
+    with pytest.raises(ValueError, match="the chunked rule is"):
+        bench_decode(model, [256], ["kvpop+chunk8"], new_tokens=2, config=cfg)
+    kvpop.retrofit(model, kvpop.KVpopConfig.for_budget(64).with_tova_pool(47, layer=True).with_decision_chunk(8))
+    logits = []
+    for compiled in (False, True):
+        cache = kvpop.KVpopCache(model)
+        fill_random(model, cache, 2, 256, seed=0)
+        layer = cache.layers[0]
+        assert int((layer.pos[0, 0] >= 0).sum()) == layer.topk and layer.filled == 0
+        decoder = Decoder(model, cache, compile=compiled, backend="aot_eager")
+        position, out = torch.full((2, 1), 256), []
+        with torch.no_grad(), decoder.decoding():
+            for t in range(12):  # a decision after the 8th step
+                out.append(decoder.step(torch.full((2, 1), 5 + t), position).clone())
+                position += 1
+        assert layer.filled == 4
+        logits.append(torch.stack(out))
+    assert torch.equal(logits[0], logits[1])
+    kvpop.detach(model)

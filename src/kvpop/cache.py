@@ -635,6 +635,7 @@ class ChunkedLayerCache(KVpopLayerCache):
         slots, `ring_at` advanced: no host value read, so a compiled step serves every step of a chunk. The decision
         after the chunk's last step is the host's (`step_done`)."""
         B, H = key.shape[:2]
+        self.attention_args = (scale, softcap)  # for the host's decisions: a cache filled without an eager call
         slot = self.ring_at + self.topk
         self.keys.index_copy_(2, slot, key)
         self.values.index_copy_(2, slot, value)

@@ -34,7 +34,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from kvpop.cache import KVpopCache, cache_kwargs
+from kvpop.cache import ChunkedLayerCache, KVpopCache, cache_kwargs
 from kvpop.sampling import next_tokens
 
 DEFAULT_BACKEND = "inductor"
@@ -453,6 +453,21 @@ def fill_random(model, cache, batch: int, context: int, *, seed: int = 0) -> Non
 
     policies = model.kvpop.layers
     for layer, policy in zip(cache.layers, policies):
+        if isinstance(layer, ChunkedLayerCache):
+            # the chunked rule just after a decision: `topk` older tokens in the long-range slots, the ring empty,
+            # the chunk's queries still to come
+            layer.lazy_initialization(rand(batch, H, 1, D), rand(batch, H, 1, D))
+            top = torch.randperm(context, generator=torch.Generator().manual_seed(seed))[: layer.topk].sort().values
+            layer.keys.copy_(rand(*layer.keys.shape))
+            layer.values.copy_(rand(*layer.values.shape))
+            layer.pos.fill_(-1)
+            layer.pos[:, :, : len(top)] = top.to(device)
+            prior = torch.rand(layer.prior.shape, generator=gen, device=device)
+            layer.prior.copy_(torch.where(layer.pos >= 0, prior, float("-inf")))
+            layer.queries = torch.zeros(batch, c.num_attention_heads, layer.chunk, D, device=device, dtype=dtype)
+            layer.seen.fill_(context)
+            layer.processed = context
+            continue
         s, w, k = layer.sink, layer.window, layer.topk
         layer.lazy_initialization(rand(batch, H, 1, D), rand(batch, H, 1, D),
                                   with_prior=policy.score in ("prior", *CASCADES))

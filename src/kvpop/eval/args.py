@@ -8,8 +8,9 @@ BENCH_ARGS: list[tuple[tuple[str, ...], dict]] = [
     (("--model",), dict(required=True, metavar="PATH_OR_PRESET", help=model_help(shapes=True))),
     (("--contexts",), dict(default="256,512,1024", help="comma-separated context lengths (default 256,512,1024)")),
     (("--caches",), dict(default="dense,kvpop", help="comma-separated cache kinds: dense, kvpop, cascade (the "
-                                                    "layer-wide KVpop-cascade at the same budget), or a policy name "
-                                                    "(default dense,kvpop)")),
+                                                    "layer-wide KVpop-cascade at the same budget), a policy name, or "
+                                                    "tova+chunkC, h2o+chunkC, cascade+chunkC (deciding once every C "
+                                                    "steps) (default dense,kvpop)")),
     (("--tova-pool-layer",), dict(type=int, default=None, metavar="N",
                                   help="cache kind cascade: its TOVA pool, N of the budget - 1 long-range slots "
                                        "(default: the recommended policy's, (budget - 1) * 3 // 4)")),

@@ -125,10 +125,20 @@ def _prepared(model, kind: str, config: KVpopConfig | None, seed: int,
         else:
             if config is None:
                 raise ValueError(f"cache kind {kind!r} needs a KVpopConfig for a model that is not retrofitted")
-            if kind == RECOMMENDED:
+            base, sep, chunk = kind.partition("+chunk")
+            if sep and not (chunk.isdigit() and int(chunk) >= 2 and base in ("tova", "h2o", RECOMMENDED)):
+                raise ValueError(f"cache kind {kind!r}: the chunked rule is tova+chunkC, h2o+chunkC or "
+                                 f"{RECOMMENDED}+chunkC with C >= 2")
+            if base == RECOMMENDED:
                 cfg = recommended_config(config, pool)
+            elif base == "tova" or base == "h2o":
+                # the paper's split of the budget, as `policy_config` gives it (a chunked rule needs no sinks)
+                cfg = KVpopConfig.for_budget(config.budget, policy=base) if sep else \
+                    dataclasses.replace(config, policy=base)
             else:
                 cfg = config if kind == "kvpop" else dataclasses.replace(config, policy=kind)
+            if sep:
+                cfg = cfg.with_decision_chunk(int(chunk))
             # the scorers' random init draws from a private generator state: runs repeat exactly
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
