@@ -137,6 +137,7 @@ run_phase() {
         --policies "tova,h2o,kvpop,cascade,$chunked" --no-replay --pytorch-rounds \
         --json-out "$out/prefill_smollm2.json" ;;
     prefill-profile)
+      # the prefill phase's SmolLM2 shape without its last two arguments (--repeats N: the profile takes --runs)
       step prefill_profile 200 python bench/profile_prefill.py "${presm[@]:0:${#presm[@]}-2}" --caches "dense,${chunked##*,}" \
         --warmup 2 --runs 3 --device "$device" --out "$out/prefill_profile" ;;
     distill)

@@ -590,12 +590,12 @@ class ChunkedLayerCache(KVpopLayerCache):
             self.queries = query.new_zeros(B, query.shape[1], self.chunk, query.shape[-1])
         position = self.seen[:, None] + torch.cumsum(valid.long(), dim=-1) - 1  # [B, C]
         priority = policy.priority(policy.scorer_key(key, rope), value, position.clamp(min=0)).detach()
+        self.attention_args = (scale, softcap)  # what the host's decisions between compiled steps attend with
         if self.on_device:
             if C != 1:
                 raise ValueError(f"while its steps are counted on the device this layer takes one token per call, "
                                  f"got {C}: prefill before `KVpopCache.steps_on_device`")
             return self._step_on_device(query, key, value, valid, position, priority, scale, softcap)
-        self.attention_args = (scale, softcap)
         K, outs, i = self.topk, [], 0
         while i < C:
             n = min(self.chunk - self.filled, C - i)
@@ -635,7 +635,6 @@ class ChunkedLayerCache(KVpopLayerCache):
         slots, `ring_at` advanced: no host value read, so a compiled step serves every step of a chunk. The decision
         after the chunk's last step is the host's (`step_done`)."""
         B, H = key.shape[:2]
-        self.attention_args = (scale, softcap)  # for the host's decisions: a cache filled without an eager call
         slot = self.ring_at + self.topk
         self.keys.index_copy_(2, slot, key)
         self.values.index_copy_(2, slot, value)
@@ -787,10 +786,11 @@ class KVpopCache(Cache):
         super().__init__(layers=[
             ChunkedLayerCache.for_config(c) if c.decision_chunk > 1
             else KVpopLayerCache(c.sink, c.window, c.topk, dynamic_prefill) for c in layers])
+        # the chunked rule's layers, listed once: `step_done` visits them after every compiled step
+        self._chunked = [layer for layer in self.layers if isinstance(layer, ChunkedLayerCache)]
         pool: list = []  # the chunked layers' graphs share one memory pool (`ChunkedLayerCache._capture`)
-        for layer in self.layers:
-            if isinstance(layer, ChunkedLayerCache):
-                layer.graph_pool = pool
+        for layer in self._chunked:
+            layer.graph_pool = pool
 
     @property
     def is_compileable(self) -> bool:
@@ -798,22 +798,17 @@ class KVpopCache(Cache):
         # counting them on the device: `steps_on_device`)
         return all(layer.is_compileable for layer in self.layers)
 
-    @property
-    def _chunked(self) -> list[ChunkedLayerCache]:
-        return [layer for layer in self.layers if isinstance(layer, ChunkedLayerCache)]
-
     @contextlib.contextmanager
     def steps_on_device(self) -> Iterator[None]:
         """Decode the chunked rule's layers with their steps counted on the device, one token per call, each call
         followed by `step_done()`: what lets `kvpop.decode.Decoder` compile or capture their step. The prompt goes
         in before (its rounds are the host's); a cache without chunked layers is unchanged."""
-        chunked = self._chunked
-        for layer in chunked:
+        for layer in self._chunked:
             layer.count_on_device(True)
         try:
             yield
         finally:
-            for layer in chunked:
+            for layer in self._chunked:
                 layer.count_on_device(False)
 
     def step_done(self) -> None:

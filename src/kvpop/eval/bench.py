@@ -70,17 +70,26 @@ def recommended_config(config: KVpopConfig, pool: int | None = None) -> KVpopCon
     return config.with_tova_pool(pool, layer=True, decay=RECOMMENDED_POOL_DECAY)
 
 
+def chunked_name(name: str) -> tuple[str, int | None]:
+    """A benchmark's policy or cache name `NAME+chunkC` as (NAME, C), the chunked rule of `tova`, `h2o` or `cascade`;
+    any other name as (name, None)."""
+    base, sep, chunk = name.partition("+chunk")
+    if not sep:
+        return name, None
+    if not chunk.isdigit() or int(chunk) < 2 or base not in ("tova", "h2o", RECOMMENDED):
+        raise ValueError(f"policy {name!r}: the chunked rule is tova+chunkC, h2o+chunkC or {RECOMMENDED}+chunkC "
+                         "with C >= 2")
+    return base, int(chunk)
+
+
 def policy_config(name: str, budget: int, pool: int | None = None) -> KVpopConfig:
     """The config a benchmark runs for a policy name at `budget`: `cascade`, the recommended policy (the layer-wide
     KVpop-cascade a trained KVpop-mlp directory runs by default; `pool` its pool, default the recommended one), else
     `KVpopConfig.for_budget(budget, policy=name)`. `NAME+chunkC` (`tova`, `h2o` or `cascade`): that rule deciding once
     every `C` steps (`KVpopConfig.decision_chunk`)."""
-    base, sep, chunk = name.partition("+chunk")
-    if sep:
-        if not chunk.isdigit() or int(chunk) < 2 or base not in ("tova", "h2o", RECOMMENDED):
-            raise ValueError(f"policy {name!r}: the chunked rule is tova+chunkC, h2o+chunkC or {RECOMMENDED}+chunkC "
-                             "with C >= 2")
-        return policy_config(base, budget, pool).with_decision_chunk(int(chunk))
+    base, chunk = chunked_name(name)
+    if chunk is not None:
+        return policy_config(base, budget, pool).with_decision_chunk(chunk)
     if name == RECOMMENDED:
         return recommended_config(KVpopConfig.for_budget(budget), pool)
     return KVpopConfig.for_budget(budget, policy=name)
@@ -125,20 +134,16 @@ def _prepared(model, kind: str, config: KVpopConfig | None, seed: int,
         else:
             if config is None:
                 raise ValueError(f"cache kind {kind!r} needs a KVpopConfig for a model that is not retrofitted")
-            base, sep, chunk = kind.partition("+chunk")
-            if sep and not (chunk.isdigit() and int(chunk) >= 2 and base in ("tova", "h2o", RECOMMENDED)):
-                raise ValueError(f"cache kind {kind!r}: the chunked rule is tova+chunkC, h2o+chunkC or "
-                                 f"{RECOMMENDED}+chunkC with C >= 2")
+            base, chunk = chunked_name(kind)
             if base == RECOMMENDED:
                 cfg = recommended_config(config, pool)
-            elif base == "tova" or base == "h2o":
-                # the paper's split of the budget, as `policy_config` gives it (a chunked rule needs no sinks)
-                cfg = KVpopConfig.for_budget(config.budget, policy=base) if sep else \
-                    dataclasses.replace(config, policy=base)
+            elif chunk is not None:
+                # TOVA's or H2O's chunked rule needs the paper's split of the budget (no sinks), as `policy_config`
+                cfg = KVpopConfig.for_budget(config.budget, policy=base)
             else:
                 cfg = config if kind == "kvpop" else dataclasses.replace(config, policy=kind)
-            if sep:
-                cfg = cfg.with_decision_chunk(int(chunk))
+            if chunk is not None:
+                cfg = cfg.with_decision_chunk(chunk)
             # the scorers' random init draws from a private generator state: runs repeat exactly
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
